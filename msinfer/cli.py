@@ -1,0 +1,40 @@
+"""The `msinfer` command line: generate, make-tiny-model, plan, ranktable, launch.
+
+Each feature module registers its own subcommand (`register_cli(subparsers)`), so this file
+only assembles them. Modules that need MindSpore import it inside their handlers: `plan` and
+`ranktable` stay fast and work on machines without MindSpore.
+"""
+import argparse
+import importlib
+import sys
+
+from .errors import MsinferError
+
+_SUBCOMMAND_MODULES = (
+    "msinfer.generate_cli",
+    "msinfer.tiny_model",
+)
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog="msinfer", description="Sharded, compiled Qwen2 inference with MindSpore.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in _SUBCOMMAND_MODULES:
+        importlib.import_module(name).register_cli(subparsers)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except MsinferError as e:
+        print(f"msinfer {args.command}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
