@@ -1,0 +1,207 @@
+"""Qwen2 for causal LM as MindSpore Cells, with a static KV cache held in Parameters.
+
+The model reads top to bottom like Hugging Face's `modeling_qwen2.py`: embedding, decoder
+layers (RMSNorm, rotary attention with grouped KV heads and q/k/v biases, SwiGLU MLP), final
+norm, lm_head (tied to the embedding when the config says so). Sharding lives in
+`parallel_layers`: this file never mentions ranks, except through the head counts it reads off
+its (possibly sharded) projections.
+
+Two entry points, each compiled as its own graph by `PrefillStep` / `DecodeStep`:
+- `prefill(ids[B,S], last_index[B,2], cache_index[B*kv*S,3], mask[S,S])`: runs whole prompts
+  (right-padded to a bucket length S), writes their K/V into cache rows 0..B-1, positions
+  0..S-1, and returns the logits at each prompt's last real token.
+- `decode(ids[B], positions[B], cache_index[B*kv,3], mask[B,T])`: one token per row at its own
+  position, attending over the first T cache positions (T is a bucket >= longest row).
+Padding needs no special case: a row's padded positions are written to the cache but masked
+out of every later step, and overwritten as the row grows.
+"""
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+import mindspore as ms
+
+from .parallel_layers import ParallelEmbedding, ParallelLinear
+
+
+def rotary_tables(head_dim, theta, max_len):
+    """cos/sin of HF's default rotary embedding, one row per position."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32)
+                                / head_dim))
+    freqs = np.outer(np.arange(max_len, dtype=np.float32), inv_freq)
+    angles = np.concatenate([freqs, freqs], axis=-1)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def apply_rotary(x, cos, sin):
+    """x: (B, S, heads, head_dim); cos/sin broadcast to it."""
+    half = x.shape[-1] // 2
+    rotated = ops.concat((-x[..., half:], x[..., :half]), -1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Cell):
+    def __init__(self, ctx, name, eps):
+        super().__init__()
+        self.weight = ctx.new_parameter(name + ".weight")
+        self.checkpoint_names = {name + ".weight": self.weight}
+        self.eps = eps
+
+    def construct(self, x):
+        xf = x.astype(ms.float32)
+        variance = ops.mean(xf * xf, -1, keep_dims=True)
+        return self.weight * (xf * ops.rsqrt(variance + self.eps)).astype(x.dtype)
+
+
+class Attention(nn.Cell):
+    def __init__(self, ctx, prefix, config, max_batch, max_len):
+        super().__init__()
+        p = prefix + "self_attn."
+        self.q_proj = ParallelLinear(ctx, p + "q_proj", bias=True)
+        self.k_proj = ParallelLinear(ctx, p + "k_proj", bias=True)
+        self.v_proj = ParallelLinear(ctx, p + "v_proj", bias=True)
+        self.o_proj = ParallelLinear(ctx, p + "o_proj")
+        self.head_dim = config.head_dim
+        self.heads = ctx.parameter_shape(p + "q_proj.weight")[0] // self.head_dim
+        self.kv_heads = ctx.parameter_shape(p + "k_proj.weight")[0] // self.head_dim
+        self.groups = self.heads // self.kv_heads
+        self.scale = self.head_dim ** -0.5
+        cache_shape = (max_batch, self.kv_heads, max_len, self.head_dim)
+        self.k_cache = Parameter(Tensor(np.zeros(cache_shape), ctx.dtype),
+                                 name=prefix + "k_cache", requires_grad=False)
+        self.v_cache = Parameter(Tensor(np.zeros(cache_shape), ctx.dtype),
+                                 name=prefix + "v_cache", requires_grad=False)
+
+    def _project(self, x, batch, seq, cos, sin):
+        q = self.q_proj(x).reshape(batch, seq, self.heads, self.head_dim)
+        k = self.k_proj(x).reshape(batch, seq, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(batch, seq, self.kv_heads, self.head_dim)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def _attend(self, q, k, v, mask):
+        """q: (B, kv, rows, D) with rows = groups*queries; k, v: (B, kv, T, D)."""
+        scores = ops.BatchMatMul(transpose_b=True)(q, k).astype(ms.float32) * self.scale
+        probs = ops.softmax(scores + mask, -1).astype(v.dtype)
+        return ops.BatchMatMul()(probs, v)
+
+    def prefill(self, x, batch, seq, cos, sin, mask, cache_index):
+        q, k, v = self._project(x, batch, seq, cos, sin)
+        k = k.transpose(0, 2, 1, 3)  # (B, kv, S, D): the cache layout
+        v = v.transpose(0, 2, 1, 3)
+        ops.scatter_nd_update(self.k_cache, cache_index, k.reshape(-1, self.head_dim))
+        ops.scatter_nd_update(self.v_cache, cache_index, v.reshape(-1, self.head_dim))
+        # Query head j uses KV head j // groups: group the queries under their KV head.
+        q = q.reshape(batch, seq, self.kv_heads, self.groups, self.head_dim)
+        q = q.transpose(0, 2, 3, 1, 4).reshape(batch, self.kv_heads, self.groups * seq,
+                                                self.head_dim)
+        mask = ops.tile(mask, (self.groups, 1))  # (groups*S, S), rows ordered like q
+        out = self._attend(q, k, v, mask)
+        out = out.reshape(batch, self.kv_heads, self.groups, seq, self.head_dim)
+        out = out.transpose(0, 3, 1, 2, 4).reshape(batch * seq, self.heads * self.head_dim)
+        return self.o_proj(out)
+
+    def decode(self, x, batch, cos, sin, mask, cache_index):
+        q, k, v = self._project(x, batch, 1, cos, sin)
+        # Read the caches through the updates' results: that orders the reads after the writes.
+        keys = ops.scatter_nd_update(self.k_cache, cache_index, k.reshape(-1, self.head_dim))
+        values = ops.scatter_nd_update(self.v_cache, cache_index, v.reshape(-1, self.head_dim))
+        context = mask.shape[-1]
+        keys = keys[:batch, :, :context]
+        values = values[:batch, :, :context]
+        q = q.reshape(batch, self.kv_heads, self.groups, self.head_dim)
+        out = self._attend(q, keys, values, mask.reshape(batch, 1, 1, context))
+        return self.o_proj(out.reshape(batch, self.heads * self.head_dim))
+
+
+class MLP(nn.Cell):
+    def __init__(self, ctx, prefix):
+        super().__init__()
+        self.gate_proj = ParallelLinear(ctx, prefix + "mlp.gate_proj")
+        self.up_proj = ParallelLinear(ctx, prefix + "mlp.up_proj")
+        self.down_proj = ParallelLinear(ctx, prefix + "mlp.down_proj")
+
+    def construct(self, x):
+        return self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Cell):
+    def __init__(self, ctx, index, config, max_batch, max_len):
+        super().__init__()
+        prefix = f"model.layers.{index}."
+        self.input_layernorm = RMSNorm(ctx, prefix + "input_layernorm", config.rms_norm_eps)
+        self.self_attn = Attention(ctx, prefix, config, max_batch, max_len)
+        self.post_attention_layernorm = RMSNorm(ctx, prefix + "post_attention_layernorm",
+                                                config.rms_norm_eps)
+        self.mlp = MLP(ctx, prefix)
+
+    def prefill(self, x, batch, seq, cos, sin, mask, cache_index):
+        x = x + self.self_attn.prefill(self.input_layernorm(x), batch, seq, cos, sin, mask,
+                                       cache_index)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def decode(self, x, batch, cos, sin, mask, cache_index):
+        x = x + self.self_attn.decode(self.input_layernorm(x), batch, cos, sin, mask,
+                                      cache_index)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen2ForCausalLM(nn.Cell):
+    def __init__(self, config, ctx, max_batch, max_len):
+        super().__init__()
+        self.config = config
+        self.max_batch = max_batch
+        self.max_len = max_len
+        self.embed_tokens = ParallelEmbedding(ctx, "model.embed_tokens")
+        self.layers = nn.CellList([DecoderLayer(ctx, i, config, max_batch, max_len)
+                                   for i in range(config.num_layers)])
+        self.norm = RMSNorm(ctx, "model.norm", config.rms_norm_eps)
+        if config.tie_word_embeddings:
+            # The embedding's slice serves as the lm_head's: vocab rows split alike.
+            style = "colwise_gather" if self.embed_tokens.style == "vocab" else "replicate"
+            self.lm_head = ParallelLinear(ctx, "lm_head", style=style,
+                                          weight=self.embed_tokens.weight)
+        else:
+            self.lm_head = ParallelLinear(ctx, "lm_head")
+        cos, sin = rotary_tables(config.head_dim, config.rope_theta, max_len)
+        self.cos = Tensor(cos, ctx.dtype)
+        self.sin = Tensor(sin, ctx.dtype)
+        self.kv_heads = self.layers[0].self_attn.kv_heads
+
+    def prefill(self, ids, last_index, cache_index, mask):
+        batch, seq = ids.shape
+        x = self.embed_tokens(ids.reshape(-1))
+        cos = self.cos[:seq].reshape(1, seq, 1, -1)
+        sin = self.sin[:seq].reshape(1, seq, 1, -1)
+        for layer in self.layers:
+            x = layer.prefill(x, batch, seq, cos, sin, mask, cache_index)
+        x = ops.gather_nd(x.reshape(batch, seq, -1), last_index)
+        return self.lm_head(self.norm(x)).astype(ms.float32)
+
+    def decode(self, ids, positions, cache_index, mask):
+        batch = ids.shape[0]
+        x = self.embed_tokens(ids)
+        cos = ops.gather(self.cos, positions, 0).reshape(batch, 1, 1, -1)
+        sin = ops.gather(self.sin, positions, 0).reshape(batch, 1, 1, -1)
+        for layer in self.layers:
+            x = layer.decode(x, batch, cos, sin, mask, cache_index)
+        return self.lm_head(self.norm(x)).astype(ms.float32)
+
+
+class PrefillStep(nn.Cell):
+    """The compiled prefill graph (one per (batch, prompt-length) bucket)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def construct(self, ids, last_index, cache_index, mask):
+        return self.model.prefill(ids, last_index, cache_index, mask)
+
+
+class DecodeStep(nn.Cell):
+    """The compiled decode graph (one per (batch, context-length) bucket)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def construct(self, ids, positions, cache_index, mask):
+        return self.model.decode(ids, positions, cache_index, mask)
