@@ -13,6 +13,7 @@ from .errors import MsinferError
 _SUBCOMMAND_MODULES = (
     "msinfer.generate_cli",
     "msinfer.tiny_model",
+    "msinfer.ranktable",
 )
 
 

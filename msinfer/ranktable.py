@@ -1,0 +1,622 @@
+"""HCCL rank tables (format v1.0): generate one for this server, check any, merge several.
+
+HCCL's rank-table launch mode reads RANK_TABLE_FILE to learn every device of the job: its
+server, device id, device (RoCE) IP and rank. HCCL expects every value as a string; older tools
+wrote numbers, so `validate` names each such value with its server and device.
+
+A table is kept as the plain dict that is written to JSON, so `validate` can take whatever a
+file holds and report every problem instead of failing on the first.
+"""
+import dataclasses
+import ipaddress
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+from typing import Optional
+
+from .errors import MsinferError
+
+VERSION = "1.0"
+DEFAULT_HCCN_CONF = "/etc/hccn.conf"
+HCCN_TOOL = "hccn_tool"
+_DIGITS = re.compile(r"0|[1-9][0-9]*")
+
+
+@dataclasses.dataclass(frozen=True)
+class RankDevice:
+    """Where one rank runs; a launcher sets DEVICE_ID from device_id."""
+    rank: int
+    server_id: str
+    device_id: int
+    device_ip: Optional[str]
+
+
+# ---- reading the command line's inputs ----
+
+def parse_devices(text):
+    """Device ids from `0-3`, `0,1,2,3`, `[0,8)` or `0-1,8-9`: ascending, each once."""
+    spec = text.strip()
+    half_open = re.fullmatch(r"\[\s*([0-9]+)\s*,\s*([0-9]+)\s*\)", spec)
+    if half_open:
+        first, end = int(half_open[1]), int(half_open[2])
+        if first >= end:
+            raise MsinferError(f"devices {text!r}: [{first},{end}) holds no device")
+        return list(range(first, end))
+    ids = []
+    for part in spec.split(","):
+        single = re.fullmatch(r"\s*([0-9]+)\s*", part)
+        span = re.fullmatch(r"\s*([0-9]+)\s*-\s*([0-9]+)\s*", part)
+        if single:
+            ids.append(int(single[1]))
+        elif span and int(span[1]) <= int(span[2]):
+            ids.extend(range(int(span[1]), int(span[2]) + 1))
+        else:
+            raise MsinferError(
+                f"devices {text!r}: cannot read {part.strip()!r}; write 0-3, 0,1,2,3 or [0,4)")
+    repeated = sorted({d for d in ids if ids.count(d) > 1})
+    if repeated:
+        raise MsinferError(f"devices {text!r}: device {_join(repeated)} given twice")
+    return sorted(ids)
+
+
+def split_device_ips(text, devices):
+    """`--device-ips a,b,c,d`: one address per device, in ascending device order."""
+    ips = [ip.strip() for ip in text.split(",")]
+    if len(ips) != len(devices):
+        raise MsinferError(f"--device-ips has {len(ips)} addresses for {len(devices)} devices "
+                           f"({_join(devices)})")
+    for ip in ips:
+        if not _is_ipv4(ip):
+            raise MsinferError(f"--device-ips: {ip!r} is not an IPv4 address")
+    return dict(zip(devices, ips))
+
+
+def read_hccn_conf(path, devices):
+    """Device IPs from the `address_N=IP` lines of an hccn.conf file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise MsinferError(f"cannot read {path}: {e}") from None
+    found = {}
+    for lineno, line in enumerate(lines, 1):
+        entry = re.fullmatch(r"\s*address_([0-9]+)\s*=\s*(.*?)\s*", line)
+        if entry and int(entry[1]) in devices:
+            if not _is_ipv4(entry[2]):
+                raise MsinferError(
+                    f"{path}:{lineno}: address_{entry[1]}={entry[2]!r} is not an IPv4 address")
+            found[int(entry[1])] = entry[2]
+    missing = [d for d in devices if d not in found]
+    if missing:
+        raise MsinferError(f"{path} has no address_N= line for device {_join(missing)}")
+    return {d: found[d] for d in devices}
+
+
+def query_hccn_tool(devices, tool=HCCN_TOOL):
+    """Device IPs from `hccn_tool -i N -ip -g`, which prints `ipaddr:IP` and `netmask:...`."""
+    ips = {}
+    for d in devices:
+        command = [tool, "-i", str(d), "-ip", "-g"]
+        shown = f"`{HCCN_TOOL} -i {d} -ip -g`"
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise MsinferError(f"{shown} failed: {e}") from None
+        answer = re.search(r"^\s*ipaddr\s*:\s*(\S+)", done.stdout, re.MULTILINE)
+        if done.returncode != 0 or not answer:
+            said = (done.stdout + done.stderr).strip()[:200]
+            raise MsinferError(
+                f"{shown} gave no ipaddr (exit {done.returncode}: {said!r}); give --device-ips "
+                f"or --hccn-conf, or --no-device-ip for a job on one 310P server")
+        if not _is_ipv4(answer[1]):
+            raise MsinferError(f"{shown} gave ipaddr {answer[1]!r}, not an IPv4 address")
+        ips[d] = answer[1]
+    return ips
+
+
+def host_ip():
+    """This host's address as other servers reach it: the source address of its default route.
+
+    Connecting a UDP socket sends nothing; it only picks the outgoing interface. The host
+    name's address is the fallback: on many distributions that is 127.0.1.1.
+    """
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))
+            return s.getsockname()[0]
+    except OSError:
+        pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        raise MsinferError("cannot find this host's address; give --server-ip") from None
+
+
+# ---- building, checking, merging tables ----
+
+def build(devices, server_ip, device_ips=None):
+    """A one-server table; ranks follow ascending device ids. device_ips: {device_id: ip}."""
+    devices = sorted(devices)
+    if device_ips is not None and set(device_ips) != set(devices):
+        raise MsinferError(f"device IPs are for device {_join(sorted(device_ips))}, "
+                           f"the table is for device {_join(devices)}")
+    entries = []
+    for rank, d in enumerate(devices):
+        entry = {"device_id": str(d)}
+        if device_ips is not None:
+            entry["device_ip"] = device_ips[d]
+        entry["rank_id"] = str(rank)
+        entries.append(entry)
+    table = _table([{"server_id": server_ip, "device": entries, "host_nic_ip": "reserve"}])
+    source = f"the rank table for server {server_ip}"
+    _raise_problems(validate(table, source=source), source)
+    return table
+
+
+def default_file_name(table):
+    """hccl_tools' names: `hccl_{N}p_{ids}_{server_ip}.json`, merged `hccl_{S}s_{N}p.json`."""
+    servers = table["server_list"]
+    ranks = sum(len(s["device"]) for s in servers)
+    if len(servers) == 1:
+        ids = "".join(d["device_id"] for d in servers[0]["device"])
+        return f"hccl_{ranks}p_{ids}_{servers[0]['server_id']}.json"
+    return f"hccl_{len(servers)}s_{ranks}p.json"
+
+
+def validate(table, world_size=None, devices_per_server=None, source="rank table"):
+    """Every problem of a parsed table as `source: where: what` lines; [] when HCCL can use it."""
+    problems = []
+
+    def report(where, what):
+        problems.append(f"{source}: {where}: {what}" if where else f"{source}: {what}")
+
+    if not isinstance(table, dict):
+        report("", f"the top level is {_describe(table)}; a rank table is a JSON object")
+        return problems
+    for key, expected in (("version", VERSION), ("status", "completed")):
+        if key not in table:
+            report("", f'no "{key}"; HCCL expects "{expected}"')
+        elif table[key] != expected:
+            report("", f'{key} is {_describe(table[key])}; HCCL expects "{expected}"')
+
+    servers = table.get("server_list")
+    if not isinstance(servers, list) or not servers:
+        report("", f"server_list is {_describe_list(servers)}; it must list at least one server")
+        servers = servers if isinstance(servers, list) else []
+    if "server_count" not in table:
+        report("", f'no "server_count"; it should be "{len(servers)}"')
+    else:
+        count, wrong = _number(table["server_count"])
+        if wrong:
+            report("", f"server_count {wrong}")
+        if count is not None and count != len(servers):
+            report("", f"server_count is {count} but server_list has {len(servers)} servers")
+
+    several_servers = len(servers) > 1
+    server_at = {}      # server_id -> where it first appeared
+    rank_at = {}        # rank -> where it first appeared
+    ip_at = {}          # device_ip -> where it first appeared
+    ranked = []         # (where, rank) for the range check once the device count is known
+    with_ip, without_ip = [], []
+    devices_seen = 0
+    for i, server in enumerate(servers):
+        here = f"server_list[{i}]"
+        if not isinstance(server, dict):
+            report(here, f"is {_describe(server)}; a server is an object")
+            continue
+        server_id = server.get("server_id")
+        if isinstance(server_id, str):
+            here = f"server_list[{i}] (server_id {server_id})"
+        if "server_id" not in server:
+            report(here, "no server_id; it is the server's IPv4 address")
+        elif not isinstance(server_id, str):
+            report(here, f"server_id is {_describe(server_id)}; HCCL expects a string")
+        elif not _is_ipv4(server_id):
+            report(here, f"server_id {server_id!r} is not an IPv4 address")
+        elif server_id in server_at:
+            report(here, f"server {server_id} is listed twice (also {server_at[server_id]})")
+        else:
+            server_at[server_id] = here
+            if several_servers and ipaddress.IPv4Address(server_id).is_loopback:
+                report(here, f"server_id {server_id} is a loopback address; other servers "
+                             f"cannot reach it (give --server-ip)")
+
+        devices = server.get("device")
+        if not isinstance(devices, list) or not devices:
+            report(here, f"device is {_describe_list(devices)}; it must list at least one device")
+            continue
+        device_at = {}      # device id on this server -> where it first appeared
+        for j, device in enumerate(devices):
+            at = f"{here}, device[{j}]"
+            if not isinstance(device, dict):
+                report(at, f"is {_describe(device)}; a device is an object")
+                continue
+            devices_seen += 1
+            device_id, wrong = _number(device.get("device_id"))
+            if device_id is not None:
+                at = f"{at} (device_id {device_id})"
+            if "device_id" not in device:
+                report(at, "no device_id")
+            elif wrong:
+                report(at, f"device_id {wrong}")
+            if device_id is not None:
+                if devices_per_server is not None and device_id >= devices_per_server:
+                    report(at, f"device_id {device_id} is beyond this hardware's "
+                               f"{devices_per_server} devices per server "
+                               f"(0..{devices_per_server - 1})")
+                if device_id in device_at:
+                    report(at, f"device {device_id} is listed twice on this server "
+                               f"(also {device_at[device_id]})")
+                else:
+                    device_at[device_id] = at
+
+            rank, wrong = _number(device.get("rank_id"))
+            if "rank_id" not in device:
+                report(at, "no rank_id")
+            elif wrong:
+                report(at, f"rank_id {wrong}")
+            if rank is not None:
+                if rank in rank_at:
+                    report(at, f"rank {rank} is given twice (also {rank_at[rank]})")
+                else:
+                    rank_at[rank] = at
+                ranked.append((at, rank))
+
+            if "device_ip" not in device:
+                without_ip.append(at)
+                if several_servers:
+                    report(at, "no device_ip; a job on several servers needs every device's "
+                               "IP (address_N in /etc/hccn.conf)")
+                continue
+            with_ip.append(at)
+            ip = device["device_ip"]
+            if not isinstance(ip, str):
+                report(at, f"device_ip is {_describe(ip)}; HCCL expects a string")
+            elif not _is_ipv4(ip):
+                report(at, f"device_ip {ip!r} is not an IPv4 address")
+            elif ip in ip_at:
+                report(at, f"device_ip {ip} is also the IP of {ip_at[ip]}")
+            else:
+                ip_at[ip] = at
+
+    for at, rank in ranked:
+        if rank >= devices_seen:
+            report(at, f"rank_id {rank} is outside 0..{devices_seen - 1} "
+                       f"(the table has {devices_seen} devices)")
+    absent = [r for r in range(devices_seen) if r not in rank_at]
+    if absent:
+        report("", f"rank {_join(absent)} missing; ranks must be exactly 0..{devices_seen - 1}")
+    if with_ip and without_ip and not several_servers:
+        report("", f"device_ip is given for {len(with_ip)} devices but not for "
+                   f"{', '.join(without_ip)}; give it for all or (one 310P server only) none")
+    if world_size is not None and devices_seen != world_size:
+        report("", f"the table has {devices_seen} devices but the strategy's world_size is "
+                   f"{world_size}")
+    return problems
+
+
+def check_file(path, world_size=None, devices_per_server=None):
+    """Problems of a rank-table file, JSON syntax (with line:column) included; [] when clean."""
+    table, problems = _parse(path)
+    if table is _UNPARSED:
+        return problems
+    return problems + validate(table, world_size, devices_per_server, source=str(path))
+
+
+def load(path):
+    """A valid table from a file; MsinferError listing every problem otherwise."""
+    table, problems = _parse(path)
+    if table is not _UNPARSED:
+        problems += validate(table, source=str(path))
+    _raise_problems(problems, path)
+    return table
+
+
+def merge(tables, sources=None, sort_by=None):
+    """One table of every server in `tables`, ranks renumbered 0.. in the order given.
+
+    sort_by="server_id" orders the servers by address first. Numbers written by older tools
+    (merge_hccl's integer rank ids) are read and written back as strings.
+    """
+    if sort_by not in (None, "server_id"):
+        raise MsinferError(f"cannot sort servers by {sort_by!r}; only by server_id")
+    tables = list(tables)
+    sources = list(sources) if sources is not None else [
+        f"table {n}" for n in range(1, len(tables) + 1)]
+    if len(sources) != len(tables):
+        raise MsinferError(f"merge: {len(tables)} tables but {len(sources)} source names")
+    servers, server_source = [], {}
+    for table, source in zip(tables, sources):
+        table = _as_strings(table)
+        _raise_problems(validate(table, source=source), source)
+        for server in table["server_list"]:
+            server_id = server["server_id"]
+            if server_id in server_source:
+                raise MsinferError(f"server {server_id} is in both {server_source[server_id]} "
+                                   f"and {source}; each server may appear once")
+            server_source[server_id] = source
+            servers.append(server)
+    if sort_by == "server_id":
+        servers.sort(key=lambda s: ipaddress.IPv4Address(s["server_id"]))
+    rank = 0
+    server_list = []
+    for server in servers:
+        entries = []
+        for device in server["device"]:
+            entry = {"device_id": device["device_id"]}
+            if "device_ip" in device:
+                entry["device_ip"] = device["device_ip"]
+            entry["rank_id"] = str(rank)
+            rank += 1
+            entries.append(entry)
+        server_list.append({"server_id": server["server_id"], "device": entries,
+                            "host_nic_ip": "reserve"})
+    merged = _table(server_list)
+    _raise_problems(validate(merged, source="merged table"), f"the merge of {', '.join(sources)}")
+    return merged
+
+
+def device_for_rank(path_or_table, rank):
+    """The server, device id and device IP of `rank` (an int, or a string like RANK_ID's)."""
+    if isinstance(path_or_table, dict):
+        source = "rank table"
+        _raise_problems(validate(path_or_table, source=source), source)
+        table = path_or_table
+    else:
+        source = os.fspath(path_or_table)
+        table = load(source)
+    if isinstance(rank, str) and _DIGITS.fullmatch(rank):
+        wanted = int(rank)
+    elif isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0:
+        wanted = rank
+    else:
+        raise MsinferError(f"rank {rank!r} is not a rank number")
+    devices = 0
+    for server in table["server_list"]:
+        for device in server["device"]:
+            devices += 1
+            if int(device["rank_id"]) == wanted:
+                return RankDevice(rank=wanted, server_id=server["server_id"],
+                                  device_id=int(device["device_id"]),
+                                  device_ip=device.get("device_ip"))
+    raise MsinferError(f"{source}: no rank {wanted}; the table has ranks 0..{devices - 1}")
+
+
+def write(table, path):
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(json.dumps(table, indent=4) + "\n")
+    except OSError as e:
+        raise MsinferError(f"cannot write {path}: {e}") from None
+
+
+# ---- command line: msinfer ranktable generate | check | merge ----
+
+def register_cli(subparsers):
+    parser = subparsers.add_parser(
+        "ranktable", help="generate, check or merge HCCL rank tables (RANK_TABLE_FILE)")
+    commands = parser.add_subparsers(dest="ranktable_command", metavar="ACTION", required=True)
+
+    generate = commands.add_parser("generate", help="a rank table for this server's devices")
+    generate.add_argument("devices", help="device ids: 0-3, 0,1,2,3 or [0,4)")
+    generate.add_argument("--server-ip", help="this server's IPv4 address "
+                                              "(default: the address of its default route)")
+    source = generate.add_mutually_exclusive_group()
+    source.add_argument("--device-ips", metavar="IP,IP,...",
+                        help="device IPs in ascending device order")
+    source.add_argument("--hccn-conf", metavar="PATH",
+                        help="read the address_N= lines of this hccn.conf")
+    source.add_argument("--no-device-ip", action="store_true",
+                        help="write no device_ip (one server with 310P cards only)")
+    generate.add_argument("-o", "--output", metavar="FILE",
+                          help="default: hccl_{N}p_{ids}_{server_ip}.json as hccl_tools names it")
+    generate.set_defaults(func=_generate_command)
+
+    check = commands.add_parser("check", help="report every problem of a rank table")
+    check.add_argument("file")
+    check.add_argument("--strategy", metavar="YAML", help="the ranks must match its world_size")
+    check.add_argument("--hardware", metavar="NAME",
+                       help="device ids must lie within its devices per server")
+    check.set_defaults(func=_check_command)
+
+    merger = commands.add_parser("merge", help="one table for several servers")
+    merger.add_argument("files", nargs="+", metavar="FILE")
+    merger.add_argument("--sort", choices=["server_id"],
+                        help="order servers by address instead of as given")
+    merger.add_argument("-o", "--output", metavar="FILE",
+                        help="default: hccl_{S}s_{N}p.json as merge_hccl names it")
+    merger.set_defaults(func=_merge_command)
+
+
+def _generate_command(args):
+    devices = parse_devices(args.devices)
+    if args.server_ip:
+        server_ip = args.server_ip
+        print(f"server_id {server_ip}")
+    else:
+        server_ip = host_ip()
+        print(f"server_id {server_ip} (this host's address; --server-ip sets another)")
+    if not _is_ipv4(server_ip):
+        raise MsinferError(f"--server-ip {server_ip!r} is not an IPv4 address")
+
+    tool = shutil.which(HCCN_TOOL)
+    if args.no_device_ip:
+        device_ips = None
+        print("no device_ip: this table is valid only for a job on this one server "
+              "(310P cards without RoCE addresses)")
+    elif args.device_ips:
+        device_ips = split_device_ips(args.device_ips, devices)
+        print("device IPs from --device-ips")
+    elif args.hccn_conf:
+        device_ips = read_hccn_conf(args.hccn_conf, devices)
+        print(f"device IPs from {args.hccn_conf}")
+    elif tool:
+        device_ips = query_hccn_tool(devices, tool)
+        print(f"device IPs from {tool}")
+    elif os.path.exists(DEFAULT_HCCN_CONF):
+        device_ips = read_hccn_conf(DEFAULT_HCCN_CONF, devices)
+        print(f"device IPs from {DEFAULT_HCCN_CONF}")
+    else:
+        raise MsinferError(
+            f"no device IPs: {HCCN_TOOL} is not on PATH and {DEFAULT_HCCN_CONF} does not exist; "
+            f"give --device-ips or --hccn-conf, or --no-device-ip for a job on one 310P server")
+
+    table = build(devices, server_ip, device_ips)
+    for device in table["server_list"][0]["device"]:
+        print(f"  rank {device['rank_id']}: device {device['device_id']}"
+              + (f", device_ip {device['device_ip']}" if "device_ip" in device else ""))
+    path = args.output or default_file_name(table)
+    write(table, path)
+    print(f"wrote {path}")
+    return 0
+
+
+def _check_command(args):
+    world_size = devices_per_server = None
+    if args.strategy:
+        # Imported here: the strategy and hardware modules are only needed for these options.
+        from .strategy import load_strategy
+        world_size = load_strategy(args.strategy).world_size
+    if args.hardware:
+        from .hardware import get_profile
+        devices_per_server = get_profile(args.hardware).devices_per_server
+    problems = check_file(args.file, world_size, devices_per_server)
+    for problem in problems:
+        print(problem)
+    if problems:
+        print(f"{args.file}: {len(problems)} problem{'s' if len(problems) > 1 else ''}")
+        return 1
+    table = load(args.file)
+    ranks = sum(len(server["device"]) for server in table["server_list"])
+    print(f"{args.file}: ok ({len(table['server_list'])} server"
+          f"{'s' if len(table['server_list']) > 1 else ''}, {ranks} ranks)")
+    return 0
+
+
+def _merge_command(args):
+    # Not load(): merge takes the integer ids of older tools and writes them back as strings.
+    tables = []
+    for path in args.files:
+        table, problems = _parse(path)
+        _raise_problems(problems, path)
+        tables.append(table)
+    merged = merge(tables, sources=args.files, sort_by=args.sort)
+    path = args.output or default_file_name(merged)
+    write(merged, path)
+    first = 0
+    for server in merged["server_list"]:
+        last = first + len(server["device"]) - 1
+        print(f"  server {server['server_id']}: ranks {first}..{last}")
+        first = last + 1
+    print(f"wrote {path}")
+    return 0
+
+
+# ---- helpers ----
+
+_UNPARSED = object()
+
+
+def _parse(path):
+    """(table, problems) of a file; table is _UNPARSED when it is not JSON at all."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise MsinferError(f"cannot read rank table {path}: {e.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return _UNPARSED, [f"{path}: not UTF-8 text (byte {e.start})"]
+    problems = []
+
+    def refuse_repeated_keys(pairs):
+        # JSON readers keep one of two equal keys silently; a hand-edited table can hide a value.
+        keys = [k for k, _ in pairs]
+        for key in sorted({k for k in keys if keys.count(k) > 1}):
+            problems.append(f'{path}: key "{key}" appears twice in one object; readers keep '
+                            f"only one of the values")
+        return dict(pairs)
+
+    try:
+        return json.loads(text, object_pairs_hook=refuse_repeated_keys), problems
+    except json.JSONDecodeError as e:
+        return _UNPARSED, [f"{path}:{e.lineno}:{e.colno}: not valid JSON: {e.msg}"]
+    except RecursionError:
+        return _UNPARSED, [f"{path}: JSON nested too deeply to be a rank table"]
+
+
+def _table(server_list):
+    return {"version": VERSION, "server_count": str(len(server_list)),
+            "server_list": server_list, "status": "completed"}
+
+
+def _as_strings(table):
+    """A copy with the integer counts and ids of older tools turned into strings."""
+    def fix(value):
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(table, dict):
+        return table
+    table = json.loads(json.dumps(table))
+    if "server_count" in table:
+        table["server_count"] = fix(table["server_count"])
+    for server in table.get("server_list") or []:
+        for device in (server.get("device") or []) if isinstance(server, dict) else []:
+            if isinstance(device, dict):
+                for key in ("device_id", "rank_id"):
+                    if key in device:
+                        device[key] = fix(device[key])
+    return table
+
+
+def _number(value):
+    """(number, complaint) of an id written as a string of digits.
+
+    A bare JSON integer still yields its number, so the other checks go on, plus a complaint.
+    """
+    if isinstance(value, str) and _DIGITS.fullmatch(value):
+        return int(value), None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value, f'is {value} (a number); HCCL expects the string "{value}"'
+    return None, f"is {_describe(value)}; expected a string of digits such as \"0\""
+
+
+def _describe(value):
+    if isinstance(value, str):
+        shown = json.dumps(value)
+        return shown if len(shown) <= 40 else shown[:37] + '..."'
+    if isinstance(value, bool):
+        return f"{json.dumps(value)} (a boolean)"
+    if isinstance(value, (int, float)):
+        return f"{value} (a number)"
+    if value is None:
+        return "null"
+    return "a list" if isinstance(value, list) else "an object"
+
+
+def _describe_list(value):
+    if value is None:
+        return "missing"
+    return "empty" if value == [] else _describe(value)
+
+
+def _is_ipv4(text):
+    if not isinstance(text, str):
+        return False
+    try:
+        ipaddress.IPv4Address(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _join(numbers):
+    return ", ".join(str(n) for n in numbers)
+
+
+def _raise_problems(problems, source):
+    if problems:
+        raise MsinferError(f"{source} is not a usable rank table:\n  " + "\n  ".join(problems))
