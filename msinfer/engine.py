@@ -128,24 +128,37 @@ class Engine:
         ids = np.zeros((batch, seq_len), np.int32)
         for i, s in enumerate(seqs):
             ids[i, :len(s.prompt)] = s.prompt
+        return self.prefill_step(*self._prefill_inputs(ids, lengths)).asnumpy()
+
+    def _prefill_inputs(self, ids, lengths):
+        batch, seq_len = ids.shape
         last_index = np.stack([np.arange(batch), lengths - 1], axis=1).astype(np.int32)
         b, h, s = np.meshgrid(np.arange(batch), np.arange(self.kv_heads), np.arange(seq_len),
                               indexing="ij")
         cache_index = np.stack([b, h, s], axis=-1).reshape(-1, 3).astype(np.int32)
         causal = np.triu(np.full((seq_len, seq_len), _MASKED, np.float32), k=1)
-        out = self.prefill_step(Tensor(ids), Tensor(last_index), Tensor(cache_index),
-                                Tensor(causal))
-        return out.asnumpy()
+        return Tensor(ids), Tensor(last_index), Tensor(cache_index), Tensor(causal)
 
     def decode(self, tokens, positions, batch):
+        return self.decode_step(*self._decode_inputs(tokens, positions, batch)).asnumpy()
+
+    def _decode_inputs(self, tokens, positions, batch):
         context = bucket_for(int(positions.max()) + 1, self.context_buckets)
         b, h = np.meshgrid(np.arange(batch), np.arange(self.kv_heads), indexing="ij")
         cache_index = np.stack([b, h, positions[b]], axis=-1).reshape(-1, 3).astype(np.int32)
         visible = np.arange(context)[None, :] <= positions[:, None]
         mask = np.where(visible, 0.0, _MASKED).astype(np.float32)
-        out = self.decode_step(Tensor(tokens.astype(np.int32)), Tensor(positions.astype(np.int32)),
-                               Tensor(cache_index), Tensor(mask))
-        return out.asnumpy()
+        return (Tensor(tokens.astype(np.int32)), Tensor(positions.astype(np.int32)),
+                Tensor(cache_index), Tensor(mask))
+
+    def compile_for_layouts(self):
+        """Compile the smallest prefill and decode graphs without running them. Under
+        semi_auto_parallel this fixes every parameter's layout (its local slice) before the
+        weights are loaded."""
+        ones = np.ones(1, np.int64)
+        self.prefill_step.compile(*self._prefill_inputs(
+            np.zeros((1, self.prefill_buckets[0]), np.int32), ones))
+        self.decode_step.compile(*self._decode_inputs(np.zeros(1, np.int64), ones, 1))
 
 
 def set_graph_mode(device_target):

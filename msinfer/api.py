@@ -1,0 +1,206 @@
+"""The Python API: `LLM(model_dir, strategy=...).generate(prompts, SamplingParams(...))`.
+
+Inside each rank of a sharded job the same code runs; every rank returns the same outputs.
+"""
+import dataclasses
+import os
+
+from . import log
+from .config import ModelConfig
+from .errors import MsinferError
+from .sampling import Sampler, SamplingParams
+
+DEFAULT_MAX_LEN = 2048
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    prompt: str  # None when the prompt was given as token ids
+    prompt_token_ids: list
+    token_ids: list  # generated ids only
+    text: str
+    finish_reason: str  # "stop" (eos, stop token or stop string) or "length"
+
+
+class LLM:
+    """A Qwen2 checkpoint loaded for compiled (GRAPH_MODE) inference, sharded per `strategy`.
+
+    model_dir: a Hugging Face Qwen2 directory (config.json, *.safetensors, tokenizer.json).
+    strategy: a strategy YAML path (see strategies/); None runs on one device.
+    hardware: a profile name from msinfer.hardware (default "cpu").
+    parallel_mode: "explicit" or "semi_auto"; default: the strategy's, else explicit on CPU
+        and semi_auto on Ascend/GPU.
+    max_batch, max_len: the static KV cache (rows and positions); prompts longer than fit
+        are refused before anything runs.
+    dtype: compute dtype override (the hardware's policy decides otherwise).
+    """
+
+    def __init__(self, model_dir, strategy=None, hardware="cpu", parallel_mode=None,
+                 max_batch=8, max_len=None, dtype=None, rank_table=None):
+        import mindspore as ms
+
+        from .distributed import init_distributed
+        from .engine import Engine, set_graph_mode
+        from .hardware import compute_dtype, get_profile
+        from .strategy import Strategy, load_strategy
+
+        self.model_dir = model_dir
+        self.config = ModelConfig.from_model_dir(model_dir)
+        self.profile = get_profile(hardware)
+        self.strategy = load_strategy(strategy) if strategy else Strategy.default()
+        self.parallel_mode = choose_parallel_mode(parallel_mode, self.strategy, self.profile)
+        self.plan = self.strategy.resolve(self.config)
+        dtype_name, self.dtype_reason = compute_dtype(self.profile, self.config.torch_dtype,
+                                                      dtype)
+        max_len = max_len or min(self.config.max_position_embeddings, DEFAULT_MAX_LEN)
+        if max_len > self.config.max_position_embeddings:
+            raise MsinferError(f"max_len {max_len} exceeds the model's "
+                               f"max_position_embeddings {self.config.max_position_embeddings}")
+
+        set_graph_mode(self.profile.device_target)
+        self.dist = init_distributed(self.profile.device_target, self.strategy.world_size,
+                                     rank_table)
+        if self.dist.world_size == 1:
+            log.setup()
+        self.tensor_rank = self.plan.tensor_rank(self.dist.rank)
+        logger = log.get()
+        logger.info("model %s: %d layers, hidden %d, %d heads (%d KV); %s, %s mode, %s (%s)",
+                    model_dir, self.config.num_layers, self.config.hidden_size,
+                    self.config.num_heads, self.config.num_kv_heads, _describe(self.plan),
+                    self.parallel_mode, dtype_name, self.dtype_reason)
+        if self.plan.data > 1:
+            raise MsinferError(
+                f"{self.strategy.source}: data={self.plan.data}: the runtime executes tensor "
+                "parallelism; run data-parallel replicas as separate jobs")
+        if self.parallel_mode == "semi_auto" and self.dist.world_size > 1:
+            ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", full_batch=True,
+                                         device_num=self.dist.world_size)
+
+        from .model import Qwen2ForCausalLM
+        from .parallel_layers import ParallelContext, checkpoint_parameters
+        from .weights import Checkpoint
+
+        ctx = ParallelContext(config=self.config, plan=self.plan, mode=self.parallel_mode,
+                              tensor_rank=self.tensor_rank, dtype=getattr(ms, dtype_name))
+        self.model = Qwen2ForCausalLM(self.config, ctx, max_batch, max_len)
+        self.engine = Engine(self.model, max_batch, max_len)
+        shapes = self.config.parameter_shapes()
+        parameters = checkpoint_parameters(self.model)
+        if self.parallel_mode == "semi_auto" and self.dist.world_size > 1:
+            # Parameters become this rank's slices once the graphs are compiled with the
+            # plan's layouts; load the slices after that, from the same function.
+            self.engine.compile_for_layouts()
+        Checkpoint(model_dir).load_into(
+            parameters, lambda name: (self._slices(name, shapes[name]), shapes[name]))
+        self._tokenizer = None
+        self._sampler = Sampler()
+
+    def _slices(self, name, full_shape):
+        if self.parallel_mode == "explicit" or self.dist.world_size > 1:
+            return self.plan.slices(name, self.tensor_rank)
+        return tuple(slice(0, n) for n in full_shape)
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from .tokenizer import Tokenizer
+            self._tokenizer = Tokenizer.from_model_dir(self.model_dir)
+        return self._tokenizer
+
+    @property
+    def compilations(self):
+        """Graphs compiled so far (prefill and decode buckets)."""
+        return self.engine.compilations
+
+    def eos_token_ids(self):
+        path = os.path.join(self.model_dir, "tokenizer.json")
+        if os.path.isfile(path):
+            return set(self.tokenizer.eos_token_ids)
+        return set(self.config.eos_token_ids)
+
+    def generate(self, prompts, sampling_params=None):
+        """prompts: a string, a list of strings, or a list of token-id lists.
+        sampling_params: one SamplingParams for all, or one per prompt.
+        Returns one RequestOutput per prompt, in order."""
+        from .engine import Sequence
+
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            return []
+        params = sampling_params or SamplingParams()
+        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise MsinferError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        texts, token_lists = [], []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                texts.append(prompt)
+                token_lists.append(self.tokenizer.encode(prompt))
+            else:
+                ids = [int(t) for t in prompt]
+                bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+                if bad:
+                    raise MsinferError(f"prompt {i}: token id {bad[0]} is outside the "
+                                       f"vocabulary (0..{self.config.vocab_size - 1})")
+                texts.append(None)
+                token_lists.append(ids)
+            if not token_lists[-1]:
+                raise MsinferError(f"prompt {i} is empty: give at least one token")
+        eos = self.eos_token_ids()
+        generators = [p.new_generator() for p in params]
+        sequences = [Sequence(ids, p.max_tokens) for ids, p in zip(token_lists, params)]
+
+        def next_tokens(rows, logits):
+            return self._sampler(logits, [params[r] for r in rows],
+                                 [generators[r] for r in rows])
+
+        def is_finished(row, seq):
+            p, token = params[row], seq.generated[-1]
+            if (token in eos and not p.ignore_eos) or token in p.stop_token_ids:
+                return "stop"
+            if p.stop and _stop_index(self.tokenizer, seq.generated, p.stop) is not None:
+                return "stop"
+            return None
+
+        self.engine.generate(sequences, next_tokens, is_finished)
+        return [self._output(text, seq, p, eos) for text, seq, p in zip(texts, sequences, params)]
+
+    def _output(self, prompt_text, seq, params, eos):
+        ids = list(seq.generated)
+        text = ""
+        if os.path.isfile(os.path.join(self.model_dir, "tokenizer.json")):
+            text = self.tokenizer.decode(ids)
+            cut = _stop_index(self.tokenizer, ids, params.stop) if params.stop else None
+            if cut is not None:
+                text = text[:cut]
+        return RequestOutput(prompt=prompt_text, prompt_token_ids=list(seq.prompt),
+                             token_ids=ids, text=text, finish_reason=seq.finish_reason)
+
+
+def _stop_index(tokenizer, ids, stops):
+    from .tokenizer import find_stop
+    return find_stop(tokenizer.decode(ids), stops)
+
+
+def _describe(plan):
+    if plan.tensor == 1:
+        return "one device"
+    kv = f", each KV head on {plan.kv_replicas} ranks" if plan.kv_replicas > 1 else ""
+    return f"tensor parallel x{plan.tensor}{kv}"
+
+
+def choose_parallel_mode(requested, strategy, profile):
+    mode = requested or strategy.parallel_mode
+    if mode is None:
+        mode = "explicit" if profile.device_target == "CPU" else "semi_auto"
+    if mode not in ("explicit", "semi_auto"):
+        raise MsinferError(f"parallel mode {mode!r}: use 'explicit' or 'semi_auto'")
+    if mode == "semi_auto" and profile.device_target == "CPU" and strategy.world_size > 1:
+        raise MsinferError(
+            "parallel mode semi_auto needs Ascend or GPU: MindSpore refuses "
+            "semi_auto_parallel on CPU ('Invalid communication backend: CPU'). "
+            "Use --parallel-mode explicit, which runs the same strategy with explicit "
+            "collectives on CPU, Ascend and GPU")
+    return mode
+
