@@ -1,0 +1,358 @@
+"""Random Qwen2 checkpoints in Hugging Face layout, for tests and benchmarks.
+
+`make_tiny_model(dir)` writes what a downloaded Qwen2 directory holds: config.json (4.x or
+5.x spelling), safetensors weights (one file or sharded with an index; float32, float16 or
+real bfloat16), generation_config.json, and a byte-level BPE tokenizer.json with Qwen2's
+special tokens and ChatML chat template. Transformers loads it as Qwen2ForCausalLM.
+
+Same arguments and seed, same bytes: every tensor draws from its own generator, seeded by
+(seed, tensor name), so sharding or dtype do not change the values either.
+"""
+import argparse
+import json
+import os
+import sys
+import zlib
+
+import numpy as np
+import tokenizers
+from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+from .config import ModelConfig
+from .errors import MsinferError
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# Qwen2-Instruct's ChatML template, verbatim.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+# Qwen2's pre-tokenizer split (tokenizer.json of Qwen/Qwen2-0.5B).
+_SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+ROPE_THETA = 1000000.0  # Qwen2's
+# A larger model vocabulary is fine (Qwen2's embedding has more rows than its tokenizer has
+# tokens); the tokenizer stays this small so it trains in milliseconds.
+MAX_TOKENIZER_VOCAB = 1024
+MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # every byte, plus the special tokens
+
+SHAPE_PRESETS = {
+    # Qwen/Qwen2-0.5B's shape, random weights: for benchmarks (about 2 GB in float32).
+    "qwen2-0.5b-shape": dict(layers=24, hidden=896, heads=14, kv_heads=2, intermediate=4864,
+                             vocab=151936, tie=True, max_position=131072),
+}
+
+_DTYPES = {"float32": ("F32", 4), "float16": ("F16", 2), "bfloat16": ("BF16", 2)}
+
+
+def default_intermediate(hidden):
+    """2.75 x hidden, rounded up to a multiple of 8: near Llama's MLP ratio, and small."""
+    return -(-hidden * 11 // 32) * 8
+
+
+def make_tiny_model(out_dir, *, layers=2, hidden=64, heads=4, kv_heads=2, intermediate=None,
+                    vocab=512, tie=False, dtype="float32", seed=0, shards=1, config_style="4",
+                    max_position=4096, progress=None):
+    """Writes a random Qwen2 checkpoint directory; returns its ModelConfig.
+
+    `progress(done, total, name)` is called after each tensor is written.
+    """
+    if intermediate is None:
+        intermediate = default_intermediate(hidden)
+    config_style = str(config_style)
+    _check_arguments(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                     intermediate=intermediate, vocab=vocab, dtype=dtype, seed=seed,
+                     shards=shards, config_style=config_style, max_position=max_position)
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        raise MsinferError(f"{out_dir} is not empty; make-tiny-model writes into a new directory")
+
+    tokenizer = train_tokenizer(min(vocab, MAX_TOKENIZER_VOCAB))
+    end_of_text, _, end_of_turn = (tokenizer.token_to_id(t) for t in SPECIAL_TOKENS)
+    config_json = model_config_dict(
+        layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, intermediate=intermediate,
+        vocab=vocab, tie=tie, dtype=dtype, max_position=max_position, config_style=config_style,
+        bos_token_id=end_of_text, eos_token_id=end_of_text)
+    config_path = os.path.join(out_dir, "config.json")
+    # The checkpoint's tensor names and shapes are the ones msinfer reads back from this config.
+    config = ModelConfig.from_dict(config_json, source=config_path)
+    if shards > len(config.parameter_shapes()):
+        raise MsinferError(f"make-tiny-model: shards={shards} is more than the checkpoint's "
+                           f"{len(config.parameter_shapes())} tensors")
+
+    os.makedirs(out_dir, exist_ok=True)
+    _write_json(config_path, config_json)
+    tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
+    _write_json(os.path.join(out_dir, "tokenizer_config.json"), _tokenizer_config(tokenizer))
+    _write_json(os.path.join(out_dir, "generation_config.json"), {
+        "bos_token_id": end_of_text, "eos_token_id": [end_of_turn, end_of_text],
+        "pad_token_id": end_of_text})
+    _write_weights(out_dir, config.parameter_shapes(), dtype, seed, shards, progress)
+    return config
+
+
+def model_config_dict(*, layers, hidden, heads, kv_heads, intermediate, vocab, tie, dtype,
+                      max_position, config_style, bos_token_id, eos_token_id):
+    """config.json as transformers 4.x (`rope_theta`, `torch_dtype`) or 5.x writes it."""
+    config = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "attention_dropout": 0.0,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "initializer_range": 0.02,
+        "intermediate_size": intermediate,
+        "max_position_embeddings": max_position,
+        "max_window_layers": layers,
+        "model_type": "qwen2",
+        "num_attention_heads": heads,
+        "num_hidden_layers": layers,
+        "num_key_value_heads": kv_heads,
+        "rms_norm_eps": 1e-06,
+        "sliding_window": None,
+        "tie_word_embeddings": tie,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": vocab,
+    }
+    if config_style == "4":
+        config.update(rope_theta=ROPE_THETA, torch_dtype=dtype, transformers_version="4.40.1")
+    else:
+        config.update(rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
+                      dtype=dtype, layer_types=["full_attention"] * layers,
+                      transformers_version="5.0.0")
+    return dict(sorted(config.items()))
+
+
+def train_tokenizer(vocab_size):
+    """A byte-level BPE tokenizer built like Qwen2's, trained on generated English."""
+    tokenizer = tokenizers.Tokenizer(models.BPE())
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(tokenizers.Regex(_SPLIT_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+    ])
+    tokenizer.post_processor = processors.ByteLevel(
+        add_prefix_space=False, trim_offsets=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel(
+        add_prefix_space=False, trim_offsets=False, use_regex=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(SPECIAL_TOKENS), show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(english_sentences(), trainer)
+    # Added after training, so they take the last ids, as in Qwen2's vocabulary.
+    tokenizer.add_special_tokens(
+        [tokenizers.AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return tokenizer
+
+
+def english_sentences(count=3000):
+    """Deterministic simple English (numbers, punctuation, chat turns included)."""
+    rng = np.random.default_rng(20240601)
+    subjects = ("the cat", "a dog", "my friend", "the old man", "a small bird", "the teacher",
+                "our team", "the river", "a young girl", "the machine", "this book", "the city")
+    verbs = ("sees", "likes", "follows", "builds", "finds", "carries", "watches", "helps",
+             "opens", "writes about", "walks past", "remembers")
+    objects = ("the house", "a red apple", "the long road", "some water", "the garden",
+               "a new idea", "the blue sky", "an open door", "the last train", "a quiet song",
+               "the market", "every morning")
+    tails = (".", "!", "?", ", and then it rains.", " in the evening.", " before lunch.",
+             " with great care.", " again and again.")
+    questions = ("What is the capital of France?", "How many legs does a spider have?",
+                 "Can you tell me a story?", "Why is the sky blue?", "Where is the station?")
+    sentences = []
+    for i in range(count):
+        kind = rng.integers(0, 4)
+        if kind == 0:
+            sentences.append(f"{rng.choice(questions)} The answer is {rng.integers(0, 1000)}.")
+        else:
+            sentence = f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)}"
+            sentences.append(sentence[0].upper() + sentence[1:] + str(rng.choice(tails)))
+    return sentences
+
+
+def _tokenizer_config(tokenizer):
+    added = {}
+    for token in SPECIAL_TOKENS:
+        added[str(tokenizer.token_to_id(token))] = {
+            "content": token, "lstrip": False, "normalized": False, "rstrip": False,
+            "single_word": False, "special": True}
+    return {
+        "add_prefix_space": False,
+        "added_tokens_decoder": added,
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        "bos_token": None,
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|endoftext|>",
+        "errors": "replace",
+        "model_max_length": 32768,
+        "pad_token": "<|endoftext|>",
+        "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "unk_token": None,
+    }
+
+
+def _init_std(name, shape):
+    """Scales that give the random model peaked, input-dependent logits (clear greedy choices)."""
+    if name.endswith("norm.weight"):
+        return None  # 1 + noise, see _random_tensor
+    if name.endswith(".bias"):
+        return 0.1
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return 2.0 / np.sqrt(shape[1])  # logits of std ~2 after the final norm
+    # Fan-in scaling keeps activations the same size at any width; the gain above 1 makes each
+    # layer outweigh the embedding, so outputs depend on the context (a tied model would
+    # otherwise echo its input) and greedy continuations vary instead of repeating one token.
+    return 1.5 / np.sqrt(shape[1])
+
+
+def _random_tensor(name, shape, seed):
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    values = rng.standard_normal(shape, dtype=np.float32)
+    std = _init_std(name, shape)
+    if std is None:
+        values *= 0.1
+        values += 1.0
+    else:
+        values *= std
+    return values
+
+
+def to_bfloat16_bits(values):
+    """float32 -> bfloat16 bit patterns (uint16), rounding to nearest, ties to even."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounding = ((bits >> 16) & 1) + np.uint32(0x7FFF)
+    return ((bits + rounding) >> 16).astype(np.uint16)
+
+
+def _encode(values, dtype):
+    if dtype == "bfloat16":
+        return to_bfloat16_bits(values)
+    return values.astype("<f2" if dtype == "float16" else "<f4", copy=False)
+
+
+def _write_weights(out_dir, shapes, dtype, seed, shards, progress):
+    names = list(shapes)
+    code, itemsize = _DTYPES[dtype]
+    sizes = [int(np.prod(shapes[n])) * itemsize for n in names]
+    total = sum(sizes)
+    # Contiguous groups in checkpoint order, cut near equal byte counts, none empty.
+    groups, shard, start = [[] for _ in range(shards)], 0, 0
+    for i, name in enumerate(names):
+        if i and (shards * start // total > shard or shards - (len(names) - i) > shard):
+            shard += 1
+        groups[shard].append(name)
+        start += sizes[i]
+
+    if shards == 1:
+        filenames = ["model.safetensors"]
+    else:
+        filenames = [f"model-{k + 1:05d}-of-{shards:05d}.safetensors" for k in range(shards)]
+    done = 0
+    for filename, group in zip(filenames, groups):
+        with open(os.path.join(out_dir, filename), "wb") as f:
+            f.write(_safetensors_header({n: shapes[n] for n in group}, code, itemsize))
+            for name in group:  # one tensor in memory at a time
+                f.write(memoryview(_encode(_random_tensor(name, shapes[name], seed), dtype)))
+                done += 1
+                if progress:
+                    progress(done, len(names), name)
+    if shards > 1:
+        _write_json(os.path.join(out_dir, "model.safetensors.index.json"), {
+            "metadata": {"total_size": total},
+            "weight_map": {n: filenames[k] for k, group in enumerate(groups) for n in group}})
+
+
+def _safetensors_header(shapes, code, itemsize):
+    """8-byte little-endian length, then the JSON header padded with spaces to 8 bytes."""
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        end = offset + int(np.prod(shape)) * itemsize
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, end]}
+        offset = end
+    header["__metadata__"] = {"format": "pt"}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
+def _write_json(path, value):
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+
+
+def _check_arguments(*, layers, hidden, heads, kv_heads, intermediate, vocab, dtype, seed,
+                     shards, config_style, max_position):
+    def bad(why):
+        raise MsinferError(f"make-tiny-model: {why}")
+
+    for key, value in (("layers", layers), ("hidden", hidden), ("heads", heads),
+                       ("kv_heads", kv_heads), ("intermediate", intermediate), ("vocab", vocab),
+                       ("shards", shards), ("max_position", max_position)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            bad(f"{key}={value!r} must be a positive integer")
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        bad(f"seed={seed!r} must be a non-negative integer")
+    if hidden % heads:
+        bad(f"hidden={hidden} is not divisible by heads={heads}")
+    if hidden // heads % 2:
+        bad(f"head size hidden/heads={hidden // heads} must be even (rotary embedding)")
+    if heads % kv_heads:
+        bad(f"heads={heads} is not a multiple of kv_heads={kv_heads}")
+    if vocab < MIN_VOCAB:
+        bad(f"vocab={vocab} must be at least {MIN_VOCAB} (256 bytes + special tokens)")
+    if dtype not in _DTYPES:
+        bad(f"dtype={dtype!r} must be one of {', '.join(_DTYPES)}")
+    if config_style not in ("4", "5"):
+        bad(f"config_style={config_style!r} must be '4' (transformers 4.x) or '5' (5.x)")
+
+
+def register_cli(subparsers):
+    p = subparsers.add_parser(
+        "make-tiny-model", help="write a random Qwen2 checkpoint (tests, benchmarks)",
+        description="Write a Hugging Face Qwen2 checkpoint with random weights and a small "
+                    "trained tokenizer into a new directory.")
+    p.add_argument("dir", help="output directory (must be new or empty)")
+    p.add_argument("--preset", choices=sorted(SHAPE_PRESETS),
+                   help="a published model's shape (flags given as well override it)")
+    p.add_argument("--layers", type=int)
+    p.add_argument("--hidden", type=int)
+    p.add_argument("--heads", type=int)
+    p.add_argument("--kv-heads", type=int)
+    p.add_argument("--intermediate", type=int, help="default: 2.75 x hidden, multiple of 8")
+    p.add_argument("--vocab", type=int)
+    p.add_argument("--tie", action=argparse.BooleanOptionalAction,
+                   help="tie lm_head to the embedding")
+    p.add_argument("--dtype", choices=sorted(_DTYPES))
+    p.add_argument("--shards", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--config-style", choices=("4", "5"),
+                   help="config.json as transformers 4.x or 5.x writes it (default 4)")
+    p.add_argument("--max-position", type=int)
+    p.set_defaults(func=_run_cli)
+
+
+def cli_arguments(args):
+    """make_tiny_model's keyword arguments: the preset's shape, then the flags given."""
+    kwargs = dict(SHAPE_PRESETS[args.preset]) if args.preset else {}
+    for key in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "tie",
+                "dtype", "shards", "seed", "config_style", "max_position"):
+        if getattr(args, key) is not None:
+            kwargs[key] = getattr(args, key)
+    return kwargs
+
+
+def _run_cli(args):
+    def progress(done, total, name):
+        print(f"\rwriting weights: {done}/{total} tensors", end="", file=sys.stderr, flush=True)
+        if done == total:
+            print(file=sys.stderr)
+
+    config = make_tiny_model(args.dir, progress=progress, **cli_arguments(args))
+    print(f"wrote {args.dir}: {config.num_layers} layers, hidden {config.hidden_size}, "
+          f"{config.num_parameters():,} parameters, {config.torch_dtype}")
+    return 0

@@ -1,0 +1,213 @@
+"""Text <-> token ids for a Hugging Face model directory, and chat templates.
+
+Wraps the `tokenizers` library's tokenizer.json (what transformers' fast tokenizers run), and
+renders chat templates the way transformers does (sandboxed jinja2, trim_blocks,
+lstrip_blocks, `raise_exception`, the special tokens as variables), so a chat prompt here is
+the same string, and the same ids, as there.
+"""
+import datetime
+import json
+import os
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import tokenizers
+
+from .errors import MsinferError
+
+# The special tokens transformers hands a chat template as variables.
+_TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                    "cls_token", "mask_token")
+# Qwen2's end-of-text and end-of-turn tokens: the fallback stop tokens when no config names any.
+_FALLBACK_EOS = ("<|endoftext|>", "<|im_end|>")
+
+
+class Tokenizer:
+    def __init__(self, tokenizer, eos_token_ids, pad_token_id, chat_template=None,
+                 special_tokens=None, source="<memory>"):
+        self._tokenizer = tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.pad_token_id = pad_token_id
+        self.chat_template = chat_template
+        self.special_tokens = dict(special_tokens or {})  # e.g. {"eos_token": "<|endoftext|>"}
+        self.source = source
+        self._compiled_template = None
+
+    @classmethod
+    def from_model_dir(cls, model_dir):
+        path = os.path.join(model_dir, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise MsinferError(
+                f"{path}: not found; text prompts need a tokenizer.json "
+                f"(prompts given as token ids work without one)")
+        try:
+            tokenizer = tokenizers.Tokenizer.from_file(path)
+        except Exception as e:  # the library raises a bare Exception for malformed files
+            raise MsinferError(f"{path}: not a valid tokenizer file: {e}") from None
+
+        tokenizer_config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
+        generation_config = _read_json(os.path.join(model_dir, "generation_config.json"))
+        model_config = _read_json(os.path.join(model_dir, "config.json"))
+        special_tokens = {}
+        for key in _TEMPLATE_TOKENS:
+            token = _token_content(tokenizer_config.get(key))
+            if token is not None:
+                special_tokens[key] = token
+
+        eos_ids = _eos_ids(generation_config, model_dir, "generation_config.json")
+        if not eos_ids:
+            eos_ids = _eos_ids(model_config, model_dir, "config.json")
+        if not eos_ids:
+            eos_ids = tuple(i for i in map(tokenizer.token_to_id, _FALLBACK_EOS) if i is not None)
+
+        pad_id = None
+        if "pad_token" in special_tokens:
+            pad_id = tokenizer.token_to_id(special_tokens["pad_token"])
+        if pad_id is None:
+            pad_id = generation_config.get("pad_token_id")
+        if not isinstance(pad_id, int) or isinstance(pad_id, bool) or pad_id < 0:
+            pad_id = eos_ids[0] if eos_ids else 0
+        return cls(tokenizer, eos_ids, pad_id,
+                   chat_template=_chat_template(model_dir, tokenizer_config),
+                   special_tokens=special_tokens, source=model_dir)
+
+    @property
+    def vocab_size(self):
+        """Ids the tokenizer can produce (the model's embedding may have more rows)."""
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token):
+        return self._tokenizer.token_to_id(token)
+
+    def encode(self, text):
+        # The post-processor decides about special tokens (Qwen2's adds none).
+        return self._tokenizer.encode(text).ids
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        """The prompt string for a list of {"role": ..., "content": ...} messages."""
+        if self.chat_template is None:
+            raise MsinferError(
+                f"{self.source}: this model has no chat template (tokenizer_config.json has no "
+                f"chat_template); give a plain text prompt instead")
+        if self._compiled_template is None:
+            try:
+                self._compiled_template = _jinja_environment().from_string(self.chat_template)
+            except jinja2.TemplateSyntaxError as e:
+                raise MsinferError(f"{self.source}: chat_template does not parse: {e}") from None
+        try:
+            return self._compiled_template.render(
+                messages=messages, tools=None, documents=None,
+                add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        except jinja2.TemplateError as e:
+            raise MsinferError(
+                f"chat template of {self.source} refused the messages: {e}") from None
+
+
+class IncrementalDecoder:
+    """Turns a stream of token ids into text pieces, holding back incomplete UTF-8.
+
+    Byte-level tokens can end inside a multi-byte character; decoding those alone gives U+FFFD.
+    Each step decodes a short window ending at the new token, and emits only once the window
+    decodes cleanly (the window's start keeps context for tokenizers that strip leading spaces).
+    """
+
+    def __init__(self, tokenizer, skip_special_tokens=True):
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self.ids = []
+        self.text = ""
+        self._prefix_start = 0  # window start: ids already emitted, kept for context
+        self._emitted_end = 0  # ids up to here are in self.text
+
+    def push(self, token_id):
+        """Adds one id; returns the text it completes ('' while a character is unfinished)."""
+        self.ids.append(int(token_id))
+        prefix = self._tokenizer.decode(self.ids[self._prefix_start:self._emitted_end],
+                                        skip_special_tokens=self._skip)
+        window = self._tokenizer.decode(self.ids[self._prefix_start:],
+                                        skip_special_tokens=self._skip)
+        if len(window) <= len(prefix) or window.endswith("\ufffd"):
+            return ""
+        piece = window[len(prefix):]
+        self._prefix_start, self._emitted_end = self._emitted_end, len(self.ids)
+        self.text += piece
+        return piece
+
+
+def find_stop(text, stop_strings):
+    """Index in `text` where the earliest of `stop_strings` starts, or None."""
+    found = [i for i in (text.find(s) for s in stop_strings) if i >= 0]
+    return min(found) if found else None
+
+
+def _jinja_environment():
+    # Mirrors transformers' _compile_jinja_template: chat templates come from the Hub and are
+    # untrusted, hence the immutable sandbox; its tojson does not HTML-escape.
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env
+
+
+def _read_json(path):
+    """The JSON object in `path`, or {} when the file is absent."""
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except json.JSONDecodeError as e:
+        raise MsinferError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise MsinferError(f"{path}: expected a JSON object")
+    return value
+
+
+def _token_content(value):
+    # tokenizer_config.json writes a special token as a string or as an AddedToken dict.
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _eos_ids(config, model_dir, filename):
+    value = config.get("eos_token_id")
+    if value is None:
+        return ()
+    ids = value if isinstance(value, list) else [value]
+    for i in ids:
+        if not isinstance(i, int) or isinstance(i, bool) or i < 0:
+            raise MsinferError(
+                f"{os.path.join(model_dir, filename)}: eos_token_id must be a non-negative "
+                f"integer or a list of them, got {value!r}")
+    return tuple(ids)
+
+
+def _chat_template(model_dir, tokenizer_config):
+    # transformers >= 4.43 may save the template beside the config, and prefers that file.
+    path = os.path.join(model_dir, "chat_template.jinja")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise MsinferError(
+            f"{os.path.join(model_dir, 'tokenizer_config.json')}: chat_template must be a "
+            f"string, got {type(template).__name__}")
+    return template

@@ -1,0 +1,239 @@
+import argparse
+import filecmp
+import json
+import os
+
+import numpy as np
+import pytest
+import tokenizers
+from safetensors.numpy import load_file
+
+from msinfer.config import PRESETS, ModelConfig
+from msinfer.errors import MsinferError
+from msinfer.tiny_model import (SHAPE_PRESETS, cli_arguments, default_intermediate,
+                                make_tiny_model, model_config_dict, register_cli,
+                                to_bfloat16_bits)
+
+SMALL = dict(layers=2, hidden=32, heads=4, kv_heads=2, vocab=300)
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def load_tensors(model_dir):
+    """{name: array} over every safetensors file (float32 or float16: numpy has no bfloat16)."""
+    tensors = {}
+    for name in sorted(os.listdir(model_dir)):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(model_dir, name)))
+    return tensors
+
+
+def parse_cli(argv):
+    parser = argparse.ArgumentParser()
+    register_cli(parser.add_subparsers())
+    return parser.parse_args(argv)
+
+
+@pytest.mark.parametrize("style", ["4", "5"])
+def test_config_reads_back_with_every_checkpoint_tensor(tmp_path, style):
+    config = make_tiny_model(str(tmp_path / "m"), config_style=style, **SMALL)
+    again = ModelConfig.from_model_dir(str(tmp_path / "m"))
+    assert again.parameter_shapes() == config.parameter_shapes()
+    assert (again.rope_theta, again.torch_dtype, again.intermediate_size) == (
+        1000000.0, "float32", default_intermediate(32))
+    shapes = {k: tuple(v.shape) for k, v in load_tensors(str(tmp_path / "m")).items()}
+    assert shapes == config.parameter_shapes()
+
+
+def test_config_styles_spell_rope_and_dtype_like_transformers_4_and_5(tmp_path):
+    make_tiny_model(str(tmp_path / "a"), config_style="4", dtype="bfloat16", **SMALL)
+    make_tiny_model(str(tmp_path / "b"), config_style="5", dtype="bfloat16", **SMALL)
+    old, new = read_json(tmp_path / "a" / "config.json"), read_json(tmp_path / "b" / "config.json")
+    assert (old["rope_theta"], old["torch_dtype"]) == (1000000.0, "bfloat16")
+    assert "rope_parameters" not in old and "dtype" not in old
+    assert new["rope_parameters"] == {"rope_type": "default", "rope_theta": 1000000.0}
+    assert new["dtype"] == "bfloat16" and "rope_theta" not in new and "torch_dtype" not in new
+    assert old["architectures"] == new["architectures"] == ["Qwen2ForCausalLM"]
+
+
+def test_default_intermediate_is_2_75_hidden_rounded_up_to_8():
+    assert [default_intermediate(h) for h in (64, 896, 100)] == [176, 2464, 280]
+
+
+def test_same_seed_gives_identical_files_and_another_seed_other_weights(tmp_path):
+    for name, seed in (("a", 7), ("b", 7), ("c", 8)):
+        make_tiny_model(str(tmp_path / name), seed=seed, shards=2, **SMALL)
+    files = sorted(os.listdir(tmp_path / "a"))
+    assert filecmp.cmpfiles(tmp_path / "a", tmp_path / "b", files, shallow=False)[0] == files
+    differ = filecmp.cmpfiles(tmp_path / "a", tmp_path / "c", files, shallow=False)[1]
+    assert sorted(differ) == ["model-00001-of-00002.safetensors",
+                              "model-00002-of-00002.safetensors"]
+
+
+def test_shards_hold_the_same_tensors_as_one_file_and_index_them(tmp_path):
+    make_tiny_model(str(tmp_path / "one"), **SMALL)
+    make_tiny_model(str(tmp_path / "three"), shards=3, **SMALL)
+    one, three = load_tensors(str(tmp_path / "one")), load_tensors(str(tmp_path / "three"))
+    assert one.keys() == three.keys()
+    assert all(np.array_equal(one[k], three[k]) for k in one)
+
+    index = read_json(tmp_path / "three" / "model.safetensors.index.json")
+    assert index["metadata"]["total_size"] == sum(v.nbytes for v in three.values())
+    files = [f"model-0000{k}-of-00003.safetensors" for k in (1, 2, 3)]
+    assert sorted(set(index["weight_map"].values())) == files
+    for filename in files:
+        names = load_file(str(tmp_path / "three" / filename)).keys()
+        assert names and all(index["weight_map"][n] == filename for n in names)
+    assert not os.path.exists(tmp_path / "one" / "model.safetensors.index.json")
+
+
+def test_bfloat16_file_holds_float32_weights_rounded_to_nearest_even(tmp_path):
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file as load_torch
+
+    make_tiny_model(str(tmp_path / "f32"), **SMALL)
+    make_tiny_model(str(tmp_path / "bf16"), dtype="bfloat16", **SMALL)
+    full = load_torch(str(tmp_path / "f32" / "model.safetensors"))
+    half = load_torch(str(tmp_path / "bf16" / "model.safetensors"))
+    for name, value in full.items():
+        assert half[name].dtype == torch.bfloat16
+        assert torch.equal(half[name], value.to(torch.bfloat16)), name
+
+
+def test_bfloat16_rounding_handles_ties_and_carries():
+    above_tie = np.nextafter(np.float32(1.00390625), np.float32(2))
+    values = np.array([1.0, 1.00390625, 1.01171875, above_tie, -2.5, 3.3895314e38, 0.0],
+                      dtype=np.float32)
+    # 1 + 2^-8 is a tie (rounds to even 1.0); 1 + 3*2^-8 ties up to 1 + 2^-6; just above a tie
+    # rounds up; the largest finite bf16 stays finite.
+    expected = [0x3F80, 0x3F80, 0x3F82, 0x3F81, 0xC020, 0x7F7F, 0x0000]
+    assert to_bfloat16_bits(values).tolist() == expected
+
+
+def test_float16_weights_are_the_float32_ones_rounded(tmp_path):
+    make_tiny_model(str(tmp_path / "f32"), **SMALL)
+    make_tiny_model(str(tmp_path / "f16"), dtype="float16", **SMALL)
+    full, half = load_tensors(str(tmp_path / "f32")), load_tensors(str(tmp_path / "f16"))
+    assert all(half[k].dtype == np.float16 and np.array_equal(half[k], full[k].astype(np.float16))
+               for k in full)
+
+
+def test_weights_are_spread_norms_near_one_biases_non_zero(tmp_path):
+    make_tiny_model(str(tmp_path / "m"), **SMALL)
+    tensors = load_tensors(str(tmp_path / "m"))
+    norm = tensors["model.layers.0.input_layernorm.weight"]
+    assert abs(norm.mean() - 1.0) < 0.1 and norm.std() > 0.01
+    assert np.abs(tensors["model.layers.1.self_attn.k_proj.bias"]).min() > 0
+    assert tensors["model.layers.0.mlp.down_proj.weight"].std() > 0.02
+
+
+def test_tied_model_has_no_lm_head(tmp_path):
+    make_tiny_model(str(tmp_path / "m"), tie=True, **SMALL)
+    assert "lm_head.weight" not in load_tensors(str(tmp_path / "m"))
+    assert read_json(tmp_path / "m" / "config.json")["tie_word_embeddings"] is True
+
+
+def test_tokenizer_fits_the_model_vocab_and_names_eos_tokens(tmp_path):
+    make_tiny_model(str(tmp_path / "m"), **SMALL)
+    tok = tokenizers.Tokenizer.from_file(str(tmp_path / "m" / "tokenizer.json"))
+    assert tok.get_vocab_size() <= SMALL["vocab"]
+    eot, start, end = (tok.token_to_id(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"))
+    assert {eot, start, end} == set(range(tok.get_vocab_size() - 3, tok.get_vocab_size()))
+    generation = read_json(tmp_path / "m" / "generation_config.json")
+    assert generation["eos_token_id"] == [end, eot] and generation["bos_token_id"] == eot
+    config = read_json(tmp_path / "m" / "config.json")
+    assert config["eos_token_id"] == config["bos_token_id"] == eot
+    text = "The old man writes about the garden."
+    assert tok.decode(tok.encode(text).ids) == text
+    assert len(tok.encode(text).ids) < len(text) * 2 // 3  # trained merges, not bytes
+
+
+def test_large_model_vocab_keeps_a_small_tokenizer(tmp_path):
+    make_tiny_model(str(tmp_path / "m"), layers=1, hidden=8, heads=2, kv_heads=1, vocab=5000)
+    tok = tokenizers.Tokenizer.from_file(str(tmp_path / "m" / "tokenizer.json"))
+    assert tok.get_vocab_size() <= 1024
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(hidden=30, heads=4), "hidden=30 is not divisible by heads=4"),
+    (dict(hidden=12, heads=4), "head size hidden/heads=3 must be even"),
+    (dict(heads=4, kv_heads=3), "heads=4 is not a multiple of kv_heads=3"),
+    (dict(vocab=100), "vocab=100 must be at least 259"),
+    (dict(dtype="int8"), "dtype='int8' must be one of"),
+    (dict(layers=0), "layers=0 must be a positive integer"),
+    (dict(config_style="6"), "config_style='6'"),
+    (dict(layers=1, shards=99), "shards=99 is more than the checkpoint's 15 tensors"),
+])
+def test_bad_arguments_are_refused_before_writing(tmp_path, kwargs, message):
+    with pytest.raises(MsinferError, match=message):
+        make_tiny_model(str(tmp_path / "m"), **{**SMALL, **kwargs})
+    assert not os.path.exists(tmp_path / "m")
+
+
+def test_non_empty_directory_is_refused(tmp_path):
+    (tmp_path / "keep.txt").write_text("mine")
+    with pytest.raises(MsinferError, match="is not empty"):
+        make_tiny_model(str(tmp_path), **SMALL)
+
+
+def test_preset_has_qwen2_0_5b_shape_without_generating_it():
+    kwargs = cli_arguments(parse_cli(["make-tiny-model", "d", "--preset", "qwen2-0.5b-shape"]))
+    assert kwargs == SHAPE_PRESETS["qwen2-0.5b-shape"]
+    raw = model_config_dict(dtype="float32", config_style="4", bos_token_id=0, eos_token_id=0,
+                            **kwargs)
+    config = ModelConfig.from_dict(raw)
+    assert config.parameter_shapes() == PRESETS["qwen2-0.5b"].parameter_shapes()
+    assert config.max_position_embeddings == PRESETS["qwen2-0.5b"].max_position_embeddings
+
+
+def test_cli_flags_override_the_preset_and_tie_can_be_switched_off():
+    args = parse_cli(["make-tiny-model", "d", "--preset", "qwen2-0.5b-shape", "--layers", "2",
+                      "--no-tie", "--dtype", "bfloat16", "--config-style", "5"])
+    kwargs = cli_arguments(args)
+    assert (kwargs["layers"], kwargs["tie"], kwargs["dtype"], kwargs["hidden"]) == (
+        2, False, "bfloat16", 896)
+    assert kwargs["config_style"] == "5"
+
+
+def test_cli_writes_a_model_and_reports_progress(tmp_path, capsys):
+    args = parse_cli(["make-tiny-model", str(tmp_path / "m"), "--layers", "1", "--hidden", "16",
+                      "--heads", "2", "--kv-heads", "1", "--vocab", "300", "--tie",
+                      "--shards", "2"])
+    assert args.func(args) == 0
+    out, err = capsys.readouterr()
+    assert "wrote" in out and "writing weights: 14/14 tensors" in err
+    assert os.path.exists(tmp_path / "m" / "model-00002-of-00002.safetensors")
+
+
+@pytest.mark.parametrize("style", ["4", "5"])
+@pytest.mark.parametrize("shards", [1, 2])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_transformers_loads_it_and_runs_a_forward_pass(tmp_path, style, shards, dtype):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = make_tiny_model(str(tmp_path / "m"), config_style=style, shards=shards, dtype=dtype,
+                             tie=shards == 2, **SMALL)
+    model = transformers.Qwen2ForCausalLM.from_pretrained(str(tmp_path / "m"),
+                                                          dtype=torch.float32)
+    rope = getattr(model.config, "rope_parameters", None) or vars(model.config)  # 5.x or 4.x
+    assert rope["rope_theta"] == 1000000.0
+    assert model.config.tie_word_embeddings is (shards == 2)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert logits.shape == (2, 24, config.vocab_size)
+    # Loaded weights are the file's, not a fresh init: compare one tensor.
+    from safetensors.torch import load_file as load_torch
+    files = [f for f in os.listdir(tmp_path / "m") if f.endswith(".safetensors")]
+    on_disk = {}
+    for f in files:
+        on_disk.update(load_torch(str(tmp_path / "m" / f)))
+    assert torch.equal(model.model.layers[1].mlp.up_proj.weight,
+                       on_disk["model.layers.1.mlp.up_proj.weight"].float())
+    # Clear greedy choices: the top two logits are rarely close.
+    top2 = logits.topk(2, dim=-1).values
+    gaps = (top2[..., 0] - top2[..., 1]).flatten()
+    assert gaps.min() > 1e-4 and gaps.median() > 0.05
