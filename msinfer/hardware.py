@@ -165,4 +165,4 @@ def compute_dtype(profile, checkpoint_dtype, requested=None):
         return checkpoint, f"the checkpoint's dtype, which {profile.name} runs natively"
     chosen = profile.dtypes[0]
     return chosen, (f"the checkpoint is {checkpoint} and {profile.dtype_note}; weights are "
-                    f"converted to {chosen} while loading")
+                    f"converted while loading")

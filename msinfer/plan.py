@@ -333,8 +333,8 @@ def _wrap(prefix, text):
 
 
 def format_plan(plan):
-    lines = [f"msinfer plan: {plan.model} on {plan.world_size} x {plan.hardware} "
-             f"({plan.hardware_title})",
+    lines = [f"msinfer plan: {plan.model} on {plan.world_size} x {plan.hardware}, "
+             f"{plan.hardware_title}",
              f"  strategy   {plan.strategy}: tensor {plan.tensor} x data {plan.data} x "
              f"pipeline {plan.pipeline} = {plan.world_size} devices",
              f"  request    batch {plan.batch}, max length {plan.max_len}"]
