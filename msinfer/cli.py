@@ -12,6 +12,7 @@ from .errors import MsinferError
 
 _SUBCOMMAND_MODULES = (
     "msinfer.generate_cli",
+    "msinfer.plan",
     "msinfer.tiny_model",
     "msinfer.ranktable",
 )

@@ -1,0 +1,436 @@
+"""Strategy files: how a Qwen2 checkpoint is split over devices, and what each rank holds.
+
+A strategy (strategies/*.yaml) names the degrees (tensor x data x pipeline = world_size) and one
+shard rule per checkpoint module pattern. `Strategy.resolve(config)` checks it against a model
+and returns a `ShardPlan`, the one place that turns a rule into both the MindSpore `in_strategy`
+for `shard()` and the slice of each weight a rank loads, so the semi-auto path, the explicit
+path and the weight loader cannot disagree.
+"""
+import collections.abc
+import dataclasses
+import difflib
+import re
+
+import yaml
+
+from .errors import MsinferError, PlanRefused
+
+STYLES = ("colwise", "rowwise", "vocab", "colwise_gather", "replicate")
+PARALLEL_MODES = ("semi_auto", "explicit")
+_KEYS = ("world_size", "tensor", "data", "pipeline", "parallel_mode", "rules")
+
+# The Megatron split: q/k/v and gate/up by output features, o/down by input features (one
+# AllReduce each per layer), embedding by vocabulary rows, lm_head by vocabulary then gathered.
+TENSOR_PARALLEL_RULES = {
+    "model.embed_tokens": "vocab",
+    "model.layers.*.input_layernorm": "replicate",
+    "model.layers.*.self_attn.q_proj": "colwise",
+    "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.post_attention_layernorm": "replicate",
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+    "model.norm": "replicate",
+    "lm_head": "colwise_gather",
+}
+
+# What each module is, the styles msinfer runs for it (the split one first, so that at tensor 1,
+# where every style is the whole weight, a raw in_strategy reads as the split style), and the
+# primitive that consumes its weight.
+_ALLOWED = {
+    "embedding": ("vocab", "replicate"),
+    "attention_in": ("colwise", "replicate"),
+    "attention_out": ("rowwise", "replicate"),
+    "mlp_in": ("colwise", "replicate"),
+    "mlp_out": ("rowwise", "replicate"),
+    "norm": ("replicate",),
+    "lm_head": ("colwise_gather", "replicate"),
+}
+_PRIMITIVE = {"embedding": "Gather", "norm": "Mul"}  # every other kind: MatMul(x, W, transpose_b)
+_LAST_NAME_KIND = {
+    "q_proj": "attention_in", "k_proj": "attention_in", "v_proj": "attention_in",
+    "o_proj": "attention_out", "gate_proj": "mlp_in", "up_proj": "mlp_in",
+    "down_proj": "mlp_out",
+}
+_TIED_SPLIT = {"vocab": "colwise_gather", "replicate": "replicate"}
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _kind(module):
+    if module == "model.embed_tokens":
+        return "embedding"
+    if module == "lm_head":
+        return "lm_head"
+    if module == "model.norm" or module.endswith("layernorm"):
+        return "norm"
+    return _LAST_NAME_KIND[module.rsplit(".", 1)[-1]]
+
+
+def _module(name):
+    """The module a checkpoint tensor belongs to: rules name modules, weight and bias follow."""
+    return name.rsplit(".", 1)[0]
+
+
+def _in_strategy(kind, style, tensor, data, bias=False):
+    """The MindSpore in_strategy of the primitive that consumes this module's weight (or adds
+    its bias). Activations are 2-D (tokens, features), their rows split over data replicas."""
+    t, d = tensor, data
+    if bias:  # BiasAdd(x, b): a colwise output stays split, others are whole
+        return ((d, t), (t,)) if style == "colwise" else ((d, 1), (1,))
+    if style in ("colwise", "colwise_gather"):
+        return ((d, 1), (t, 1))
+    if style == "rowwise":
+        return ((d, t), (1, t))
+    if style == "vocab":
+        return ((t, 1), (d, 1))
+    primitive = _PRIMITIVE.get(kind, "MatMul")
+    if primitive == "Gather":
+        return ((1, 1), (d, 1))
+    if primitive == "Mul":
+        return ((d, 1), (1,))
+    return ((d, 1), (1, 1))
+
+
+def _even_split(size, parts, index):
+    step = size // parts
+    return slice(index * step, (index + 1) * step)
+
+
+def _ratio(a, b):
+    return f"{a} / {b} = {a / b:g}"
+
+
+def divisibility_problems(config, styles, tensor):
+    """Why `tensor` cannot split this model under these module styles (empty when it can)."""
+    t = tensor
+    if t == 1:
+        return []
+    first = "model.layers.0."
+    problems = []
+    if styles[first + "self_attn.q_proj"] == "colwise":
+        heads, kv = config.num_heads, config.num_kv_heads
+        if heads % t:
+            problems.append(f"the {heads} attention heads do not split into {t} "
+                            f"({_ratio(heads, t)} heads per rank)")
+        if t % kv and kv % t:
+            problems.append(f"the {kv} KV heads can neither be split {t} ways ({_ratio(kv, t)}) "
+                            f"nor replicated evenly ({_ratio(t, kv)} ranks per KV head)")
+    if styles[first + "mlp.gate_proj"] == "colwise" and config.intermediate_size % t:
+        problems.append(f"intermediate_size does not split: "
+                        f"{_ratio(config.intermediate_size, t)}")
+    vocab_split = (styles["model.embed_tokens"] == "vocab"
+                   or styles["lm_head"] == "colwise_gather")
+    if vocab_split and config.vocab_size % t:
+        problems.append(f"vocab_size does not split: {_ratio(config.vocab_size, t)}")
+    return problems
+
+
+class ShardPlan:
+    """A strategy resolved against one model: the style, slices and in_strategy of every tensor.
+
+    Global rank r = data_rank * tensor + tensor_rank: tensor groups are consecutive ranks.
+    Slices are in HF layout (weights are (out, in)) and index safetensors' get_slice directly.
+    """
+
+    def __init__(self, config, styles, tensor, data=1, parallel_mode=None, source="<memory>"):
+        problems = divisibility_problems(config, styles, tensor)
+        if problems:
+            working = [str(n) for n in range(1, 65)
+                       if not divisibility_problems(config, styles, n)]
+            raise PlanRefused(
+                f"{source}: tensor: {tensor} cannot shard {config.source}: "
+                f"{'; '.join(problems)}. Tensor degrees that work for this model with these "
+                f"rules: {', '.join(working)}")
+        self.config = config
+        self.styles = dict(styles)
+        self.tensor = tensor
+        self.data = data
+        self.world_size = tensor * data
+        self.parallel_mode = parallel_mode
+        self.source = source
+        self._shapes = config.parameter_shapes()
+        if "lm_head.weight" not in self._shapes:  # tied: the embedding serves as lm_head too
+            self._shapes["lm_head.weight"] = self._shapes["model.embed_tokens.weight"]
+        attention_split = styles["model.layers.0.self_attn.q_proj"] == "colwise"
+        kv = config.num_kv_heads
+        # KV heads too few to split: each is held, whole, by tensor // kv consecutive ranks.
+        self.replicated_kv_heads = attention_split and tensor > kv
+        if not attention_split:
+            self.kv_replicas = tensor
+        else:
+            self.kv_replicas = tensor // kv if self.replicated_kv_heads else 1
+        self.local_kv_heads = kv * self.kv_replicas // tensor
+        self.local_heads = config.num_heads // tensor if attention_split else config.num_heads
+
+    def _check(self, name):
+        if name not in self._shapes:
+            raise MsinferError(f"{name!r} is not a parameter of {self.config.source}")
+
+    def style(self, name):
+        self._check(name)
+        return self.styles[_module(name)]
+
+    def slices(self, name, tensor_rank):
+        style = self.style(name)
+        if not 0 <= tensor_rank < self.tensor:
+            raise MsinferError(f"tensor rank {tensor_rank} is outside 0..{self.tensor - 1}")
+        shape = self._shapes[name]
+        whole = [slice(0, n) for n in shape]
+        if style == "replicate" or self.tensor == 1:
+            return tuple(whole)
+        if style == "rowwise":
+            if name.endswith(".weight"):  # a rowwise bias is whole: added once, after the sum
+                whole[1] = _even_split(shape[1], self.tensor, tensor_rank)
+            return tuple(whole)
+        if _module(name).endswith(("k_proj", "v_proj")):
+            # Rank r holds KV heads [first, first + local); with replication (tensor > KV
+            # heads) consecutive ranks share one head, matching the GQA grouping of their
+            # query heads.
+            head_dim = self.config.head_dim
+            first = (tensor_rank // self.kv_replicas) * self.local_kv_heads
+            whole[0] = slice(first * head_dim, (first + self.local_kv_heads) * head_dim)
+        else:
+            whole[0] = _even_split(shape[0], self.tensor, tensor_rank)
+        return tuple(whole)
+
+    def local_shape(self, name):
+        return tuple(s.stop - s.start for s in self.slices(name, 0))
+
+    def in_strategy(self, name):
+        style = self.style(name)
+        module = _module(name)
+        if self.replicated_kv_heads and module.endswith(("k_proj", "v_proj")):
+            raise MsinferError(
+                f"{self.source}: {name}: tensor={self.tensor} exceeds the "
+                f"{self.config.num_kv_heads} KV heads, so ranks share replicated KV heads; "
+                f"msinfer's semi_auto path has no shard() layout for that. "
+                f"Use parallel_mode: explicit")
+        return _in_strategy(_kind(module), style, self.tensor, self.data,
+                            bias=name.endswith(".bias"))
+
+    def tensor_rank(self, global_rank):
+        self._check_rank(global_rank)
+        return global_rank % self.tensor
+
+    def data_rank(self, global_rank):
+        self._check_rank(global_rank)
+        return global_rank // self.tensor
+
+    def _check_rank(self, global_rank):
+        if not 0 <= global_rank < self.world_size:
+            raise MsinferError(f"rank {global_rank} is outside 0..{self.world_size - 1}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    world_size: int
+    tensor: int
+    data: int = 1
+    pipeline: int = 1
+    parallel_mode: str = None
+    rules: dict = dataclasses.field(default_factory=dict)  # pattern -> style or raw in_strategy
+    source: str = "<memory>"
+
+    @classmethod
+    def default(cls, tensor=1, data=1, parallel_mode=None):
+        """The tensor-parallel plan of strategies/qwen2_tp*.yaml, in memory."""
+        return cls(world_size=tensor * data, tensor=tensor, data=data,
+                   parallel_mode=parallel_mode, rules=dict(TENSOR_PARALLEL_RULES),
+                   source=f"<default tensor={tensor} data={data}>")
+
+    @classmethod
+    def from_dict(cls, raw, source="<dict>"):
+        if not isinstance(raw, dict):
+            raise MsinferError(f"{source}: a strategy is a mapping of keys "
+                               f"({', '.join(_KEYS)}), got {type(raw).__name__}")
+        for key in raw:
+            if key not in _KEYS:
+                close = difflib.get_close_matches(str(key), _KEYS, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise MsinferError(f"{source}: unknown key {key!r}{hint}; a strategy has "
+                                   f"{', '.join(_KEYS)}")
+        for key in ("world_size", "tensor", "rules"):
+            if key not in raw:
+                raise MsinferError(f"{source}: missing key {key!r}")
+
+        def degree(key):
+            value = raw.get(key, 1)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise MsinferError(f"{source}: {key}: must be a positive integer, got {value!r}")
+            return value
+
+        world_size, tensor, data, pipeline = (
+            degree(k) for k in ("world_size", "tensor", "data", "pipeline"))
+        if tensor * data * pipeline != world_size:
+            raise MsinferError(
+                f"{source}: world_size: {world_size} is not tensor x data x pipeline = "
+                f"{tensor} x {data} x {pipeline} = {tensor * data * pipeline}")
+        mode = raw.get("parallel_mode")
+        if mode is not None and mode not in PARALLEL_MODES:
+            raise MsinferError(f"{source}: parallel_mode: {mode!r} is not one of "
+                               f"{', '.join(PARALLEL_MODES)}")
+        rules = raw["rules"]
+        if not isinstance(rules, dict) or not rules:
+            raise MsinferError(f"{source}: rules: expected a mapping of module pattern -> "
+                               f"style, got {rules!r}")
+        parsed = {}
+        for pattern, value in rules.items():
+            if not isinstance(pattern, str) or not pattern:
+                raise MsinferError(f"{source}: rules: pattern {pattern!r} is not a module name")
+            parsed[pattern] = _parse_rule(value, f"{source}: rules.{pattern}")
+        return cls(world_size, tensor, data, pipeline, mode, parsed, source)
+
+    def resolve(self, config):
+        """Check this strategy against a model and return its ShardPlan."""
+        src = self.source
+        if self.pipeline > 1:
+            raise PlanRefused(
+                f"{src}: pipeline: {self.pipeline}: msinfer runs tensor and data parallelism "
+                f"only; set tensor: {self.tensor * self.pipeline} and pipeline: 1")
+        modules = list(dict.fromkeys(_module(n) for n in config.parameter_shapes()))
+        tied = "lm_head" not in modules
+        if tied:
+            modules.append("lm_head")
+        regexes = {p: re.compile(re.escape(p).replace(r"\*", "[^.]*") + "$") for p in self.rules}
+        rule_of = {}
+        for module in modules:
+            matches = [p for p, rx in regexes.items() if rx.match(module)]
+            if len(matches) > 1:
+                raise MsinferError(
+                    f"{src}: rules: {matches[0]!r} and {matches[1]!r} both cover {module}; "
+                    f"each module needs exactly one rule")
+            if matches:
+                rule_of[module] = matches[0]
+        unused = [p for p in self.rules if p not in rule_of.values()]
+        if unused:
+            raise MsinferError(
+                f"{src}: rules.{unused[0]}: the pattern matches no module of {config.source} "
+                f"(patterns name modules, e.g. model.layers.*.self_attn.q_proj; the weight and "
+                f"bias follow; '*' stands for one name part)")
+        uncovered = [m for m in modules if m not in rule_of and not (tied and m == "lm_head")]
+        if uncovered:
+            more = f" and {len(uncovered) - 1} more" if len(uncovered) > 1 else ""
+            example = _LAYER.sub("model.layers.*.", uncovered[0])
+            raise MsinferError(
+                f"{src}: rules: no rule covers {uncovered[0]}{more}; add one, e.g. "
+                f"'{example}: {_ALLOWED[_kind(uncovered[0])][0]}'")
+        styles = {m: self._style(m, rule_of[m]) for m in rule_of}
+        if tied:
+            embedding = styles["model.embed_tokens"]
+            styles.setdefault("lm_head", _TIED_SPLIT[embedding])
+            if styles["lm_head"] != _TIED_SPLIT[embedding]:
+                raise MsinferError(
+                    f"{src}: rules.{rule_of['lm_head']}: {config.source} ties lm_head to the "
+                    f"embedding, so one slice serves both: with model.embed_tokens "
+                    f"{embedding}, lm_head must be {_TIED_SPLIT[embedding]}, "
+                    f"not {styles['lm_head']}")
+        _check_layers(styles, rule_of, src)
+        plan = ShardPlan(config, styles, self.tensor, self.data, self.parallel_mode, src)
+        if self.parallel_mode == "semi_auto" and plan.replicated_kv_heads:
+            raise PlanRefused(
+                f"{src}: parallel_mode: semi_auto: tensor={self.tensor} exceeds the "
+                f"{config.num_kv_heads} KV heads of {config.source}, so ranks share replicated "
+                f"KV heads, which msinfer runs only in parallel_mode: explicit (or use tensor "
+                f"<= {config.num_kv_heads})")
+        return plan
+
+    def _style(self, module, pattern):
+        """The style a rule gives a module, checked against what msinfer runs for that module."""
+        kind = _kind(module)
+        rule = self.rules[pattern]
+        allowed = _ALLOWED[kind]
+        where = f"{self.source}: rules.{pattern}"
+        if isinstance(rule, str):
+            if rule not in allowed:
+                raise MsinferError(f"{where}: {module} cannot be {rule}; msinfer runs it as "
+                                   f"{' or '.join(allowed)}")
+            return rule
+        primitive = _PRIMITIVE.get(kind, "MatMul")
+        if primitive == "Mul":
+            raise MsinferError(f"{where}: {module} is a norm weight (an element-wise Mul, not "
+                               f"MatMul or Gather); give it the style replicate")
+        for style in allowed:
+            if _in_strategy(kind, style, self.tensor, self.data) == rule:
+                return style
+        options = ", ".join(
+            f"{_as_lists(_in_strategy(kind, s, self.tensor, self.data))} ({s})" for s in allowed)
+        raise MsinferError(
+            f"{where}: in_strategy {_as_lists(rule)} is not a layout msinfer runs for {module} "
+            f"({primitive}, tensor={self.tensor}, data={self.data}); use {options}")
+
+
+def _check_layers(styles, rule_of, source):
+    """Every decoder layer alike, attention and MLP each either split or whole."""
+    layer0 = {}
+    for module, style in styles.items():
+        found = _LAYER.match(module)
+        if not found:
+            continue
+        part = module[found.end():]
+        first = layer0.setdefault(part, (module, style))
+        if first[1] != style:
+            raise MsinferError(
+                f"{source}: rules.{rule_of[module]}: msinfer shards every decoder layer alike, "
+                f"but {first[0]} is {first[1]} and {module} is {style}")
+    blocks = (("self_attn", ("q_proj", "k_proj", "v_proj"), "o_proj"),
+              ("mlp", ("gate_proj", "up_proj"), "down_proj"))
+    for block, inputs, output in blocks:
+        found = {n: layer0[f"{block}.{n}"][1] for n in inputs + (output,)}
+        split = all(found[n] == "colwise" for n in inputs) and found[output] == "rowwise"
+        if not split and set(found.values()) != {"replicate"}:
+            listing = ", ".join(f"{n} {s}" for n, s in found.items())
+            raise MsinferError(
+                f"{source}: rules: {block} has {listing}; msinfer runs it either split "
+                f"({'/'.join(inputs)} colwise with {output} rowwise) or whole (all replicate)")
+
+
+def _parse_rule(value, where):
+    if isinstance(value, str):
+        if value not in STYLES:
+            close = difflib.get_close_matches(value, STYLES, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise MsinferError(f"{where}: unknown style {value!r}{hint}; use one of "
+                               f"{', '.join(STYLES)} or a raw in_strategy like [[1, 1], [4, 1]]")
+        return value
+    ok = (isinstance(value, list) and len(value) == 2
+          and all(isinstance(row, list) and row for row in value)
+          and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
+                  for row in value for n in row))
+    if not ok:
+        raise MsinferError(f"{where}: {value!r} is neither a style ({', '.join(STYLES)}) nor "
+                           f"an in_strategy of two lists of positive integers, e.g. "
+                           f"[[1, 1], [4, 1]]")
+    return tuple(tuple(row) for row in value)
+
+
+def _as_lists(strategy):
+    return [list(row) for row in strategy]
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML that refuses a repeated key instead of silently keeping the last one."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, collections.abc.Hashable):
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r}", key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def load_strategy(path):
+    path = str(path)
+    try:
+        with open(path) as f:
+            raw = yaml.load(f, Loader=_StrictLoader)
+    except OSError as e:
+        raise MsinferError(f"{path}: cannot read strategy file: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise MsinferError(f"{path}: not valid YAML: {e}") from None
+    return Strategy.from_dict(raw, source=path)
