@@ -98,9 +98,11 @@ PROFILES = {
         # MindIE-LLM's Qwen README: Qwen2 runs bfloat16 on 800I A2.
         dtypes=("bfloat16", "float16"),
         dtype_note="msinfer runs the 910B in bfloat16 or float16",
-        # 910B devices of one server are linked by HCCS, which carries device-to-device copies.
+        # The NPUs of one 800I A2 server are linked by HCCS, which carries device-to-device
+        # copies and every HCCL collective (not measured here: no A2 at hand).
         p2p_copy=True,
         hccl_broadcast=True,
+        # The 300I Duo allowance; 65536 - 3416 MiB - 2 GiB is close to MindFormers' 59GB cap.
         runtime_reserve_bytes=2 * GiB,
     ),
     "cpu": HardwareProfile(

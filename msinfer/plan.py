@@ -107,7 +107,7 @@ def make_plan(config, strategy, profile, batch=1, max_len=DEFAULT_MAX_LEN, dtype
     plan.workspace_formula = _workspace_formula(profile, batch // shard.data, max_len)
     plan.collectives_per_token = _collectives(shard, dtype_bytes, batch // shard.data)
     _decode_bound(plan, shard, dtype_bytes)
-    _explain(plan, shard, config, profile)
+    _explain(plan, shard, profile)
     worst = max(plan.devices, key=lambda d: d.total_bytes - d.capacity_bytes)
     if worst.margin_bytes < 0:
         plan.errors.append(_does_not_fit(worst, shard, profile, dtype_bytes, batch, max_len))
@@ -234,7 +234,8 @@ def _decode_bound(plan, shard, dtype_bytes):
     plan.decode_tokens_per_s_bound_short_context = plan.batch * bandwidth / weights_read
 
 
-def _explain(plan, shard, config, profile):
+def _explain(plan, shard, profile):
+    config = shard.config
     checkpoint = dtype_name(config.torch_dtype)
     if checkpoint == "bfloat16" and plan.dtype == "float16":
         plan.warnings.append(
@@ -361,8 +362,8 @@ def format_plan(plan):
             lines.append(f"    {c.kind:<10} x{c.count:<4} {_size(c.payload_bytes):>10} each  "
                          f"({c.where})")
         lines += ["", _wrap("  decode     ", (
-            f"at most {plan.decode_tokens_per_s_bound:.1f} tokens/s at batch {plan.batch} with a full "
-            f"{plan.max_len}-token context ({plan.decode_tokens_per_s_bound_short_context:.1f} "
+            f"at most {plan.decode_tokens_per_s_bound:.1f} tokens/s at batch {plan.batch} with "
+            f"a full {plan.max_len}-token context ({plan.decode_tokens_per_s_bound_short_context:.1f} "
             f"at a short one): each device reads {_size(plan.decode_bytes_per_step)} per step "
             f"at {plan.memory_bandwidth_bytes_per_s / 1e9:.0f} GB/s. A ceiling set by memory "
             f"bandwidth, not a promise."))]

@@ -157,10 +157,10 @@ class ShardPlan:
         kv = config.num_kv_heads
         # KV heads too few to split: each is held, whole, by tensor // kv consecutive ranks.
         self.replicated_kv_heads = attention_split and tensor > kv
-        if not attention_split:
-            self.kv_replicas = tensor
-        else:
+        if attention_split:
             self.kv_replicas = tensor // kv if self.replicated_kv_heads else 1
+        else:
+            self.kv_replicas = tensor  # every rank holds every head
         self.local_kv_heads = kv * self.kv_replicas // tensor
         self.local_heads = config.num_heads // tensor if attention_split else config.num_heads
 

@@ -258,3 +258,13 @@ def test_cli_reads_a_model_directory(monkeypatch, capsys, tmp_path):
     per_layer = (32 * 32 + 32 + 2 * (16 * 32 + 16) + 32 * 32 + 3 * 48 * 32) // 2 + 2 * 32
     assert code == 0
     assert result["devices"][1]["weights_bytes"] == 4 * (64 * 32 // 2 + 2 * per_layer + 32)
+
+
+@pytest.mark.parametrize("name", ["qwen2_tp4.yaml", "qwen2_tp8.yaml"])
+def test_docs_show_the_real_plan_output_for_72b(name):
+    docs = os.path.join(os.path.dirname(STRATEGIES), "docs", "strategies.md")
+    with open(docs) as f:
+        text = f.read()
+    plan = plan_for("qwen2-72b", name)
+    plan.strategy = f"strategies/{name}"  # as run from the repository root
+    assert format_plan(plan) in text
