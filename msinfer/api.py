@@ -8,9 +8,8 @@ import os
 from . import log
 from .config import ModelConfig
 from .errors import MsinferError
+from .plan import DEFAULT_MAX_LEN
 from .sampling import Sampler, SamplingParams
-
-DEFAULT_MAX_LEN = 2048
 
 
 @dataclasses.dataclass

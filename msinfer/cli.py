@@ -12,9 +12,10 @@ from .errors import MsinferError
 
 _SUBCOMMAND_MODULES = (
     "msinfer.generate_cli",
+    "msinfer.launch_cli",
     "msinfer.plan",
-    "msinfer.tiny_model",
     "msinfer.ranktable",
+    "msinfer.tiny_model",
 )
 
 

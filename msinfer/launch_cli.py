@@ -76,10 +76,9 @@ def _parse_generate(rank_args):
 
 
 def _check_plan(args, generate):
-    from .api import DEFAULT_MAX_LEN
     from .config import load_config
     from .hardware import get_profile
-    from .plan import check_plan_or_raise, format_plan
+    from .plan import DEFAULT_MAX_LEN, check_plan_or_raise, format_plan
     from .strategy import load_strategy
 
     strategy = load_strategy(generate.strategy)
