@@ -6,6 +6,7 @@ only assembles them. Modules that need MindSpore import it inside their handlers
 """
 import argparse
 import importlib
+import os
 import sys
 
 from .errors import MsinferError
@@ -29,6 +30,9 @@ def build_parser():
 
 
 def main(argv=None):
+    # MindSpore's own INFO/WARNING lines (plugin probing, cluster chatter) drown msinfer's
+    # progress; keep its errors. GLOG_v is read when MindSpore is imported, so set it first.
+    os.environ.setdefault("GLOG_v", "3")
     args = build_parser().parse_args(argv)
     try:
         return args.func(args) or 0

@@ -127,8 +127,11 @@ def _free_port():
 
 
 def _run(command, timeout):
+    # msrun starts each worker with the `python` found on PATH: make it this interpreter.
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep +
+               os.environ.get("PATH", ""))
     # Own process group, so an interrupt or a timeout takes every rank down with the launcher.
-    process = subprocess.Popen(command, start_new_session=True)
+    process = subprocess.Popen(command, start_new_session=True, env=env)
     try:
         return process.wait(timeout=timeout)
     except (KeyboardInterrupt, subprocess.TimeoutExpired) as stop:

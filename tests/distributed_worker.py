@@ -1,0 +1,77 @@
+"""One rank of a multi-process test job (started by tests/test_distributed.py under mpirun or
+msrun). Runs greedy generation on a batch of prompts, records the logits of the prefill and
+the first decode steps, and writes them with this rank's memory figures to OUT/rank_R.npz.
+
+Test hooks: MSINFER_TEST_KILL_RANK=r makes rank r SIGKILL itself after loading;
+MSINFER_TEST_FAIL_RANK=r makes rank r raise a user error (as a bad file would) after init.
+"""
+import argparse
+import json
+import os
+import resource
+import signal
+import sys
+
+import numpy as np
+
+
+def rss_bytes():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--strategy", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--prompts", required=True, help="JSON list of token-id lists")
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--parallel-mode", default=None)
+    args = p.parse_args()
+    os.environ.setdefault("GLOG_v", "3")
+
+    from msinfer import LLM, MsinferError
+    from msinfer.engine import Sequence
+    from msinfer.parallel_layers import checkpoint_parameters
+
+    baseline = rss_bytes()
+    try:
+        llm = LLM(args.model, strategy=args.strategy, parallel_mode=args.parallel_mode,
+                  max_batch=4, max_len=128)
+        rank = llm.dist.rank
+        if os.environ.get("MSINFER_TEST_FAIL_RANK") == str(rank):
+            raise MsinferError(f"rank {rank}: injected failure (test hook)")
+    except MsinferError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    after_load = rss_bytes()
+    if os.environ.get("MSINFER_TEST_KILL_RANK") == str(rank):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    prompts = json.loads(args.prompts)
+    seqs = [Sequence(list(p), args.new_tokens) for p in prompts]
+    steps = []
+
+    def next_tokens(rows, logits):
+        steps.append(logits.copy())
+        return logits.argmax(-1)
+
+    llm.engine.generate(seqs, next_tokens, lambda row, seq: None)
+    param_bytes = sum(int(np.prod(p.shape)) * 4 for p in checkpoint_parameters(llm.model).values())
+    np.savez(os.path.join(args.out, f"rank_{rank}.npz"),
+             tokens=np.array([s.generated for s in seqs]),
+             logits=np.stack(steps[:9]),
+             world_size=llm.dist.world_size,
+             launcher=llm.dist.launcher,
+             rss_baseline=baseline, rss_after_load=after_load,
+             peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+             param_bytes=param_bytes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
