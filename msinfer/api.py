@@ -5,6 +5,8 @@ Inside each rank of a sharded job the same code runs; every rank returns the sam
 import dataclasses
 import os
 
+import numpy as np
+
 from . import log
 from .config import ModelConfig
 from .errors import MsinferError
@@ -38,7 +40,7 @@ class LLM:
                  max_batch=8, max_len=None, dtype=None, rank_table=None):
         import mindspore as ms
 
-        from .distributed import init_distributed
+        from .distributed import init_distributed, job_seed
         from .engine import Engine, set_graph_mode
         from .hardware import compute_dtype, get_profile
         from .strategy import Strategy, load_strategy
@@ -93,6 +95,8 @@ class LLM:
             parameters, lambda name: (self._slices(name, shapes[name]), shapes[name]))
         self._tokenizer = None
         self._sampler = Sampler()
+        self._seed = job_seed(self.dist)  # for requests without a seed of their own
+        self._requests = 0
 
     def _slices(self, name, full_shape):
         if self.parallel_mode == "explicit" or self.dist.world_size > 1:
@@ -147,7 +151,7 @@ class LLM:
             if not token_lists[-1]:
                 raise MsinferError(f"prompt {i} is empty: give at least one token")
         eos = self.eos_token_ids()
-        generators = [p.new_generator() for p in params]
+        generators = [self._generator(p) for p in params]
         sequences = [Sequence(ids, p.max_tokens) for ids, p in zip(token_lists, params)]
 
         def next_tokens(rows, logits):
@@ -164,6 +168,13 @@ class LLM:
 
         self.engine.generate(sequences, next_tokens, is_finished)
         return [self._output(text, seq, p, eos) for text, seq, p in zip(texts, sequences, params)]
+
+    def _generator(self, params):
+        self._requests += 1
+        if params.seed is not None:
+            return params.new_generator()
+        # Every rank sees the same requests in the same order: the same stream everywhere.
+        return np.random.default_rng((self._seed, self._requests))
 
     def _output(self, prompt_text, seq, params, eos):
         ids = list(seq.generated)

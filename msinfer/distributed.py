@@ -151,3 +151,28 @@ def _use_rank_table(path):
     import mindspore as ms
     ms.set_device("Ascend", device.device_id)
     return device.device_id
+
+
+def job_seed(info):
+    """A random seed that every rank of the job agrees on (rank 0's, shared by AllReduce).
+
+    Requests without a seed still have to sample the same token on every rank, or the ranks
+    would feed different ids into the next step's collectives."""
+    import numpy as np
+
+    seed = int.from_bytes(os.urandom(3), "little")  # < 2**24: exact in float32
+    if info.world_size == 1:
+        return seed
+    from mindspore import Tensor, nn, ops
+
+    class Share(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.all_reduce = ops.AllReduce()
+
+        def construct(self, x):
+            return self.all_reduce(x)
+
+    # float32: MindSpore's CPU AllReduce takes no int32
+    mine = np.array([seed if info.rank == 0 else 0], np.float32)
+    return int(Share()(Tensor(mine)).asnumpy()[0])

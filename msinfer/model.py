@@ -153,13 +153,8 @@ class Qwen2ForCausalLM(nn.Cell):
         self.layers = nn.CellList([DecoderLayer(ctx, i, config, max_batch, max_len)
                                    for i in range(config.num_layers)])
         self.norm = RMSNorm(ctx, "model.norm", config.rms_norm_eps)
-        if config.tie_word_embeddings:
-            # The embedding's slice serves as the lm_head's: vocab rows split alike.
-            style = "colwise_gather" if self.embed_tokens.style == "vocab" else "replicate"
-            self.lm_head = ParallelLinear(ctx, "lm_head", style=style,
-                                          weight=self.embed_tokens.weight)
-        else:
-            self.lm_head = ParallelLinear(ctx, "lm_head")
+        tied = self.embed_tokens.weight if config.tie_word_embeddings else None
+        self.lm_head = ParallelLinear(ctx, "lm_head", weight=tied)
         cos, sin = rotary_tables(config.head_dim, config.rope_theta, max_len)
         self.cos = Tensor(cos, ctx.dtype)
         self.sin = Tensor(sin, ctx.dtype)

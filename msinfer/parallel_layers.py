@@ -58,9 +58,10 @@ class ParallelContext:
 class ParallelLinear(nn.Cell):
     """y = x @ W.T (+ b), W stored (out, in) as in the checkpoint, split per the plan."""
 
-    def __init__(self, ctx, name, bias=False, style=None, weight=None):
+    def __init__(self, ctx, name, bias=False, weight=None):
+        """`weight`: an existing parameter to share (the tied lm_head uses the embedding's)."""
         super().__init__()
-        self.style = style or ctx.plan.style(name + ".weight")
+        self.style = ctx.plan.style(name + ".weight")
         self.weight = weight if weight is not None else ctx.new_parameter(name + ".weight")
         self.checkpoint_names = {} if weight is not None else {name + ".weight": self.weight}
         self.bias = None
@@ -76,11 +77,9 @@ class ParallelLinear(nn.Cell):
             self.gather = ctx.all_gather()
             self.tensor = ctx.plan.tensor
         if ctx.mode == "semi_auto":
-            in_strategy = ctx.plan.in_strategy(name + ".weight")
-            self.matmul.shard(in_strategy)
+            self.matmul.shard(ctx.plan.in_strategy(name + ".weight"))
             if bias:
-                out_split = in_strategy[1][0]
-                self.add.shard(((in_strategy[0][0], out_split), (out_split,)))
+                self.add.shard(ctx.plan.in_strategy(name + ".bias"))
 
     def construct(self, x):
         y = self.matmul(x, self.weight)

@@ -165,11 +165,18 @@ class ShardPlan:
         self.local_heads = config.num_heads // tensor if attention_split else config.num_heads
 
     def _check(self, name):
-        if name not in self._shapes:
+        if name not in self._shapes and not self._tied_lm_head(name):
             raise MsinferError(f"{name!r} is not a parameter of {self.config.source}")
 
+    def _tied_lm_head(self, name):
+        return name == "lm_head.weight" and self.config.tie_word_embeddings
+
     def style(self, name):
+        """The split of a checkpoint tensor. With tied embeddings the lm_head reuses the
+        embedding's slice: vocab rows split (colwise_gather) or whole (replicate)."""
         self._check(name)
+        if self._tied_lm_head(name):
+            return _TIED_SPLIT[self.styles["model.embed_tokens"]]
         return self.styles[_module(name)]
 
     def slices(self, name, tensor_rank):

@@ -48,7 +48,7 @@ def case(request, tmp_path_factory):
     return request.param, config, llm, hf.eval()
 
 
-def run_greedy_capturing_logits(llm, prompts):
+def run_greedy_capturing_logits(engine, prompts):
     seqs = [Sequence(list(p), NEW_TOKENS) for p in prompts]
     steps = []
 
@@ -56,7 +56,7 @@ def run_greedy_capturing_logits(llm, prompts):
         steps.append((list(rows), logits.copy()))
         return logits.argmax(-1)
 
-    llm.engine.generate(seqs, next_tokens, lambda row, seq: None)
+    engine.generate(seqs, next_tokens, lambda row, seq: None)
     return seqs, steps
 
 
@@ -68,7 +68,7 @@ def hf_logits(hf, ids):
 def test_logits_and_32_greedy_tokens_match_transformers(case):
     name, config, llm, hf = case
     prompts = prompts_for(config.vocab_size)
-    seqs, steps = run_greedy_capturing_logits(llm, prompts)
+    seqs, steps = run_greedy_capturing_logits(llm.engine, prompts)
     for row, (prompt, seq) in enumerate(zip(prompts, seqs)):
         assert len(seq.generated) == NEW_TOKENS
         reference = hf_logits(hf, prompt + seq.generated)
@@ -104,3 +104,35 @@ def test_prompts_of_five_lengths_in_one_bucket_compile_no_new_graph(case):
     # A longer prompt lands in the next bucket: exactly one more prefill graph.
     llm.generate([list(range(1, 30))], params)
     assert llm.compilations == compiled + 1
+
+
+def test_semi_auto_model_with_tp4_shard_annotations_matches_hf_standalone(tmp_path):
+    """The semi_auto model (full-shape parameters, shard() on every primitive from the tp4
+    plan) runs stand-alone, where MindSpore ignores shard(): it must still be Qwen2."""
+    import mindspore as ms
+
+    from msinfer.engine import Engine, set_graph_mode
+    from msinfer.parallel_layers import ParallelContext, checkpoint_parameters
+    from msinfer.model import Qwen2ForCausalLM
+    from msinfer.strategy import Strategy
+    from msinfer.weights import Checkpoint
+
+    config = make_tiny_model(str(tmp_path), layers=2, hidden=64, heads=4, kv_heads=4,
+                             vocab=384, tie=True, seed=4)
+    plan = Strategy.default(tensor=4, parallel_mode="semi_auto").resolve(config)
+    set_graph_mode("CPU")
+    ctx = ParallelContext(config=config, plan=plan, mode="semi_auto", dtype=ms.float32)
+    model = Qwen2ForCausalLM(config, ctx, max_batch=4, max_len=128)
+    assert model.lm_head.matmul.in_strategy == ((1, 1), (4, 1))
+    assert model.layers[0].self_attn.o_proj.matmul.in_strategy == ((1, 4), (1, 4))
+    shapes = config.parameter_shapes()
+    Checkpoint(str(tmp_path)).load_into(
+        checkpoint_parameters(model),
+        lambda name: (tuple(slice(0, n) for n in shapes[name]), shapes[name]))
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    prompts = prompts_for(config.vocab_size, seed=9)
+    seqs, steps = run_greedy_capturing_logits(Engine(model, 4, 128), prompts)
+    for row, (prompt, seq) in enumerate(zip(prompts, seqs)):
+        expected = hf_logits(hf.eval(), prompt + seq.generated)[len(prompt) - 1:][:NEW_TOKENS]
+        assert seq.generated == expected.argmax(-1).tolist()
+        assert np.abs(steps[0][1][row] - expected[0]).max() < TOLERANCE

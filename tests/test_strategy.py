@@ -343,3 +343,16 @@ def test_unknown_parameter_name_is_refused():
     with pytest.raises(MsinferError, match="'model.layers.9.mlp.up_proj.weight' is not a "
                                            "parameter of tiny"):
         plan.style("model.layers.9.mlp.up_proj.weight")
+
+
+def test_tied_lm_head_reuses_the_embedding_split():
+    tied = tiny(tie=True)
+    vocab = Strategy.default(tensor=4).resolve(tied)
+    assert vocab.style("lm_head.weight") == "colwise_gather"
+    assert vocab.in_strategy("lm_head.weight") == ((1, 1), (4, 1))
+    rules = dict(TENSOR_PARALLEL_RULES, **{"model.embed_tokens": "replicate",
+                                           "lm_head": "replicate"})
+    whole = Strategy(world_size=4, tensor=4, rules=rules).resolve(tied)
+    assert whole.style("lm_head.weight") == "replicate"
+    with pytest.raises(MsinferError, match="lm_head.bias"):
+        Strategy.default(tensor=4).resolve(tiny(tie=False)).style("lm_head.bias")
