@@ -8,12 +8,14 @@ starts. Every rank then runs `python -m msinfer generate ...`; mpirun brings the
 down as soon as one rank exits with an error.
 """
 import os
+import re
 import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 
 from .errors import MsinferError
 
@@ -126,14 +128,35 @@ def _free_port():
         return s.getsockname()[1]
 
 
+# MindSpore's cluster code logs INFO lines at exit whatever GLOG_v says; below the level the
+# user asked for, they are dropped on the way through.
+_MINDSPORE_CHATTER = re.compile(r"^\[(INFO|WARNING|DEBUG)\] [A-Z_]+\(\d+,")
+
+
+def _pump(source, sink):
+    quiet = os.environ.get("GLOG_v", "2") >= "3"
+    for line in source:
+        if not (quiet and _MINDSPORE_CHATTER.match(line)):
+            sink.write(line)
+            sink.flush()
+
+
 def _run(command, timeout):
     # msrun starts each worker with the `python` found on PATH: make it this interpreter.
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep +
                os.environ.get("PATH", ""))
     # Own process group, so an interrupt or a timeout takes every rank down with the launcher.
-    process = subprocess.Popen(command, start_new_session=True, env=env)
+    process = subprocess.Popen(command, start_new_session=True, env=env, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    pumps = [threading.Thread(target=_pump, args=(process.stdout, sys.stdout), daemon=True),
+             threading.Thread(target=_pump, args=(process.stderr, sys.stderr), daemon=True)]
+    for pump in pumps:
+        pump.start()
     try:
-        return process.wait(timeout=timeout)
+        code = process.wait(timeout=timeout)
+        for pump in pumps:
+            pump.join(timeout=5)
+        return code
     except (KeyboardInterrupt, subprocess.TimeoutExpired) as stop:
         os.killpg(process.pid, signal.SIGTERM)
         try:

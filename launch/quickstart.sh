@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The README's first command: set everything up on a fresh Debian/Ubuntu machine, then run
+# the main job, a four-rank sharded Qwen2 generation under mpirun on a small model it makes.
+#
+#   1. OpenMPI (Debian packages openmpi-bin, libopenmpi-dev) when mpirun or mpicc is missing;
+#   2. a virtualenv in .venv with msinfer and its test tools (MindSpore is about 2.5 GB);
+#   3. models/tiny-qwen2: a random-weight Qwen2 checkpoint in Hugging Face layout;
+#   4. `msinfer launch --nproc 4`: plan check, then four ranks each holding a quarter of it.
+# Safe to run again: finished steps are skipped.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+
+if ! command -v mpirun >/dev/null || ! command -v mpicc >/dev/null; then
+  echo "== installing OpenMPI (Debian packages)"
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  echo "== creating .venv"
+  if ! python3 -m venv .venv; then
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv python3-dev
+    python3 -m venv .venv
+  fi
+fi
+if ! .venv/bin/python -c "import msinfer, mindspore, mpi4py, torch, transformers" 2>/dev/null; then
+  echo "== installing msinfer and its dependencies into .venv (MindSpore is about 2.5 GB)"
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e ".[test]"
+fi
+
+MODEL=models/tiny-qwen2
+if [ ! -f "$MODEL/config.json" ]; then
+  echo "== making $MODEL (random weights, trained tokenizer)"
+  .venv/bin/msinfer make-tiny-model "$MODEL" --layers 4 --hidden 256 --heads 8 --kv-heads 2 \
+    --vocab 2048 --seed 0
+fi
+
+echo "== main job: 4 ranks under mpirun, strategies/qwen2_tp4.yaml"
+.venv/bin/msinfer launch --nproc 4 --strategy strategies/qwen2_tp4.yaml -- \
+  generate --model "$MODEL" --prompt "The capital of France is" \
+  --prompt "Tensor parallelism splits each layer" --max-tokens 24 --max-len 256
