@@ -40,7 +40,7 @@ class LLM:
                  max_batch=8, max_len=None, dtype=None, rank_table=None):
         import mindspore as ms
 
-        from .distributed import init_distributed, job_seed
+        from .distributed import init_distributed, job_seed, tensor_group
         from .engine import Engine, set_graph_mode
         from .hardware import compute_dtype, get_profile
         from .strategy import Strategy, load_strategy
@@ -69,10 +69,6 @@ class LLM:
                     model_dir, self.config.num_layers, self.config.hidden_size,
                     self.config.num_heads, self.config.num_kv_heads, _describe(self.plan),
                     self.parallel_mode, dtype_name, self.dtype_reason)
-        if self.plan.data > 1:
-            raise MsinferError(
-                f"{self.strategy.source}: data={self.plan.data}: the runtime executes tensor "
-                "parallelism; run data-parallel replicas as separate jobs")
         if self.parallel_mode == "semi_auto" and self.dist.world_size > 1:
             ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", full_batch=True,
                                          device_num=self.dist.world_size)
@@ -81,8 +77,13 @@ class LLM:
         from .parallel_layers import ParallelContext, checkpoint_parameters
         from .weights import Checkpoint
 
+        # Explicit data parallelism: each replica runs its share of the prompts with its own
+        # tensor group; semi_auto splits the batch inside MindSpore (full_batch) instead.
+        self.replicas = self.plan.data if self.parallel_mode == "explicit" else 1
+        group = tensor_group(self.dist, self.plan) if self.replicas > 1 else None
         ctx = ParallelContext(config=self.config, plan=self.plan, mode=self.parallel_mode,
-                              tensor_rank=self.tensor_rank, dtype=getattr(ms, dtype_name))
+                              tensor_rank=self.tensor_rank, group=group,
+                              dtype=getattr(ms, dtype_name))
         self.model = Qwen2ForCausalLM(self.config, ctx, max_batch, max_len)
         self.engine = Engine(self.model, max_batch, max_len)
         shapes = self.config.parameter_shapes()
@@ -153,21 +154,48 @@ class LLM:
         eos = self.eos_token_ids()
         generators = [self._generator(p) for p in params]
         sequences = [Sequence(ids, p.max_tokens) for ids, p in zip(token_lists, params)]
+        for seq in sequences:  # refuse before any replica starts
+            self.engine.check_fits(len(seq.prompt), seq.max_tokens)
+        # With data replicas, replica d runs prompts d, d + data, ...; then all exchange.
+        mine = list(range(self.plan.data_rank(self.dist.rank) if self.replicas > 1 else 0,
+                          len(sequences), self.replicas))
 
         def next_tokens(rows, logits):
-            return self._sampler(logits, [params[r] for r in rows],
-                                 [generators[r] for r in rows])
+            return self._sampler(logits, [params[mine[r]] for r in rows],
+                                 [generators[mine[r]] for r in rows])
 
         def is_finished(row, seq):
-            p, token = params[row], seq.generated[-1]
+            p, token = params[mine[row]], seq.generated[-1]
             if (token in eos and not p.ignore_eos) or token in p.stop_token_ids:
                 return "stop"
             if p.stop and _stop_index(self.tokenizer, seq.generated, p.stop) is not None:
                 return "stop"
             return None
 
-        self.engine.generate(sequences, next_tokens, is_finished)
+        self.engine.generate([sequences[i] for i in mine], next_tokens, is_finished)
+        if self.replicas > 1:
+            self._exchange(sequences, max(p.max_tokens for p in params))
         return [self._output(text, seq, p, eos) for text, seq, p in zip(texts, sequences, params)]
+
+    def _exchange(self, sequences, max_tokens):
+        """Give every rank every replica's results: one AllGather over the job of fixed-size
+        rows [prompt index, finished as "stop", count, tokens...] (float32 holds ids < 2**24
+        exactly)."""
+        from .distributed import all_gather_rows
+
+        replica = self.plan.data_rank(self.dist.rank)
+        per_replica = -(-len(sequences) // self.replicas)
+        rows = np.full((per_replica, 3 + max_tokens), -1, np.float32)
+        for slot, index in enumerate(range(replica, len(sequences), self.replicas)):
+            seq = sequences[index]
+            rows[slot, :3] = index, seq.finish_reason == "stop", len(seq.generated)
+            rows[slot, 3:3 + len(seq.generated)] = seq.generated
+        everyone = all_gather_rows(rows).reshape(self.dist.world_size, per_replica, -1)
+        for row in everyone[::self.plan.tensor].reshape(-1, rows.shape[1]):  # one rank each
+            if row[0] >= 0:
+                seq = sequences[int(row[0])]
+                seq.generated = row[3:3 + int(row[2])].astype(np.int64).tolist()
+                seq.finish_reason = "stop" if row[1] else "length"
 
     def _generator(self, params):
         self._requests += 1

@@ -176,3 +176,33 @@ def job_seed(info):
     # float32: MindSpore's CPU AllReduce takes no int32
     mine = np.array([seed if info.rank == 0 else 0], np.float32)
     return int(Share()(Tensor(mine)).asnumpy()[0])
+
+
+def tensor_group(info, plan):
+    """Create and name the communication group of this rank's tensor-parallel peers.
+
+    None when the tensor group is the whole job (data = 1), or when there is nothing to
+    communicate (tensor = 1). Ranks of one tensor group are consecutive."""
+    if plan.data == 1 or plan.tensor == 1:
+        return None
+    from mindspore.communication import create_group
+
+    replica = plan.data_rank(info.rank)
+    name = f"msinfer_tensor_{replica}"
+    create_group(name, list(range(replica * plan.tensor, (replica + 1) * plan.tensor)))
+    return name
+
+
+def all_gather_rows(rows):
+    """Every rank's (n, width) float32 array stacked in rank order, on every rank."""
+    from mindspore import Tensor, nn, ops
+
+    class Gather(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.all_gather = ops.AllGather()
+
+        def construct(self, x):
+            return self.all_gather(x)
+
+    return Gather()(Tensor(rows)).asnumpy()

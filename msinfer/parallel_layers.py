@@ -54,6 +54,13 @@ class ParallelContext:
     def all_gather(self):
         return ops.AllGather(group=self.group) if self.group else ops.AllGather()
 
+    @property
+    def gather_by_all_reduce(self):
+        """MindSpore's CPU backend runs AllGather on the world group only; in a sub-group
+        (data replicas) a gather is an AllReduce of zero-padded blocks instead."""
+        import mindspore as ms
+        return self.group is not None and ms.get_context("device_target") == "CPU"
+
 
 class ParallelLinear(nn.Cell):
     """y = x @ W.T (+ b), W stored (out, in) as in the checkpoint, split per the plan."""
@@ -74,8 +81,10 @@ class ParallelLinear(nn.Cell):
         if ctx.explicit_collectives and self.style == "rowwise":
             self.reduce = ctx.all_reduce()
         if ctx.explicit_collectives and self.style == "colwise_gather":
-            self.gather = ctx.all_gather()
             self.tensor = ctx.plan.tensor
+            self.tensor_rank = ctx.tensor_rank
+            self.gather_by_all_reduce = ctx.gather_by_all_reduce
+            self.gather = ctx.all_reduce() if self.gather_by_all_reduce else ctx.all_gather()
         if ctx.mode == "semi_auto":
             self.matmul.shard(ctx.plan.in_strategy(name + ".weight"))
             if bias:
@@ -87,7 +96,11 @@ class ParallelLinear(nn.Cell):
             y = self.add(y, self.bias)
         if self.reduce is not None:
             y = self.reduce(y)
-        if self.gather is not None:
+        if self.gather is not None and self.gather_by_all_reduce:
+            zeros = ops.zeros_like(y)
+            blocks = [y if r == self.tensor_rank else zeros for r in range(self.tensor)]
+            y = self.gather(ops.concat(blocks, 1))
+        elif self.gather is not None:
             # AllGather stacks the ranks' (rows, vocab/tp) blocks along dim 0; put them side
             # by side so column block r holds vocab rows [r*V/tp, (r+1)*V/tp).
             rows, cols = y.shape

@@ -134,10 +134,12 @@ def test_tp2_under_msrun_matches_hf_with_tied_embeddings(models, tmp_path):
     check_ranks_against_hf(tmp_path, 2, hf, "msrun")
 
 
-def test_msinfer_launch_tp4_prints_rank0_results_identical_to_hf_greedy(models, tmp_path):
+def test_msinfer_launch_dp2_tp2_prints_rank0_results_identical_to_hf_greedy(models, tmp_path):
+    """Two data replicas of two tensor ranks: replica 0 runs prompts 0 and 2, replica 1
+    prompt 1, each in its own tensor group; rank 0 prints all three."""
     model_dir, hf = models["tied"]
     cmd = [sys.executable, "-m", "msinfer", "launch", "--nproc", "4",
-           "--strategy", os.path.join(STRATEGIES, "qwen2_tp4.yaml"), "--",
+           "--strategy", os.path.join(STRATEGIES, "qwen2_dp2_tp2.yaml"), "--",
            "generate", "--model", model_dir, "--max-tokens", str(NEW_TOKENS), "--ignore-eos",
            "--max-len", "128", "--json"]
     for prompt in PROMPTS:
