@@ -48,6 +48,17 @@ def mpi_world():
     return None
 
 
+def processes_on_host():
+    """How many ranks of this job share this host (1 when started alone)."""
+    env = os.environ
+    for key in ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
+        if env.get(key, "").isdigit():
+            return int(env[key])
+    if env.get("MS_ROLE") and env.get("MS_WORKER_NUM", "").isdigit():
+        return int(env["MS_WORKER_NUM"])  # msrun on one host (its default)
+    return 1
+
+
 def detect_launcher(device_target, rank_table=None):
     if os.environ.get("MS_ROLE") and os.environ.get("MS_WORKER_NUM"):
         return "msrun"
