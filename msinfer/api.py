@@ -40,8 +40,8 @@ class LLM:
                  max_batch=8, max_len=None, dtype=None, rank_table=None):
         import mindspore as ms
 
-        from .distributed import init_distributed, job_seed, processes_on_host, tensor_group
-        from .engine import Engine, set_graph_mode
+        from .distributed import init_distributed, job_seed, tensor_group
+        from .engine import Engine
         from .hardware import compute_dtype, get_profile
         from .strategy import Strategy, load_strategy
 
@@ -58,7 +58,6 @@ class LLM:
             raise MsinferError(f"max_len {max_len} exceeds the model's "
                                f"max_position_embeddings {self.config.max_position_embeddings}")
 
-        set_graph_mode(self.profile.device_target, processes_on_host())
         self.dist = init_distributed(self.profile.device_target, self.strategy.world_size,
                                      rank_table)
         if self.dist.world_size == 1:

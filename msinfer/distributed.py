@@ -70,10 +70,12 @@ def detect_launcher(device_target, rank_table=None):
 
 
 def init_distributed(device_target, expected_world_size=1, rank_table=None):
-    """Start communication for this process and return who it is.
+    """Set up this process's device (GRAPH_MODE) and communication; return who it is.
 
-    Checks that the world size equals the strategy's (`expected_world_size`) and raises a
-    clear MsinferError when not, before any model is built.
+    The launcher decides the device id (rank table, msrun's DEVICE_ID), and MindSpore takes
+    the device only once, so the device is set here, between preparing the environment and
+    `init()`. Checks that the world size equals the strategy's (`expected_world_size`) and
+    raises a clear MsinferError when not, before any model is built.
     """
     rank_table = rank_table or os.environ.get("MSINFER_RANK_TABLE")
     launcher = detect_launcher(device_target, rank_table)
@@ -83,16 +85,19 @@ def init_distributed(device_target, expected_world_size=1, rank_table=None):
                 f"the strategy needs {expected_world_size} processes but this one was started "
                 f"alone; start it with `msinfer launch --nproc {expected_world_size}`, mpirun "
                 "or msrun")
+        set_graph_mode(device_target)
         return DistInfo(rank=0, world_size=1, launcher="single")
 
     from mindspore.communication import get_group_size, get_rank, init
-    device_id = 0
+    sharing = processes_on_host()
     if launcher == "mpirun-bridge":
         _join_dynamic_cluster()
     elif launcher in ("mpirun-ranktable", "rank-table-process"):
-        device_id = _use_rank_table(rank_table)
+        _use_rank_table(rank_table)
     elif launcher == "mpirun-native":
         os.environ.pop("RANK_TABLE_FILE", None)  # MindSpore's mpirun mode must not see one
+    device_id = int(os.environ.get("DEVICE_ID", 0))
+    set_graph_mode(device_target, device_id, sharing)
     init()
     info = DistInfo(rank=get_rank(), world_size=get_group_size(), launcher=launcher,
                     device_id=device_id)
@@ -103,6 +108,26 @@ def init_distributed(device_target, expected_world_size=1, rank_table=None):
             f"{info.world_size} processes ({launcher}); start {expected_world_size} ranks")
     log.get().info("joined %d-rank job via %s", info.world_size, launcher)
     return info
+
+
+def set_graph_mode(device_target, device_id=0, processes_on_host=1):
+    """GRAPH_MODE on the device; on CPU, share the host's cores among its ranks.
+
+    MindSpore's CPU kernels default to a pool of 25-30 threads per process: on a small host,
+    and worse with several ranks on it, they then fight over cores. MSINFER_CPU_THREADS
+    overrides the share."""
+    import mindspore as ms
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device(device_target, device_id)
+    if device_target != "CPU":
+        return
+    from mindspore._c_expression import RuntimeConf
+    if RuntimeConf.get_instance().is_op_threads_num_configured():
+        return  # once per process: a second LLM in the same process keeps the first's
+    cores = len(os.sched_getaffinity(0))
+    threads = int(os.environ.get("MSINFER_CPU_THREADS", max(1, cores // processes_on_host)))
+    ms.device_context.cpu.op_tuning.threads_num(threads)
 
 
 def _scrub_mpi_environment():
@@ -159,9 +184,6 @@ def _use_rank_table(path):
                       DEVICE_ID=str(device.device_id))
     if world:
         os.environ["RANK_SIZE"] = str(world[1])
-    import mindspore as ms
-    ms.set_device("Ascend", device.device_id)
-    return device.device_id
 
 
 def job_seed(info):

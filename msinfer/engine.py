@@ -11,7 +11,6 @@ import time
 
 import numpy as np
 from mindspore import Tensor
-import mindspore as ms
 
 from . import log
 from .errors import MsinferError
@@ -159,23 +158,3 @@ class Engine:
         self.prefill_step.compile(*self._prefill_inputs(
             np.zeros((1, self.prefill_buckets[0]), np.int32), ones))
         self.decode_step.compile(*self._decode_inputs(np.zeros(1, np.int64), ones, 1))
-
-
-def set_graph_mode(device_target, processes_on_host=1):
-    """GRAPH_MODE on the device; on CPU, share the host's cores among its ranks.
-
-    MindSpore's CPU kernels default to a pool of 25-30 threads per process: on a small host,
-    and worse with several ranks on it, they then fight over cores. MSINFER_CPU_THREADS
-    overrides the share."""
-    import os
-
-    ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_device(device_target)
-    if device_target != "CPU":
-        return
-    from mindspore._c_expression import RuntimeConf
-    if RuntimeConf.get_instance().is_op_threads_num_configured():
-        return  # once per process: a second LLM in the same process keeps the first's
-    cores = len(os.sched_getaffinity(0))
-    threads = int(os.environ.get("MSINFER_CPU_THREADS", max(1, cores // processes_on_host)))
-    ms.device_context.cpu.op_tuning.threads_num(threads)

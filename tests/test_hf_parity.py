@@ -111,7 +111,8 @@ def test_semi_auto_model_with_tp4_shard_annotations_matches_hf_standalone(tmp_pa
     plan) runs stand-alone, where MindSpore ignores shard(): it must still be Qwen2."""
     import mindspore as ms
 
-    from msinfer.engine import Engine, set_graph_mode
+    from msinfer.distributed import set_graph_mode
+    from msinfer.engine import Engine
     from msinfer.parallel_layers import ParallelContext, checkpoint_parameters
     from msinfer.model import Qwen2ForCausalLM
     from msinfer.strategy import Strategy
