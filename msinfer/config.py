@@ -179,4 +179,7 @@ def load_config(model):
     """A model directory or a preset name."""
     if model in PRESETS:
         return dataclasses.replace(PRESETS[model], source=model)
+    if not os.path.isdir(model):
+        raise MsinferError(f"{model}: no such model directory, and not a built-in model "
+                           f"({', '.join(PRESETS)})")
     return ModelConfig.from_model_dir(model)
