@@ -47,10 +47,15 @@ class Sequence:
 
 
 class Engine:
-    def __init__(self, model, max_batch, max_len, prefill_buckets=None, context_buckets=None):
+    def __init__(self, model, max_batch, max_len, prefill_buckets=None, context_buckets=None,
+                 max_prefill_tokens=1024):
         self.model = model
         self.max_batch = max_batch
         self.max_len = max_len
+        # A compiled graph keeps its activation memory (on CPU, for every layer at once), so
+        # prefill runs at most this many (padded) tokens per call: several rows of short
+        # prompts together, long prompts a row at a time.
+        self.max_prefill_tokens = max_prefill_tokens
         self.kv_heads = model.kv_heads
         self.batch_buckets = power_of_two_buckets(1, max_batch)
         self.prefill_buckets = prefill_buckets or power_of_two_buckets(min(16, max_len), max_len)
@@ -127,13 +132,19 @@ class Engine:
         ids = np.zeros((batch, seq_len), np.int32)
         for i, s in enumerate(seqs):
             ids[i, :len(s.prompt)] = s.prompt
-        return self.prefill_step(*self._prefill_inputs(ids, lengths)).asnumpy()
+        rows = max(b for b in self.batch_buckets
+                   if b <= batch and (b == 1 or b * seq_len <= self.max_prefill_tokens))
+        return np.concatenate([
+            self.prefill_step(*self._prefill_inputs(ids[first:first + rows],
+                                                    lengths[first:first + rows], first))
+            .asnumpy() for first in range(0, batch, rows)])
 
-    def _prefill_inputs(self, ids, lengths):
+    def _prefill_inputs(self, ids, lengths, first_row=0):
+        """Inputs of one prefill call for cache rows first_row .. first_row + len(ids) - 1."""
         batch, seq_len = ids.shape
         last_index = np.stack([np.arange(batch), lengths - 1], axis=1).astype(np.int32)
-        b, h, s = np.meshgrid(np.arange(batch), np.arange(self.kv_heads), np.arange(seq_len),
-                              indexing="ij")
+        b, h, s = np.meshgrid(np.arange(first_row, first_row + batch), np.arange(self.kv_heads),
+                              np.arange(seq_len), indexing="ij")
         cache_index = np.stack([b, h, s], axis=-1).reshape(-1, 3).astype(np.int32)
         causal = np.triu(np.full((seq_len, seq_len), _MASKED, np.float32), k=1)
         return Tensor(ids), Tensor(last_index), Tensor(cache_index), Tensor(causal)

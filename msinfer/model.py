@@ -78,8 +78,14 @@ class Attention(nn.Cell):
 
     def _attend(self, q, k, v, mask):
         """q: (B, kv, rows, D) with rows = groups*queries; k, v: (B, kv, T, D)."""
-        scores = ops.BatchMatMul(transpose_b=True)(q, k).astype(ms.float32) * self.scale
-        probs = ops.softmax(scores + mask, -1).astype(v.dtype)
+        # The scores are the big tensors here (rows x T): scale q instead, and cast only
+        # where the compute dtype is not float32 already (decided when the graph compiles).
+        scores = ops.BatchMatMul(transpose_b=True)(q * self.scale, k)
+        if scores.dtype != ms.float32:
+            scores = scores.astype(ms.float32)
+        probs = ops.softmax(scores + mask, -1)
+        if probs.dtype != v.dtype:
+            probs = probs.astype(v.dtype)
         return ops.BatchMatMul()(probs, v)
 
     def prefill(self, x, batch, seq, cos, sin, mask, cache_index):

@@ -137,3 +137,21 @@ def test_semi_auto_model_with_tp4_shard_annotations_matches_hf_standalone(tmp_pa
         expected = hf_logits(hf.eval(), prompt + seq.generated)[len(prompt) - 1:][:NEW_TOKENS]
         assert seq.generated == expected.argmax(-1).tolist()
         assert np.abs(steps[0][1][row] - expected[0]).max() < TOLERANCE
+
+
+def test_prefill_split_into_single_row_calls_gives_the_same_logits(case):
+    """A token budget of one padded prompt per call: each row is prefilled alone into its own
+    cache row, and decoding the batch together still matches transformers."""
+    name, config, llm, hf = case
+    prompts = prompts_for(config.vocab_size, seed=11)
+    budget = llm.engine.max_prefill_tokens
+    llm.engine.max_prefill_tokens = 32  # the 23-token prompt pads to 32: one row per call
+    try:
+        seqs, steps = run_greedy_capturing_logits(llm.engine, prompts)
+    finally:
+        llm.engine.max_prefill_tokens = budget
+    for row, (prompt, seq) in enumerate(zip(prompts, seqs)):
+        expected = hf_logits(hf, prompt + seq.generated)[len(prompt) - 1:][:NEW_TOKENS]
+        assert seq.generated == expected.argmax(-1).tolist()
+        ours = np.stack([logits[rows.index(row)] for rows, logits in steps[:3]])
+        assert np.abs(ours - expected[:3]).max() < TOLERANCE
