@@ -77,7 +77,8 @@ def init_distributed(device_target, expected_world_size=1, rank_table=None):
     `init()`. Checks that the world size equals the strategy's (`expected_world_size`) and
     raises a clear MsinferError when not, before any model is built.
     """
-    rank_table = rank_table or os.environ.get("MSINFER_RANK_TABLE")
+    rank_table = (rank_table or os.environ.get("MSINFER_RANK_TABLE")
+                  or os.environ.get("RANK_TABLE_FILE"))
     launcher = detect_launcher(device_target, rank_table)
     if launcher == "single":
         if expected_world_size != 1:
