@@ -145,9 +145,9 @@ class Engine:
         last_index = np.stack([np.arange(batch), lengths - 1], axis=1).astype(np.int32)
         b, h, s = np.meshgrid(np.arange(first_row, first_row + batch), np.arange(self.kv_heads),
                               np.arange(seq_len), indexing="ij")
-        cache_index = np.stack([b, h, s], axis=-1).reshape(-1, 3).astype(np.int32)
+        cache_rows = self._cache_rows(b, h, s)
         causal = np.triu(np.full((seq_len, seq_len), _MASKED, np.float32), k=1)
-        return Tensor(ids), Tensor(last_index), Tensor(cache_index), Tensor(causal)
+        return Tensor(ids), Tensor(last_index), Tensor(cache_rows), Tensor(causal)
 
     def decode(self, tokens, positions, batch):
         return self.decode_step(*self._decode_inputs(tokens, positions, batch)).asnumpy()
@@ -155,11 +155,19 @@ class Engine:
     def _decode_inputs(self, tokens, positions, batch):
         context = bucket_for(int(positions.max()) + 1, self.context_buckets)
         b, h = np.meshgrid(np.arange(batch), np.arange(self.kv_heads), indexing="ij")
-        cache_index = np.stack([b, h, positions[b]], axis=-1).reshape(-1, 3).astype(np.int32)
+        cache_rows = self._cache_rows(b, h, positions[b])
+        b, h, t = np.meshgrid(np.arange(batch), np.arange(self.kv_heads), np.arange(context),
+                              indexing="ij")
+        context_rows = self._cache_rows(b, h, t)
         visible = np.arange(context)[None, :] <= positions[:, None]
         mask = np.where(visible, 0.0, _MASKED).astype(np.float32)
         return (Tensor(tokens.astype(np.int32)), Tensor(positions.astype(np.int32)),
-                Tensor(cache_index), Tensor(mask))
+                Tensor(cache_rows), Tensor(context_rows), Tensor(mask))
+
+    def _cache_rows(self, batch_row, kv_head, position):
+        """Row of each (batch row, KV head, position) in the flattened caches (see model)."""
+        rows = (batch_row * self.kv_heads + kv_head) * self.max_len + position
+        return rows.reshape(-1).astype(np.int32)
 
     def compile_for_layouts(self):
         """Compile the smallest prefill and decode graphs without running them. Under

@@ -7,11 +7,12 @@ norm, lm_head (tied to the embedding when the config says so). Sharding lives in
 its (possibly sharded) projections.
 
 Two entry points, each compiled as its own graph by `PrefillStep` / `DecodeStep`:
-- `prefill(ids[B,S], last_index[B,2], cache_index[B*kv*S,3], mask[S,S])`: runs whole prompts
+- `prefill(ids[B,S], last_index[B,2], cache_rows[B*kv*S], mask[S,S])`: runs whole prompts
   (right-padded to a bucket length S), writes their K/V into cache rows 0..B-1, positions
   0..S-1, and returns the logits at each prompt's last real token.
-- `decode(ids[B], positions[B], cache_index[B*kv,3], mask[B,T])`: one token per row at its own
-  position, attending over the first T cache positions (T is a bucket >= longest row).
+- `decode(ids[B], positions[B], cache_rows[B*kv], context_rows[B*kv*T], mask[B,T])`: one
+  token per row at its own position, attending over the first T cache positions of its row
+  (T is a bucket >= the longest row), gathered by row number: a step reads only its context.
 Padding needs no special case: a row's padded positions are written to the cache but masked
 out of every later step, and overwritten as the row grows.
 """
@@ -64,11 +65,15 @@ class Attention(nn.Cell):
         self.kv_heads = ctx.parameter_shape(p + "k_proj.weight")[0] // self.head_dim
         self.groups = self.heads // self.kv_heads
         self.scale = self.head_dim ** -0.5
-        cache_shape = (max_batch, self.kv_heads, max_len, self.head_dim)
-        self.k_cache = Parameter(Tensor(np.zeros(cache_shape), ctx.dtype),
+        # The cache is (batch, kv head, position, head_dim) flattened to one row per vector,
+        # row (b * kv + h) * max_len + position: ScatterUpdate writes rows in place, where a
+        # scatter into the 4-D tensor would copy the whole cache at every step.
+        rows = (max_batch * self.kv_heads * max_len, self.head_dim)
+        self.k_cache = Parameter(Tensor(np.zeros(rows), ctx.dtype),
                                  name=prefix + "k_cache", requires_grad=False)
-        self.v_cache = Parameter(Tensor(np.zeros(cache_shape), ctx.dtype),
+        self.v_cache = Parameter(Tensor(np.zeros(rows), ctx.dtype),
                                  name=prefix + "v_cache", requires_grad=False)
+        self.write_rows = ops.ScatterUpdate()
 
     def _project(self, x, batch, seq, cos, sin):
         q = self.q_proj(x).reshape(batch, seq, self.heads, self.head_dim)
@@ -88,12 +93,18 @@ class Attention(nn.Cell):
             probs = probs.astype(v.dtype)
         return ops.BatchMatMul()(probs, v)
 
-    def prefill(self, x, batch, seq, cos, sin, mask, cache_index):
+    def _write_cache(self, cache_rows, k, v):
+        """Writes k, v (rows ordered like cache_rows); returns the caches, to be read after
+        the writes (`depend` orders them; reshaping the whole Parameter would copy it)."""
+        k_written = self.write_rows(self.k_cache, cache_rows, k.reshape(-1, self.head_dim))
+        v_written = self.write_rows(self.v_cache, cache_rows, v.reshape(-1, self.head_dim))
+        return ops.depend(self.k_cache, k_written), ops.depend(self.v_cache, v_written)
+
+    def prefill(self, x, batch, seq, cos, sin, mask, cache_rows):
         q, k, v = self._project(x, batch, seq, cos, sin)
-        k = k.transpose(0, 2, 1, 3)  # (B, kv, S, D): the cache layout
+        k = k.transpose(0, 2, 1, 3)  # (B, kv, S, D): the cache's order
         v = v.transpose(0, 2, 1, 3)
-        ops.scatter_nd_update(self.k_cache, cache_index, k.reshape(-1, self.head_dim))
-        ops.scatter_nd_update(self.v_cache, cache_index, v.reshape(-1, self.head_dim))
+        self._write_cache(cache_rows, k, v)
         # Query head j uses KV head j // groups: group the queries under their KV head.
         q = q.reshape(batch, seq, self.kv_heads, self.groups, self.head_dim)
         q = q.transpose(0, 2, 3, 1, 4).reshape(batch, self.kv_heads, self.groups * seq,
@@ -104,14 +115,13 @@ class Attention(nn.Cell):
         out = out.transpose(0, 3, 1, 2, 4).reshape(batch * seq, self.heads * self.head_dim)
         return self.o_proj(out)
 
-    def decode(self, x, batch, cos, sin, mask, cache_index):
+    def decode(self, x, batch, cos, sin, mask, cache_rows, context_rows):
         q, k, v = self._project(x, batch, 1, cos, sin)
-        # Read the caches through the updates' results: that orders the reads after the writes.
-        keys = ops.scatter_nd_update(self.k_cache, cache_index, k.reshape(-1, self.head_dim))
-        values = ops.scatter_nd_update(self.v_cache, cache_index, v.reshape(-1, self.head_dim))
+        keys, values = self._write_cache(cache_rows, k, v)
         context = mask.shape[-1]
-        keys = keys[:batch, :, :context]
-        values = values[:batch, :, :context]
+        shape = (batch, self.kv_heads, context, self.head_dim)
+        keys = ops.gather(keys, context_rows, 0).reshape(shape)
+        values = ops.gather(values, context_rows, 0).reshape(shape)
         q = q.reshape(batch, self.kv_heads, self.groups, self.head_dim)
         out = self._attend(q, keys, values, mask.reshape(batch, 1, 1, context))
         return self.o_proj(out.reshape(batch, self.heads * self.head_dim))
@@ -138,14 +148,14 @@ class DecoderLayer(nn.Cell):
                                                 config.rms_norm_eps)
         self.mlp = MLP(ctx, prefix)
 
-    def prefill(self, x, batch, seq, cos, sin, mask, cache_index):
+    def prefill(self, x, batch, seq, cos, sin, mask, cache_rows):
         x = x + self.self_attn.prefill(self.input_layernorm(x), batch, seq, cos, sin, mask,
-                                       cache_index)
+                                       cache_rows)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def decode(self, x, batch, cos, sin, mask, cache_index):
+    def decode(self, x, batch, cos, sin, mask, cache_rows, context_rows):
         x = x + self.self_attn.decode(self.input_layernorm(x), batch, cos, sin, mask,
-                                      cache_index)
+                                      cache_rows, context_rows)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -166,23 +176,23 @@ class Qwen2ForCausalLM(nn.Cell):
         self.sin = Tensor(sin, ctx.dtype)
         self.kv_heads = self.layers[0].self_attn.kv_heads
 
-    def prefill(self, ids, last_index, cache_index, mask):
+    def prefill(self, ids, last_index, cache_rows, mask):
         batch, seq = ids.shape
         x = self.embed_tokens(ids.reshape(-1))
         cos = self.cos[:seq].reshape(1, seq, 1, -1)
         sin = self.sin[:seq].reshape(1, seq, 1, -1)
         for layer in self.layers:
-            x = layer.prefill(x, batch, seq, cos, sin, mask, cache_index)
+            x = layer.prefill(x, batch, seq, cos, sin, mask, cache_rows)
         x = ops.gather_nd(x.reshape(batch, seq, -1), last_index)
         return self.lm_head(self.norm(x)).astype(ms.float32)
 
-    def decode(self, ids, positions, cache_index, mask):
+    def decode(self, ids, positions, cache_rows, context_rows, mask):
         batch = ids.shape[0]
         x = self.embed_tokens(ids)
         cos = ops.gather(self.cos, positions, 0).reshape(batch, 1, 1, -1)
         sin = ops.gather(self.sin, positions, 0).reshape(batch, 1, 1, -1)
         for layer in self.layers:
-            x = layer.decode(x, batch, cos, sin, mask, cache_index)
+            x = layer.decode(x, batch, cos, sin, mask, cache_rows, context_rows)
         return self.lm_head(self.norm(x)).astype(ms.float32)
 
 
@@ -193,8 +203,8 @@ class PrefillStep(nn.Cell):
         super().__init__()
         self.model = model
 
-    def construct(self, ids, last_index, cache_index, mask):
-        return self.model.prefill(ids, last_index, cache_index, mask)
+    def construct(self, ids, last_index, cache_rows, mask):
+        return self.model.prefill(ids, last_index, cache_rows, mask)
 
 
 class DecodeStep(nn.Cell):
@@ -204,5 +214,5 @@ class DecodeStep(nn.Cell):
         super().__init__()
         self.model = model
 
-    def construct(self, ids, positions, cache_index, mask):
-        return self.model.decode(ids, positions, cache_index, mask)
+    def construct(self, ids, positions, cache_rows, context_rows, mask):
+        return self.model.decode(ids, positions, cache_rows, context_rows, mask)
