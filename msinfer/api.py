@@ -12,6 +12,7 @@ from .config import ModelConfig
 from .errors import MsinferError
 from .plan import DEFAULT_MAX_LEN
 from .sampling import Sampler, SamplingParams
+from .tokenizer import find_stop
 
 
 @dataclasses.dataclass
@@ -92,16 +93,11 @@ class LLM:
             # plan's layouts; load the slices after that, from the same function.
             self.engine.compile_for_layouts()
         Checkpoint(model_dir).load_into(
-            parameters, lambda name: (self._slices(name, shapes[name]), shapes[name]))
+            parameters, lambda name: (self.plan.slices(name, self.tensor_rank), shapes[name]))
         self._tokenizer = None
         self._sampler = Sampler()
         self._seed = job_seed(self.dist)  # for requests without a seed of their own
         self._requests = 0
-
-    def _slices(self, name, full_shape):
-        if self.parallel_mode == "explicit" or self.dist.world_size > 1:
-            return self.plan.slices(name, self.tensor_rank)
-        return tuple(slice(0, n) for n in full_shape)
 
     @property
     def tokenizer(self):
@@ -115,9 +111,13 @@ class LLM:
         """Graphs compiled so far (prefill and decode buckets)."""
         return self.engine.compilations
 
+    @property
+    def has_tokenizer(self):
+        """Token-id prompts work without tokenizer.json; text needs it."""
+        return os.path.isfile(os.path.join(self.model_dir, "tokenizer.json"))
+
     def eos_token_ids(self):
-        path = os.path.join(self.model_dir, "tokenizer.json")
-        if os.path.isfile(path):
+        if self.has_tokenizer:
             return set(self.tokenizer.eos_token_ids)
         return set(self.config.eos_token_ids)
 
@@ -167,14 +167,14 @@ class LLM:
             p, token = params[mine[row]], seq.generated[-1]
             if (token in eos and not p.ignore_eos) or token in p.stop_token_ids:
                 return "stop"
-            if p.stop and _stop_index(self.tokenizer, seq.generated, p.stop) is not None:
+            if p.stop and find_stop(self.tokenizer.decode(seq.generated), p.stop) is not None:
                 return "stop"
             return None
 
         self.engine.generate([sequences[i] for i in mine], next_tokens, is_finished)
         if self.replicas > 1:
             self._exchange(sequences, max(p.max_tokens for p in params))
-        return [self._output(text, seq, p, eos) for text, seq, p in zip(texts, sequences, params)]
+        return [self._output(text, seq, p) for text, seq, p in zip(texts, sequences, params)]
 
     def _exchange(self, sequences, max_tokens):
         """Give every rank every replica's results: one AllGather over the job of fixed-size
@@ -203,28 +203,22 @@ class LLM:
         # Every rank sees the same requests in the same order: the same stream everywhere.
         return np.random.default_rng((self._seed, self._requests))
 
-    def _output(self, prompt_text, seq, params, eos):
-        ids = list(seq.generated)
-        text = ""
-        if os.path.isfile(os.path.join(self.model_dir, "tokenizer.json")):
-            text = self.tokenizer.decode(ids)
-            cut = _stop_index(self.tokenizer, ids, params.stop) if params.stop else None
-            if cut is not None:
-                text = text[:cut]
+    def _output(self, prompt_text, seq, params):
+        text = self.tokenizer.decode(seq.generated) if self.has_tokenizer else ""
+        cut = find_stop(text, params.stop) if params.stop else None
         return RequestOutput(prompt=prompt_text, prompt_token_ids=list(seq.prompt),
-                             token_ids=ids, text=text, finish_reason=seq.finish_reason)
-
-
-def _stop_index(tokenizer, ids, stops):
-    from .tokenizer import find_stop
-    return find_stop(tokenizer.decode(ids), stops)
+                             token_ids=list(seq.generated), text=text[:cut],
+                             finish_reason=seq.finish_reason)
 
 
 def _describe(plan):
-    if plan.tensor == 1:
-        return "one device"
-    kv = f", each KV head on {plan.kv_replicas} ranks" if plan.kv_replicas > 1 else ""
-    return f"tensor parallel x{plan.tensor}{kv}"
+    parts = []
+    if plan.tensor > 1:
+        kv = f", each KV head on {plan.kv_replicas} ranks" if plan.kv_replicas > 1 else ""
+        parts.append(f"tensor parallel x{plan.tensor}{kv}")
+    if plan.data > 1:
+        parts.append(f"{plan.data} data replicas")
+    return ", ".join(parts) or "one device"
 
 
 def choose_parallel_mode(requested, strategy, profile):

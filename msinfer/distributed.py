@@ -197,19 +197,9 @@ def job_seed(info):
     seed = int.from_bytes(os.urandom(3), "little")  # < 2**24: exact in float32
     if info.world_size == 1:
         return seed
-    from mindspore import Tensor, nn, ops
-
-    class Share(nn.Cell):
-        def __init__(self):
-            super().__init__()
-            self.all_reduce = ops.AllReduce()
-
-        def construct(self, x):
-            return self.all_reduce(x)
-
     # float32: MindSpore's CPU AllReduce takes no int32
     mine = np.array([seed if info.rank == 0 else 0], np.float32)
-    return int(Share()(Tensor(mine)).asnumpy()[0])
+    return int(_over_the_job("AllReduce", mine)[0])
 
 
 def tensor_group(info, plan):
@@ -229,14 +219,19 @@ def tensor_group(info, plan):
 
 def all_gather_rows(rows):
     """Every rank's (n, width) float32 array stacked in rank order, on every rank."""
+    return _over_the_job("AllGather", rows)
+
+
+def _over_the_job(collective, array):
+    """One collective (an `ops` primitive name) over the whole job, on a host array."""
     from mindspore import Tensor, nn, ops
 
-    class Gather(nn.Cell):
+    class Collective(nn.Cell):
         def __init__(self):
             super().__init__()
-            self.all_gather = ops.AllGather()
+            self.op = getattr(ops, collective)()
 
         def construct(self, x):
-            return self.all_gather(x)
+            return self.op(x)
 
-    return Gather()(Tensor(rows)).asnumpy()
+    return Collective()(Tensor(array)).asnumpy()
