@@ -69,9 +69,10 @@ class Attention(nn.Cell):
         # row (b * kv + h) * max_len + position: ScatterUpdate writes rows in place, where a
         # scatter into the 4-D tensor would copy the whole cache at every step.
         rows = (max_batch * self.kv_heads * max_len, self.head_dim)
-        self.k_cache = Parameter(Tensor(np.zeros(rows), ctx.dtype),
+        host_dtype = np.float16 if ctx.dtype == ms.float16 else np.float32  # no numpy bf16
+        self.k_cache = Parameter(Tensor(np.zeros(rows, host_dtype), ctx.dtype),
                                  name=prefix + "k_cache", requires_grad=False)
-        self.v_cache = Parameter(Tensor(np.zeros(rows), ctx.dtype),
+        self.v_cache = Parameter(Tensor(np.zeros(rows, host_dtype), ctx.dtype),
                                  name=prefix + "v_cache", requires_grad=False)
         self.write_rows = ops.ScatterUpdate()
 

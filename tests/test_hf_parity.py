@@ -155,3 +155,20 @@ def test_prefill_split_into_single_row_calls_gives_the_same_logits(case):
         assert seq.generated == expected.argmax(-1).tolist()
         ours = np.stack([logits[rows.index(row)] for rows, logits in steps[:3]])
         assert np.abs(ours - expected[:3]).max() < TOLERANCE
+
+
+def test_float16_compute_the_310p_path_stays_close_to_float32_transformers(tmp_path):
+    """310P runs float16: the same model in float16 (on CPU here) keeps transformers'
+    float32 logits within float16's precision, and the argmax of each step."""
+    config = make_tiny_model(str(tmp_path), layers=2, hidden=64, heads=8, kv_heads=2,
+                             vocab=384, seed=6, dtype="bfloat16")
+    llm = LLM(str(tmp_path), max_batch=4, max_len=64, dtype="float16")
+    assert llm.model.lm_head.weight.dtype == __import__("mindspore").float16
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    prompts = prompts_for(config.vocab_size, seed=13)
+    seqs, steps = run_greedy_capturing_logits(llm.engine, prompts)
+    for row, (prompt, seq) in enumerate(zip(prompts, seqs)):
+        expected = hf_logits(hf.eval(), prompt + seq.generated)[len(prompt) - 1:][:NEW_TOKENS]
+        ours = np.stack([logits[rows.index(row)] for rows, logits in steps[:4]])
+        assert np.abs(ours - expected[:4]).max() < 0.05
+        assert (ours.argmax(-1) == expected[:4].argmax(-1)).all()
