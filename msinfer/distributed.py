@@ -129,8 +129,6 @@ def set_graph_mode(device_target, device_id=0, processes_on_host=1):
     cores = len(os.sched_getaffinity(0))
     threads = int(os.environ.get("MSINFER_CPU_THREADS", max(1, cores // processes_on_host)))
     ms.device_context.cpu.op_tuning.threads_num(threads)
-    from . import cpu_kernels
-    cpu_kernels.set_threads(threads)
 
 
 def _scrub_mpi_environment():

@@ -54,17 +54,6 @@ class ParallelContext:
     def all_gather(self):
         return ops.AllGather(group=self.group) if self.group else ops.AllGather()
 
-    def row_matmul(self, weight_shape):
-        """The CPU batch-1 kernel for a local (out, in) float32 weight where it beats
-        MindSpore's MatMul (out >= in), else None (see msinfer.cpu_kernels)."""
-        import mindspore as ms
-        from . import cpu_kernels
-        if (self.mode != "explicit" or self.dtype != ms.float32
-                or ms.get_context("device_target") != "CPU"
-                or weight_shape[0] < weight_shape[1]):
-            return None
-        return cpu_kernels.row_matmul()
-
     @property
     def gather_by_all_reduce(self):
         """MindSpore's CPU backend runs AllGather on the world group only; in a sub-group
@@ -87,7 +76,6 @@ class ParallelLinear(nn.Cell):
             self.bias = ctx.new_parameter(name + ".bias")
             self.checkpoint_names[name + ".bias"] = self.bias
         self.matmul = ops.MatMul(transpose_b=True)
-        self.row_matmul = ctx.row_matmul(self.weight.shape)
         self.add = ops.Add()
         self.reduce = self.gather = None
         if ctx.explicit_collectives and self.style == "rowwise":
@@ -103,10 +91,7 @@ class ParallelLinear(nn.Cell):
                 self.add.shard(ctx.plan.in_strategy(name + ".bias"))
 
     def construct(self, x):
-        if self.row_matmul is not None and x.shape[0] == 1:  # batch-1 decode (compile time)
-            y = self.row_matmul(x, self.weight)
-        else:
-            y = self.matmul(x, self.weight)
+        y = self.matmul(x, self.weight)
         if self.bias is not None:
             y = self.add(y, self.bias)
         if self.reduce is not None:
