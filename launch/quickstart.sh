@@ -2,7 +2,7 @@
 # The README's first command: set everything up on a fresh Debian/Ubuntu machine, then run
 # the main job, a four-rank sharded Qwen2 generation under mpirun on a small model it makes.
 #
-#   1. OpenMPI (Debian packages openmpi-bin, libopenmpi-dev) when mpirun or mpicc is missing;
+#   1. OpenMPI (Debian packages openmpi-bin, libopenmpi-dev) and gcc when missing;
 #   2. a virtualenv in .venv with msinfer and its test tools (MindSpore is about 2.5 GB);
 #   3. models/tiny-qwen2: a random-weight Qwen2 checkpoint in Hugging Face layout;
 #   4. `msinfer launch --nproc 4`: plan check, then four ranks each holding a quarter of it.
@@ -12,10 +12,11 @@ cd "$(dirname "$0")/.."
 
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
-if ! command -v mpirun >/dev/null || ! command -v mpicc >/dev/null; then
-  echo "== installing OpenMPI (Debian packages)"
+if ! command -v mpirun >/dev/null || ! command -v mpicc >/dev/null || ! command -v gcc >/dev/null
+then
+  echo "== installing OpenMPI and gcc (Debian packages; mpi4py compiles against them)"
   as_root apt-get update -qq
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev gcc
 fi
 
 if [ ! -x .venv/bin/python ]; then
