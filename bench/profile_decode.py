@@ -1,0 +1,131 @@
+"""Where a decode step's time goes: per-kernel speed, and the host side around the graph.
+
+    python bench/profile_decode.py [--model models/qwen2-0.5b-shape] [--batch 1 16]
+
+1. Kernels: each distinct weight shape of the model as one MatMul(x, W^T), timed alone in
+   a MindSpore GRAPH_MODE cell and as torch's F.linear (what HF runs), at each batch size:
+   milliseconds, GB/s of weights and GFLOP/s, and the sum over one decode step (every layer's
+   matmuls plus the lm_head). If the MindSpore sum is near the measured decode step, the
+   matmul kernels bound the step; if not, the rest of the graph (attention, cache updates,
+   elementwise ops, launches) does.
+2. Host: pyinstrument over a warmed-up msinfer generate: the share of wall time spent
+   inside the compiled graph versus Python (sampling, input preparation, .asnumpy()).
+Heavy: run it alone, not while the benchmark runs.
+"""
+import argparse
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def best_ms(fn, repeats=20):
+    fn()
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times) * 1e3
+
+
+def weight_shapes(config):
+    """{(out, in): how many of that matmul one decode step runs}."""
+    counts = {}
+    for name, shape in config.parameter_shapes().items():
+        if len(shape) != 2 or "embed_tokens" in name:
+            continue
+        counts[tuple(shape)] = counts.get(tuple(shape), 0) + 1
+    if config.tie_word_embeddings:  # the lm_head reads the embedding
+        shape = (config.vocab_size, config.hidden_size)
+        counts[shape] = counts.get(shape, 0) + 1
+    return counts
+
+
+def kernels(config, batches):
+    import mindspore as ms
+    import numpy as np
+    import torch
+    from mindspore import Tensor, nn, ops
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+
+    class Linear(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.matmul = ops.MatMul(transpose_b=True)
+
+        def construct(self, x, w):
+            return self.matmul(x, w)
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for batch in batches:
+        totals = {"mindspore": 0.0, "torch": 0.0}
+        for (out, inp), count in weight_shapes(config).items():
+            w = rng.standard_normal((out, inp), np.float32)
+            x = rng.standard_normal((batch, inp), np.float32)
+            cell, wm, xm = Linear(), Tensor(w), Tensor(x)
+            ms_ms = best_ms(lambda: cell(xm, wm).asnumpy())
+            wt, xt = torch.from_numpy(w), torch.from_numpy(x)
+            with torch.inference_mode():
+                torch_ms = best_ms(lambda: torch.nn.functional.linear(xt, wt))
+            for side, t in (("mindspore", ms_ms), ("torch", torch_ms)):
+                totals[side] += count * t
+                rows.append(f"batch {batch:>2} {out:>6}x{inp:<5} x{count:<3} {side:<9} "
+                            f"{t:8.3f} ms {w.nbytes / t / 1e6:7.1f} GB/s "
+                            f"{2 * batch * out * inp / t / 1e6:7.1f} GFLOP/s")
+        rows.append(f"batch {batch:>2} one decode step's matmuls: mindspore "
+                    f"{totals['mindspore']:.1f} ms, torch {totals['torch']:.1f} ms")
+    return rows
+
+
+def host_profile(model_dir, batch, tokens):
+    from pyinstrument import Profiler
+
+    from msinfer import LLM
+    from msinfer.sampling import SamplingParams
+
+    llm = LLM(model_dir, max_batch=batch, max_len=256)
+    prompts = [[1000 + i] * 32 for i in range(batch)]
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    llm.generate(prompts, params)  # compile
+    before = dict(llm.engine.stats)
+    profiler = Profiler(interval=0.001)
+    profiler.start()
+    start = time.perf_counter()
+    llm.generate(prompts, params)
+    wall = time.perf_counter() - start
+    profiler.stop()
+    stats = {k: v - before[k] for k, v in llm.engine.stats.items()}
+    graph = stats["prefill_s"] + stats["decode_s"]
+    summary = (f"batch {batch}: {tokens} tokens in {wall:.2f} s; inside the engine's prefill/"
+               f"decode calls {graph:.2f} s ({graph / wall:.0%}); decode step "
+               f"{stats['decode_s'] / stats['decode_steps'] * 1e3:.1f} ms")
+    return summary, profiler.output_text(color=False, unicode=False, show_all=False)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default=os.path.join(ROOT, "models", "qwen2-0.5b-shape"))
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--tokens", type=int, default=16)
+    args = p.parse_args()
+    os.environ.setdefault("GLOG_v", "3")
+    from msinfer.config import ModelConfig
+
+    config = ModelConfig.from_model_dir(args.model)
+    print("\n".join(kernels(config, args.batch)))
+    for batch in args.batch:
+        summary, text = host_profile(args.model, batch, args.tokens)
+        print(summary)
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
