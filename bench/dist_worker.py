@@ -68,7 +68,12 @@ def main():
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=0,
+                   help="MindSpore runtime_num_threads per rank (0: MindSpore's default)")
     args = p.parse_args()
+    if args.threads:
+        import mindspore as ms
+        ms.set_context(runtime_num_threads=args.threads)
 
     import numpy as np
     from msinfer import LLM
@@ -102,6 +107,7 @@ def main():
               "param_bytes": sum(int(np.prod(p.shape)) * 4
                                  for p in checkpoint_parameters(llm.model).values()),
               "allreduces_per_step": reduces, "allgathers_per_step": gathers,
+              "runtime_num_threads": args.threads or "default",
               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "reps": args.reps}
     if world > 1:
         without_collectives(llm)

@@ -8,7 +8,10 @@
    matmuls plus the lm_head). If the MindSpore sum is near the measured decode step, the
    matmul kernels bound the step; if not, the rest of the graph (attention, cache updates,
    elementwise ops, launches) does.
-2. Host: pyinstrument over a warmed-up msinfer generate: the share of wall time spent
+2. KV cache size: the batch-1 decode step with a small static cache (max_batch 1,
+   max_len 128) and with the benchmark's (max_batch 16, max_len 1024). The weights read are
+   the same; a difference is work that grows with the cache, not with the tokens.
+3. Host: pyinstrument over a warmed-up batch-1 msinfer generate: the share of wall time spent
    inside the compiled graph versus Python (sampling, input preparation, .asnumpy()).
 Heavy: run it alone, not while the benchmark runs.
 """
@@ -63,14 +66,19 @@ def kernels(config, batches):
             return self.matmul(x, w)
 
     rng = np.random.default_rng(0)
-    rows = []
+    # A graph call costs this much even for a tiny matmul (launch and copy-out); the
+    # figures below have it subtracted, as a kernel inside a whole-step graph does not pay it.
+    tiny = Linear()
+    tx, tw = Tensor(np.ones((1, 8), np.float32)), Tensor(np.ones((8, 8), np.float32))
+    floor = best_ms(lambda: tiny(tx, tw).asnumpy())
+    rows = [f"MindSpore graph call floor: {floor:.3f} ms (subtracted below)"]
     for batch in batches:
         totals = {"mindspore": 0.0, "torch": 0.0}
         for (out, inp), count in weight_shapes(config).items():
             w = rng.standard_normal((out, inp), np.float32)
             x = rng.standard_normal((batch, inp), np.float32)
             cell, wm, xm = Linear(), Tensor(w), Tensor(x)
-            ms_ms = best_ms(lambda: cell(xm, wm).asnumpy())
+            ms_ms = max(best_ms(lambda: cell(xm, wm).asnumpy()) - floor, 1e-3)
             wt, xt = torch.from_numpy(w), torch.from_numpy(x)
             with torch.inference_mode():
                 torch_ms = best_ms(lambda: torch.nn.functional.linear(xt, wt))
@@ -84,7 +92,40 @@ def kernels(config, batches):
     return rows
 
 
+def decode_step_ms(llm, tokens):
+    """Engine decode step (graph only) of one batch-1 generate, in ms."""
+    from msinfer.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    before = dict(llm.engine.stats)
+    llm.generate([[1000] * 32], params)
+    return ((llm.engine.stats["decode_s"] - before["decode_s"]) * 1e3
+            / (llm.engine.stats["decode_steps"] - before["decode_steps"]))
+
+
+def cache_sizes(model_dir, tokens, rounds=3):
+    """Both models loaded at once and measured in turns, so machine noise hits both."""
+    import statistics
+
+    from msinfer import LLM
+
+    sizes = ((1, 128), (16, 1024))
+    llms = [LLM(model_dir, max_batch=b, max_len=n) for b, n in sizes]
+    for llm in llms:
+        decode_step_ms(llm, tokens)  # compile
+    steps = [[] for _ in llms]
+    for _ in range(rounds):
+        for llm, times in zip(llms, steps):
+            times.append(decode_step_ms(llm, tokens))
+    cache_bytes = [2 * llm.config.num_layers * b * llm.model.kv_heads * n
+                   * llm.config.head_dim * 4 for llm, (b, n) in zip(llms, sizes)]
+    return [f"KV cache max_batch {b:>2}, max_len {n:>4} ({size / 1e6:.0f} MB): batch-1 decode "
+            f"step {statistics.median(times):.1f} ms (of {', '.join(f'{t:.0f}' for t in times)})"
+            for (b, n), size, times in zip(sizes, cache_bytes, steps)]
+
+
 def host_profile(model_dir, batch, tokens):
+    """pyinstrument's text report of one warmed-up generate, and a one-line summary."""
     from pyinstrument import Profiler
 
     from msinfer import LLM
@@ -119,11 +160,11 @@ def main():
     from msinfer.config import ModelConfig
 
     config = ModelConfig.from_model_dir(args.model)
-    print("\n".join(kernels(config, args.batch)))
-    for batch in args.batch:
-        summary, text = host_profile(args.model, batch, args.tokens)
-        print(summary)
-        print(text)
+    print("\n".join(kernels(config, args.batch)), flush=True)
+    print("\n".join(cache_sizes(args.model, args.tokens)), flush=True)
+    summary, text = host_profile(args.model, 1, args.tokens)
+    print(summary)
+    print(text)
     return 0
 
 

@@ -139,6 +139,11 @@ def table(results):
     mem = results["memory"]
     row("peak RSS per process (GB)", mem["msinfer"]["peak_rss_bytes"] / GB,
         mem["hf"]["peak_rss_bytes"] / GB, ".2f")
+    other = sum(c[s]["other_cpu_seconds_while_measuring"] for c in cases.values()
+                for s in ("msinfer", "hf"))
+    measured = sum(c[s]["measured_seconds"] for c in cases.values() for s in ("msinfer", "hf"))
+    lines.append(f"other processes used {other:.0f} CPU-seconds during the {measured:.0f} s "
+                 f"measured ({other / measured:.2f} of {m['cores']} cores on average)")
     bwp = results["bandwidth"]
     lines.append(f"bandwidth probe (GB/s): gemv {bwp['gemv_gbs']:.1f}, read {bwp['read_gbs']:.1f},"
                  f" copy {bwp['copy_gbs']:.1f}; BLAS "
@@ -149,19 +154,22 @@ def table(results):
     lines.append("")
     lines.append(f"tensor parallel under mpirun ({dist['model']['dir']}: "
                  f"{dist['model']['heads']} heads), batch 1")
-    lines.append(f"{'degree':<8}{'tokens/s':>10}{'vs tp1':>8}{'peak RSS/rank GB':>20}"
+    lines.append(f"{'job':<14}{'tokens/s':>10}{'vs tp1':>8}{'peak RSS/rank GB':>20}"
                  f"{'collectives/token':>19}{'ms in them/token':>18}")
-    for degree in (1, 2, 4):
-        d = dist.get(f"tp{degree}", {})
-        if "error" in d:
-            lines.append(f"tp{degree:<6}  failed: {d['error']}")
+    tp1 = _get(dist, "tp1", "decode_tokens_per_s")
+    for label, d in dist.items():
+        if not label.startswith("tp"):
             continue
-        vs = der["distributed"].get(f"tp{degree}", {}).get("tokens_per_s_over_tp1", 1.0)
+        if "error" in d:
+            lines.append(f"{label:<14}  failed: {d['error']}")
+            continue
+        vs = _ratio(d["decode_tokens_per_s"], tp1)
         peaks = "/".join(f"{b / GB:.2f}" for b in d["peak_rss_bytes_per_rank"])
         coll = d.get("collective_seconds_per_token")
-        lines.append(f"tp{degree:<6}{d['decode_tokens_per_s']:>10.2f}{_fmt(vs, '.2f'):>8}"
+        lines.append(f"{label:<14}{d['decode_tokens_per_s']:>10.2f}{_fmt(vs, '.2f'):>8}"
                      f"{peaks:>20}{_fmt(d.get('collectives_per_token'), 'd'):>19}"
                      f"{_fmt(coll and coll * 1e3, '.1f'):>18}")
+    lines.append("(tpN_threadsK: the same job with MindSpore's runtime_num_threads=K per rank)")
     lines.append("")
     lines.append("bars")
     for b in results["bars"]:
@@ -201,10 +209,11 @@ def chart(results, path):
 
     ax = axes[2]
     dist = results["distributed"]
-    degrees = [d for d in (1, 2, 4) if "decode_tokens_per_s" in dist.get(f"tp{d}", {})]
-    bars = ax.bar([f"tp{d}" for d in degrees],
-                  [dist[f"tp{d}"]["decode_tokens_per_s"] for d in degrees], color="tab:blue",
-                  label="msinfer (mpirun)")
+    jobs = [k for k, d in dist.items() if k.startswith("tp") and "decode_tokens_per_s" in d]
+    bars = ax.bar([k.replace("_threads", "\nthreads ") for k in jobs],
+                  [dist[k]["decode_tokens_per_s"] for k in jobs],
+                  color=["tab:blue" if "_" not in k else "tab:cyan" for k in jobs],
+                  label="msinfer (mpirun); cyan: threads per rank set")
     ax.bar_label(bars, fmt="%.1f", fontsize=8)
     ax.axhline(cases["decode_b1"]["hf"]["decode_tokens_per_s"], color="tab:orange",
                linestyle="--", label="HF, one process")

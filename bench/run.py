@@ -14,6 +14,7 @@ import datetime
 import json
 import os
 import platform
+import resource
 import shutil
 import signal
 import statistics
@@ -89,6 +90,14 @@ def cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def machine_busy_seconds():
+    """CPU seconds all processes on the machine have used so far (every core)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 class Side:
     """A side_worker.py process: one JSON request in, one JSON answer out."""
 
@@ -133,7 +142,8 @@ def prompts_for(rng, batch, length, vocab):
 def run_pair(sides, prompts, max_tokens, reps, log):
     """Warm-up, then `reps` rounds; in each round every side makes 1 and max_tokens tokens,
     the sides taking turns (first side alternates) so drift on the machine hits both.
-    Also records the CPU time the idle side used while the other was measured."""
+    Also records the CPU time the idle side used while the other was measured, and the CPU
+    time other processes on the machine used meanwhile (other engineers' jobs, say)."""
     result = {}
     for side in sides:
         start = time.perf_counter()
@@ -142,18 +152,24 @@ def run_pair(sides, prompts, max_tokens, reps, log):
         result[side.name] = {"warmup_seconds": time.perf_counter() - start,
                              "warmup_new_compilations": sum(w.get("new_compilations", 0)
                                                             for w in warm),
-                             "first": [], "full": [], "idle_peer_cpu_seconds": 0.0}
+                             "first": [], "full": [], "idle_peer_cpu_seconds": 0.0,
+                             "other_cpu_seconds": 0.0, "measured_seconds": 0.0}
     for rep in range(reps):
         order = sides if rep % 2 == 0 else sides[::-1]
         for side in order:
             peers = [s for s in sides if s is not side]
             peer_cpu = [cpu_seconds(p.proc.pid) for p in peers]
+            own_cpu, busy, start = cpu_seconds(side.proc.pid), machine_busy_seconds(), \
+                time.perf_counter()
             first = side.ask(op="generate", prompts=prompts, max_tokens=1)
             full = side.ask(op="generate", prompts=prompts, max_tokens=max_tokens) \
                 if max_tokens > 1 else first
             r = result[side.name]
-            r["idle_peer_cpu_seconds"] += sum(cpu_seconds(p.proc.pid) - c
-                                              for p, c in zip(peers, peer_cpu))
+            peer_used = sum(cpu_seconds(p.proc.pid) - c for p, c in zip(peers, peer_cpu))
+            r["idle_peer_cpu_seconds"] += peer_used
+            r["other_cpu_seconds"] += (machine_busy_seconds() - busy - peer_used
+                                       - (cpu_seconds(side.proc.pid) - own_cpu))
+            r["measured_seconds"] += time.perf_counter() - start
             r["first"].append(first)
             r["full"].append(full)
     figures = {}
@@ -165,7 +181,9 @@ def run_pair(sides, prompts, max_tokens, reps, log):
              "first_token_seconds": statistics.median(firsts),
              "first_token_seconds_all": firsts,
              "prefill_tokens_per_s": batch * length / statistics.median(firsts),
-             "peer_cpu_seconds_while_measuring": r["idle_peer_cpu_seconds"]}
+             "peer_cpu_seconds_while_measuring": r["idle_peer_cpu_seconds"],
+             "other_cpu_seconds_while_measuring": r["other_cpu_seconds"],
+             "measured_seconds": r["measured_seconds"]}
         if max_tokens > 1:
             steps = [(full["seconds"] - first["seconds"]) / (max_tokens - 1)
                      for first, full in zip(r["first"], r["full"])]
@@ -234,7 +252,7 @@ def compile_pass(side, lengths, vocab, rng, log):
     return figures
 
 
-def run_distributed(model_dir, degree, cfg, log_dir, log):
+def run_distributed(model_dir, degree, cfg, log_dir, log, threads=0):
     mpirun = shutil.which("mpirun")
     if not mpirun:
         return {"error": "mpirun not found (Debian: openmpi-bin)"}
@@ -245,9 +263,11 @@ def run_distributed(model_dir, degree, cfg, log_dir, log):
     cmd += [sys.executable, os.path.join(BENCH, "dist_worker.py"), "--model", model_dir,
             "--strategy", os.path.join(ROOT, "strategies", f"qwen2_tp{degree}.yaml"),
             "--out", out_dir, "--prompt-len", str(cfg["prompt_len"]),
-            "--new-tokens", str(cfg["dist_new_tokens"]), "--reps", str(cfg["dist_reps"])]
-    log_path = os.path.join(log_dir, f"tp{degree}.log")
-    start = time.perf_counter()
+            "--new-tokens", str(cfg["dist_new_tokens"]), "--reps", str(cfg["dist_reps"]),
+            "--threads", str(threads)]
+    label = f"tp{degree}" + (f"_threads{threads}" if threads else "")
+    log_path = os.path.join(log_dir, f"{label}.log")
+    start, busy, children = time.perf_counter(), machine_busy_seconds(), children_cpu_seconds()
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
                                 env=child_env(), cwd=BENCH, start_new_session=True)
@@ -261,6 +281,8 @@ def run_distributed(model_dir, degree, cfg, log_dir, log):
             except ProcessLookupError:
                 pass
     wall = time.perf_counter() - start
+    # mpirun waits for its ranks, so their CPU time is in this process's children's.
+    other = machine_busy_seconds() - busy - (children_cpu_seconds() - children)
     ranks = []
     for r in range(degree):
         path = os.path.join(out_dir, f"rank_{r}.json")
@@ -271,11 +293,12 @@ def run_distributed(model_dir, degree, cfg, log_dir, log):
     if code != 0 or len(ranks) != degree:
         with open(log_path) as f:
             tail = f.read()[-2000:]
-        log(f"  tp{degree} failed ({code}); see {log_path}")
+        log(f"  {label} failed ({code}); see {log_path}")
         return {"error": f"exit {code}, {len(ranks)} of {degree} ranks reported", "log_tail": tail,
                 "job_seconds": wall}
     step = max(r["decode_step_seconds"] for r in ranks)  # the job runs at its slowest rank
-    figures = {"ranks": ranks, "job_seconds": wall, "decode_step_seconds": step,
+    figures = {"ranks": ranks, "job_seconds": wall, "other_cpu_seconds_during_job": other,
+               "decode_step_seconds": step,
                "decode_tokens_per_s": 1 / step,
                "peak_rss_bytes_per_rank": [r["peak_rss_bytes"] for r in ranks],
                "param_bytes_per_rank": [r["param_bytes"] for r in ranks]}
@@ -284,9 +307,14 @@ def run_distributed(model_dir, degree, cfg, log_dir, log):
             r["collective_seconds_per_token"] for r in ranks)
         figures["collectives_per_token"] = ranks[0]["allreduces_per_step"] + \
             ranks[0]["allgathers_per_step"]
-    log(f"  tp{degree}: {1 / step:.2f} tokens/s, peak RSS per rank "
+    log(f"  {label}: {1 / step:.2f} tokens/s, peak RSS per rank "
         + ", ".join(f"{b / 1e9:.2f} GB" for b in figures["peak_rss_bytes_per_rank"]))
     return figures
+
+
+def children_cpu_seconds():
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def machine_info():
@@ -356,18 +384,26 @@ def main(argv=None):
 
     log("msinfer compilations over 20 prompt lengths")
     results["compile"] = compile_pass(msinfer, COMPILE_LENGTHS, config.vocab_size, rng, log)
+    # Where each process's memory grows: RSS after loading, the compile pass and each case.
+    memory_trace = {s.name: [("load", s.hello["rss_bytes"])] for s in sides}
+    memory_trace["msinfer"].append(("compile pass", msinfer.ask(op="memory")["rss_bytes"]))
 
     cases = {}
     for batch, tokens in cfg["decode_tokens"].items():
         log(f"decode, batch {batch}: {tokens} tokens after a {cfg['prompt_len']}-token prompt")
         prompts = prompts_for(rng, batch, cfg["prompt_len"], config.vocab_size)
         cases[f"decode_b{batch}"] = run_pair(sides, prompts, tokens, cfg["reps"], log)
+        for s in sides:
+            memory_trace[s.name].append((f"decode_b{batch}", s.ask(op="memory")["rss_bytes"]))
     for length in cfg["prefill_lens"]:
         log(f"prefill, {length}-token prompt")
         prompts = prompts_for(rng, 1, length, config.vocab_size)
         cases[f"prefill_{length}"] = run_pair(sides, prompts, 1, cfg["reps"], log)
+        for s in sides:
+            memory_trace[s.name].append((f"prefill_{length}", s.ask(op="memory")["rss_bytes"]))
     results["cases"] = cases
-    results["memory"] = {s.name: s.ask(op="memory") for s in sides}
+    results["memory"] = {s.name: dict(s.ask(op="memory"), rss_bytes_after=memory_trace[s.name])
+                         for s in sides}
     for s in sides:
         s.close()
 
@@ -380,6 +416,13 @@ def main(argv=None):
         log(f"distributed tp{degree} under mpirun")
         results["distributed"][f"tp{degree}"] = run_distributed(dist_model_dir, degree, cfg,
                                                                 log_dir, log)
+    # The same jobs with the cores shared out (MindSpore's runtime_num_threads per rank):
+    # shows how much of the tp cost is ranks' thread pools fighting over 2 cores.
+    for degree in TENSOR_DEGREES[1:]:
+        threads = max(1, os.cpu_count() // degree)
+        log(f"distributed tp{degree} under mpirun, {threads} thread(s) per rank")
+        results["distributed"][f"tp{degree}_threads{threads}"] = run_distributed(
+            dist_model_dir, degree, cfg, log_dir, log, threads)
     results["seconds"] = time.perf_counter() - began
 
     report.add_derived(results)
