@@ -1,6 +1,9 @@
 """Figures derived from a bench run (ratios, bandwidth, the bars), its table and its chart."""
 
 GB = 1e9
+# Cores other processes may keep busy during a measurement before bench/run.py takes it
+# again (and, if still so, the table names it).
+OTHER_LOAD_LIMIT = 0.2
 # Per-rank peak memory counts as "near 1/tp" up to this factor above tp1's peak / tp.
 MEMORY_SLACK = 1.2
 
@@ -144,6 +147,12 @@ def table(results):
     measured = sum(c[s]["measured_seconds"] for c in cases.values() for s in ("msinfer", "hf"))
     lines.append(f"other processes used {other:.0f} CPU-seconds during the {measured:.0f} s "
                  f"measured ({other / measured:.2f} of {m['cores']} cores on average)")
+    noisy = [f"{name} {side} ({max(c[side]['other_load_cores_per_rep']):.2f} cores)"
+             for name, c in cases.items() for side in ("msinfer", "hf")
+             if max(c[side].get("other_load_cores_per_rep") or [0]) > OTHER_LOAD_LIMIT]
+    retaken = sum(c[s].get("reps_retaken", 0) for c in cases.values() for s in ("msinfer", "hf"))
+    lines.append(f"measurements taken again for load from other processes: {retaken}; still "
+                 "loaded: " + (", ".join(noisy) if noisy else "none"))
     bwp = results["bandwidth"]
     lines.append(f"bandwidth probe (GB/s): gemv {bwp['gemv_gbs']:.1f}, read {bwp['read_gbs']:.1f},"
                  f" copy {bwp['copy_gbs']:.1f}; BLAS "
@@ -155,7 +164,7 @@ def table(results):
     lines.append(f"tensor parallel under mpirun ({dist['model']['dir']}: "
                  f"{dist['model']['heads']} heads), batch 1")
     lines.append(f"{'job':<14}{'tokens/s':>10}{'vs tp1':>8}{'peak RSS/rank GB':>20}"
-                 f"{'collectives/token':>19}{'ms in them/token':>18}")
+                 f"{'collectives/token':>19}{'ms in them/token':>18}{'others (cores)':>16}")
     tp1 = _get(dist, "tp1", "decode_tokens_per_s")
     for label, d in dist.items():
         if not label.startswith("tp"):
@@ -168,7 +177,8 @@ def table(results):
         coll = d.get("collective_seconds_per_token")
         lines.append(f"{label:<14}{d['decode_tokens_per_s']:>10.2f}{_fmt(vs, '.2f'):>8}"
                      f"{peaks:>20}{_fmt(d.get('collectives_per_token'), 'd'):>19}"
-                     f"{_fmt(coll and coll * 1e3, '.1f'):>18}")
+                     f"{_fmt(coll and coll * 1e3, '.1f'):>18}"
+                     f"{d['other_cpu_seconds_during_job'] / d['job_seconds']:>16.2f}")
     lines.append("(tpN_threadsK: the same job with MindSpore's runtime_num_threads=K per rank)")
     lines.append("")
     lines.append("bars")
