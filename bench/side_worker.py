@@ -1,0 +1,130 @@
+"""One side of the side-by-side benchmark (msinfer or HF transformers) in its own process.
+
+bench/run.py starts one of these per side, so each side's peak memory is its own, and sends
+it requests one JSON line at a time on stdin; the answer is one JSON line on the file
+descriptor given by --reply-fd (stdout and stderr stay free for the libraries' logs).
+
+Requests:
+  {"op": "generate", "prompts": [[ids], ...], "max_tokens": N}
+      greedy, ignore_eos: exactly N new tokens per prompt; answers seconds (wall time around
+      the generate call), token_ids, and for msinfer the engine's stats and compilations
+  {"op": "memory"}  -> current and peak RSS of this process
+  {"op": "exit"}
+The first answer, sent unasked, reports the load: seconds to load the weights and versions.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def rss_figures():
+    """Current (VmRSS) and peak (VmHWM) resident memory of this process, in bytes."""
+    figures = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key = line.split(":")[0]
+            if key in ("VmRSS", "VmHWM"):
+                figures[key] = int(line.split()[1]) * 1024
+    return {"rss_bytes": figures["VmRSS"], "peak_rss_bytes": figures["VmHWM"]}
+
+
+class MsinferSide:
+    def __init__(self, model_dir, max_batch, max_len):
+        from msinfer import LLM
+        from msinfer.sampling import SamplingParams
+
+        self.SamplingParams = SamplingParams
+        start = time.perf_counter()
+        self.llm = LLM(model_dir, max_batch=max_batch, max_len=max_len)
+        self.load_seconds = time.perf_counter() - start
+        import mindspore
+        self.versions = {"mindspore": mindspore.__version__}
+        engine = self.llm.engine
+        self.buckets = {"batch": list(engine.batch_buckets),
+                        "prefill": list(engine.prefill_buckets),
+                        "context": list(engine.context_buckets)}
+
+    def generate(self, prompts, max_tokens):
+        params = self.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        before = dict(self.llm.engine.stats)
+        compiled = self.llm.compilations
+        start = time.perf_counter()
+        outputs = self.llm.generate(prompts, params)
+        seconds = time.perf_counter() - start
+        stats = {k: v - before[k] for k, v in self.llm.engine.stats.items()}
+        return {"seconds": seconds, "token_ids": [o.token_ids for o in outputs],
+                "engine_stats": stats, "new_compilations": self.llm.compilations - compiled,
+                "compilations": self.llm.compilations}
+
+
+class HFSide:
+    def __init__(self, model_dir, max_batch, max_len):
+        import torch
+        import transformers
+
+        self.torch = torch
+        start = time.perf_counter()
+        self.model = transformers.Qwen2ForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32).eval()
+        self.load_seconds = time.perf_counter() - start
+        # Greedy with no end-of-sequence: every call makes exactly max_tokens tokens, as
+        # msinfer's ignore_eos does (min_new_tokens would instead forbid the eos token).
+        config = self.model.generation_config
+        config.eos_token_id = None
+        config.pad_token_id = 0
+        config.do_sample = False
+        config.temperature = config.top_p = config.top_k = None
+        self.versions = {"torch": torch.__version__, "transformers": transformers.__version__,
+                         "torch_threads": torch.get_num_threads()}
+
+    def generate(self, prompts, max_tokens):
+        if len({len(p) for p in prompts}) != 1:
+            raise ValueError("HF side: a batch must hold prompts of one length (no padding)")
+        ids = self.torch.tensor(prompts)
+        with self.torch.inference_mode():
+            start = time.perf_counter()
+            out = self.model.generate(ids, attention_mask=self.torch.ones_like(ids),
+                                      max_new_tokens=max_tokens, min_new_tokens=0)
+            seconds = time.perf_counter() - start
+        generated = out[:, ids.shape[1]:].tolist()
+        if any(len(g) != max_tokens for g in generated):
+            raise RuntimeError(f"HF generated {len(generated[0])} tokens, not {max_tokens}")
+        return {"seconds": seconds, "token_ids": generated}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("side", choices=("msinfer", "hf"))
+    p.add_argument("--model", required=True)
+    p.add_argument("--max-batch", type=int, required=True)
+    p.add_argument("--max-len", type=int, required=True)
+    p.add_argument("--reply-fd", type=int, required=True)
+    args = p.parse_args()
+    reply = os.fdopen(args.reply_fd, "w", buffering=1)
+
+    def answer(value):
+        reply.write(json.dumps(value) + "\n")
+
+    baseline = rss_figures()["rss_bytes"]
+    cls = MsinferSide if args.side == "msinfer" else HFSide
+    side = cls(args.model, args.max_batch, args.max_len)
+    answer(dict(load_seconds=side.load_seconds, versions=side.versions,
+                rss_before_load_bytes=baseline, buckets=getattr(side, "buckets", None),
+                pid=os.getpid(), **rss_figures()))
+    for line in sys.stdin:
+        request = json.loads(line)
+        if request["op"] == "exit":
+            break
+        if request["op"] == "memory":
+            answer(rss_figures())
+        elif request["op"] == "generate":
+            answer(side.generate(request["prompts"], request["max_tokens"]))
+        else:
+            raise ValueError(f"unknown request {request!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
