@@ -204,7 +204,8 @@ def chart(results, path):
         ax.set_xticks(list(xs), labels)
         ax.set_title(title, fontsize=10)
         ax.set_ylabel(ylabel)
-        ax.legend(fontsize=8)
+        ax.set_ylim(top=ax.get_ylim()[1] * 1.25)  # room for the legend above the bars
+        ax.legend(fontsize=8, loc="upper left")
 
     decode = [c for n, c in cases.items() if n.startswith("decode")]
     grouped(axes[0], [f"batch {c['batch']}" for c in decode],
@@ -232,7 +233,8 @@ def chart(results, path):
     ax.set_title(f"batch-1 decode tokens/s by tensor degree\n({dist['model']['heads']}-head "
                  f"variant, same size; KV cache for 1 x {cache_len})", fontsize=10)
     ax.set_ylabel("tokens/s")
-    ax.legend(fontsize=8)
+    ax.set_ylim(top=ax.get_ylim()[1] * 1.25)
+    ax.legend(fontsize=8, loc="upper right")
 
     m = results["machine"]
     fig.suptitle(f"{results['model']['dir']} (float32), {m['cpu']}, {m['cores']} cores, "
