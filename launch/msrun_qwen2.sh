@@ -2,27 +2,19 @@
 # Sharded Qwen2 generation under msrun, MindSpore's own launcher (no MPI needed).
 #
 # When to use: MindSpore installations without OpenMPI, or to match MindFormers' scripts.
-# msrun starts its scheduler and NPROC workers; each worker runs `msinfer generate`.
-# Logs of every worker go to LOG_DIR (worker_N.log); rank 0's results are printed from there.
+# `msinfer launch --launcher msrun` checks the plan, then msrun starts its scheduler and NPROC
+# workers, each running `msinfer generate`; worker logs go to LOG_DIR (worker_N.log) and are
+# echoed to the console while the job runs.
 #
-# Knobs: MODEL (required), STRATEGY (default strategies/qwen2_tp4.yaml), NPROC (default 4),
-# HARDWARE (default cpu), PROMPT, MAX_TOKENS, MASTER_PORT (default: a free port),
-# LOG_DIR (default msrun_log). Extra arguments go to `msinfer generate`.
+# Knobs (environment variables): MODEL (required), STRATEGY (default strategies/qwen2_tp4.yaml),
+# NPROC (default 4), HARDWARE (default cpu), PROMPT, MAX_TOKENS (default 32),
+# LOG_DIR (default msrun_log). Extra arguments are passed to `msinfer generate`.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
-PYTHON=${PYTHON:-"$here/.venv/bin/python"}
-[ -x "$PYTHON" ] || PYTHON=python3
+MSINFER=${MSINFER:-"$here/.venv/bin/msinfer"}
+[ -x "$MSINFER" ] || MSINFER=msinfer
 : "${MODEL:?set MODEL to a Qwen2 checkpoint directory}"
-NPROC=${NPROC:-4}
-LOG_DIR=${LOG_DIR:-msrun_log}
-MASTER_PORT=${MASTER_PORT:-$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')}
-MSRUN=$(dirname "$PYTHON")/msrun
-[ -x "$MSRUN" ] || MSRUN=msrun
-"$MSRUN" --worker_num="$NPROC" --local_worker_num="$NPROC" --master_port="$MASTER_PORT" \
-  --log_dir="$LOG_DIR" --join=True --cluster_time_out=300 \
-  "$here/launch/msinfer_generate.py" --model "$MODEL" \
-  --strategy "${STRATEGY:-$here/strategies/qwen2_tp4.yaml}" --hardware "${HARDWARE:-cpu}" \
-  --prompt "${PROMPT:-The capital of France is}" --max-tokens "${MAX_TOKENS:-32}" "$@"
-status=$?
-grep -v '^\[' "$LOG_DIR/worker_0.log" | grep -v -e WARNING -e '^$' || true
-exit $status
+exec "$MSINFER" launch --launcher msrun --log-dir "${LOG_DIR:-msrun_log}" --nproc "${NPROC:-4}" \
+  --strategy "${STRATEGY:-$here/strategies/qwen2_tp4.yaml}" --hardware "${HARDWARE:-cpu}" -- \
+  generate --model "$MODEL" --prompt "${PROMPT:-The capital of France is}" \
+  --max-tokens "${MAX_TOKENS:-32}" "$@"
