@@ -76,13 +76,7 @@ def ensure_model(name, flags, log):
 def weight_bytes(config):
     """Bytes of weights one decode step reads: every tensor once, float32 (a tied embedding
     once, as the lm_head; the embedding lookup reads only the batch's rows)."""
-    count = 0
-    for shape in config.parameter_shapes().values():
-        size = 1
-        for n in shape:
-            size *= n
-        count += size
-    return 4 * count
+    return 4 * config.num_parameters()
 
 
 def cpu_seconds(pid):
