@@ -173,19 +173,18 @@ class LLM:
 
         self.engine.generate([sequences[i] for i in mine], next_tokens, is_finished)
         if self.replicas > 1:
-            self._exchange(sequences, max(p.max_tokens for p in params))
+            self._exchange(sequences, mine, max(p.max_tokens for p in params))
         return [self._output(text, seq, p) for text, seq, p in zip(texts, sequences, params)]
 
-    def _exchange(self, sequences, max_tokens):
+    def _exchange(self, sequences, mine, max_tokens):
         """Give every rank every replica's results: one AllGather over the job of fixed-size
         rows [prompt index, finished as "stop", count, tokens...] (float32 holds ids < 2**24
         exactly)."""
         from .distributed import all_gather_rows
 
-        replica = self.plan.data_rank(self.dist.rank)
         per_replica = -(-len(sequences) // self.replicas)
         rows = np.full((per_replica, 3 + max_tokens), -1, np.float32)
-        for slot, index in enumerate(range(replica, len(sequences), self.replicas)):
+        for slot, index in enumerate(mine):
             seq = sequences[index]
             rows[slot, :3] = index, seq.finish_reason == "stop", len(seq.generated)
             rows[slot, 3:3 + len(seq.generated)] = seq.generated

@@ -136,7 +136,8 @@ def _scrub_mpi_environment():
         del os.environ[key]
 
 
-def _free_port():
+def free_port():
+    """A TCP port on this host that nobody listens on right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -149,7 +150,7 @@ def _join_dynamic_cluster():
     rank, size = comm.Get_rank(), comm.Get_size()
     address = None
     if rank == 0:
-        address = ("127.0.0.1", _free_port())
+        address = ("127.0.0.1", free_port())
         if size > 1 and os.environ.get("MSINFER_MULTI_HOST"):
             address = (socket.gethostbyname(socket.gethostname()), address[1])
     host, port = comm.bcast(address, root=0)

@@ -7,16 +7,17 @@ bf16 on 310P, pipeline stages on cards without P2P copy) is refused before any p
 starts. Every rank then runs `python -m msinfer generate ...`; mpirun brings the whole job
 down as soon as one rank exits with an error.
 """
+import argparse
 import os
 import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
 
+from .distributed import free_port
 from .errors import MsinferError
 
 
@@ -34,14 +35,9 @@ def register_cli(subparsers):
                    help="stop the whole job after this many seconds")
     p.add_argument("--log-dir", default="msrun_log", help="msrun's worker logs")
     p.add_argument("--dry-run", action="store_true", help="print the command, do not run it")
-    p.add_argument("command", nargs=argparse_remainder(), metavar="-- generate ...",
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- generate ...",
                    help="the msinfer command every rank runs")
     p.set_defaults(func=run)
-
-
-def argparse_remainder():
-    import argparse
-    return argparse.REMAINDER
 
 
 def run(args):
@@ -118,14 +114,8 @@ def _msrun_command(args, rank_args):
         raise MsinferError("msrun not found: it comes with MindSpore")
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "__main__.py")
     return [msrun, f"--worker_num={args.nproc}", f"--local_worker_num={args.nproc}",
-            f"--master_port={_free_port()}", f"--log_dir={args.log_dir}", "--join=True",
+            f"--master_port={free_port()}", f"--log_dir={args.log_dir}", "--join=True",
             f"--cluster_time_out={args.timeout or 600}", script] + rank_args
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # MindSpore's cluster code logs INFO lines at exit whatever GLOG_v says; below the level the

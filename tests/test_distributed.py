@@ -19,6 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from msinfer.distributed import free_port  # noqa: E402
 from msinfer.tiny_model import make_tiny_model  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,10 +53,7 @@ def mpirun_prefix(nproc):
 
 
 def msrun_prefix(nproc, log_dir):
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     msrun = os.path.join(os.path.dirname(sys.executable), "msrun")
     return [msrun, f"--worker_num={nproc}", f"--local_worker_num={nproc}",
             f"--master_port={port}", f"--log_dir={log_dir}", "--join=True",
