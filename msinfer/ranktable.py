@@ -212,14 +212,8 @@ def validate(table, world_size=None, devices_per_server=None, source="rank table
             here = f"server_list[{i}] (server_id {server_id})"
         if "server_id" not in server:
             report(here, "no server_id; it is the server's IPv4 address")
-        elif not isinstance(server_id, str):
-            report(here, f"server_id is {_describe(server_id)}; HCCL expects a string")
-        elif not _is_ipv4(server_id):
-            report(here, f"server_id {server_id!r} is not an IPv4 address")
-        elif server_id in server_at:
-            report(here, f"server {server_id} is listed twice (also {server_at[server_id]})")
-        else:
-            server_at[server_id] = here
+        elif _record_unique_ipv4(report, here, "server_id", server_id, server_at,
+                                 f"server {server_id} is listed twice (also {{}})"):
             if several_servers and ipaddress.IPv4Address(server_id).is_loopback:
                 report(here, f"server_id {server_id} is a loopback address; other servers "
                              f"cannot reach it (give --server-ip)")
@@ -273,14 +267,8 @@ def validate(table, world_size=None, devices_per_server=None, source="rank table
                 continue
             with_ip.append(at)
             ip = device["device_ip"]
-            if not isinstance(ip, str):
-                report(at, f"device_ip is {_describe(ip)}; HCCL expects a string")
-            elif not _is_ipv4(ip):
-                report(at, f"device_ip {ip!r} is not an IPv4 address")
-            elif ip in ip_at:
-                report(at, f"device_ip {ip} is also the IP of {ip_at[ip]}")
-            else:
-                ip_at[ip] = at
+            _record_unique_ipv4(report, at, "device_ip", ip, ip_at,
+                                f"device_ip {ip} is also the IP of {{}}")
 
     for at, rank in ranked:
         if rank >= devices_seen:
@@ -601,6 +589,21 @@ def _describe_list(value):
     if value is None:
         return "missing"
     return "empty" if value == [] else _describe(value)
+
+
+def _record_unique_ipv4(report, at, field, value, seen, duplicate):
+    """Report `value` unless it is a string IPv4 address not in `seen` (then record it at
+    `at` and return True). `duplicate` names the clash, `{}` standing for the first place."""
+    if not isinstance(value, str):
+        report(at, f"{field} is {_describe(value)}; HCCL expects a string")
+    elif not _is_ipv4(value):
+        report(at, f"{field} {value!r} is not an IPv4 address")
+    elif value in seen:
+        report(at, duplicate.format(seen[value]))
+    else:
+        seen[value] = at
+        return True
+    return False
 
 
 def _is_ipv4(text):
