@@ -1,4 +1,4 @@
-"""The `msinfer` command line: generate, make-tiny-model, plan, ranktable, launch.
+"""The `msinfer` command line: generate, serve, make-tiny-model, plan, ranktable, launch.
 
 Each feature module registers its own subcommand (`register_cli(subparsers)`), so this file
 only assembles them. Modules that need MindSpore import it inside their handlers: `plan` and
@@ -16,6 +16,7 @@ _SUBCOMMAND_MODULES = (
     "msinfer.launch_cli",
     "msinfer.plan",
     "msinfer.ranktable",
+    "msinfer.serve_cli",
     "msinfer.tiny_model",
 )
 

@@ -1,0 +1,170 @@
+"""A stand-in for `LLM` and its engine, for fast HTTP and protocol tests of `msinfer serve`.
+
+Same interface as msinfer's LLMEngine (add_request / abort_request / step / stats), with the
+same refusals, a KV pool counted in blocks, a running-batch limit and a step delay, but no
+model: a request's tokens are the UTF-8 bytes of a fixed text (with multi-byte characters, so
+streaming meets incomplete characters), starting at an offset its prompt chooses.
+"""
+import dataclasses
+import math
+import time
+import types
+
+from msinfer.errors import MsinferError
+
+TEXT = "Hello wörld, ünïcode → ok. ".encode()
+EOS = 3  # never in TEXT
+
+
+def expected_ids(prompt_ids, count):
+    start = sum(prompt_ids) % len(TEXT)
+    return [TEXT[(start + i) % len(TEXT)] for i in range(count)]
+
+
+class ByteTokenizer:
+    """Token i < 256 is byte i; bytes that do not form a character decode to U+FFFD."""
+
+    def encode(self, text):
+        return list(text.encode())
+
+    def decode(self, ids):
+        return bytes(i for i in ids if i < 256 and i != EOS).decode(errors="replace")
+
+    def apply_chat_template(self, messages):
+        return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
+
+
+@dataclasses.dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_blocks_total: int
+    num_blocks_used: int
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str
+    prompt_token_ids: list
+    token_ids: list
+    text: str
+    finished: bool
+    finish_reason: str
+    logprobs: list
+
+
+class _Request:
+    def __init__(self, request_id, prompt_ids, params, prompt):
+        self.request_id, self.prompt_ids, self.params, self.prompt = (
+            request_id, prompt_ids, params, prompt)
+        self.generated = []
+        self.logprobs = []
+        self.planned = expected_ids(prompt_ids, params.max_tokens)
+
+
+class FakeEngine:
+    def __init__(self, max_model_len=96, num_blocks=32, block_size=8, max_num_seqs=4,
+                 step_delay=0.01, vocab_size=300):
+        self.max_model_len, self.num_blocks, self.block_size = max_model_len, num_blocks, block_size
+        self.max_num_seqs, self.step_delay, self.vocab_size = max_num_seqs, step_delay, vocab_size
+        self.tokenizer = ByteTokenizer()
+        self.waiting, self.running = [], []
+        self.aborted_ids = []
+        self.pending_aborts = []
+        self.prompt_tokens = self.generation_tokens = 0
+        self.steps = 0
+
+    def warmup(self):
+        pass
+
+    def add_request(self, request_id, prompt_token_ids, params, prompt=None):
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise MsinferError("prompt is empty: give at least one token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise MsinferError(f"token id {bad[0]} is outside the vocabulary "
+                               f"(0..{self.vocab_size - 1})")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise MsinferError(f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} "
+                               f"exceeds max_model_len {self.max_model_len}")
+        if self._blocks(len(ids)) > self.num_blocks:
+            raise MsinferError(f"prompt of {len(ids)} tokens needs {self._blocks(len(ids))} "
+                               f"KV blocks; the pool has {self.num_blocks}")
+        if any(r.request_id == request_id for r in self.waiting + self.running):
+            raise MsinferError(f"request id {request_id!r} is already in use")
+        self.waiting.append(_Request(request_id, ids, params, prompt))
+
+    def abort_request(self, request_id):
+        for queue in (self.waiting, self.running):
+            for r in queue:
+                if r.request_id == request_id:
+                    queue.remove(r)
+                    self.aborted_ids.append(request_id)
+                    self.pending_aborts.append(r)
+                    return
+
+    def _blocks(self, tokens):
+        return math.ceil(tokens / self.block_size)
+
+    def _used(self):
+        return sum(self._blocks(len(r.prompt_ids) + len(r.generated) + 1) for r in self.running)
+
+    def has_unfinished_requests(self):
+        return bool(self.waiting or self.running)
+
+    def step(self):
+        time.sleep(self.step_delay)
+        self.steps += 1
+        outputs = [self._output(r, "abort") for r in self.pending_aborts]
+        self.pending_aborts = []
+        while (self.waiting and len(self.running) < self.max_num_seqs
+               and self._used() + self._blocks(len(self.waiting[0].prompt_ids) + 1)
+               <= self.num_blocks):
+            r = self.waiting.pop(0)
+            self.prompt_tokens += len(r.prompt_ids)
+            self.running.append(r)
+        for r in list(self.running):
+            token = r.planned[len(r.generated)]
+            r.generated.append(token)
+            self.generation_tokens += 1
+            n = getattr(r.params, "logprobs", None)
+            if n is not None:
+                r.logprobs.append({token: -0.25, **{t: -2.0 - t / 1000 for t in
+                                                     range(250, 250 + n) if t != token}})
+            reason = None
+            text = self.tokenizer.decode(r.generated)
+            stop_at = min((text.find(s) for s in r.params.stop if s in text), default=-1)
+            if stop_at >= 0 or token in r.params.stop_token_ids:
+                reason = "stop"
+            elif len(r.generated) == r.params.max_tokens:
+                reason = "length"
+            if reason:
+                self.running.remove(r)
+            outputs.append(self._output(r, reason))
+        return outputs
+
+    def _output(self, r, reason):
+        text = self.tokenizer.decode(r.generated)
+        stops = [text.find(s) for s in r.params.stop if s in text]
+        if stops:
+            text = text[:min(stops)]
+        n = getattr(r.params, "logprobs", None)
+        return RequestOutput(r.request_id, r.prompt, r.prompt_ids, list(r.generated), text,
+                             reason is not None, reason,
+                             list(r.logprobs) if n is not None else None)
+
+    def stats(self):
+        return EngineStats(len(self.running), len(self.waiting), self.num_blocks, self._used(),
+                           0, self.prompt_tokens, self.generation_tokens)
+
+
+def fake_llm(**engine_options):
+    engine = FakeEngine(**engine_options)
+    return types.SimpleNamespace(engine=engine, tokenizer=engine.tokenizer,
+                                 dist=types.SimpleNamespace(rank=0, world_size=1),
+                                 config=types.SimpleNamespace(vocab_size=engine.vocab_size))
