@@ -21,6 +21,9 @@ from .distributed import free_port
 from .errors import MsinferError
 
 
+_RANK_COMMANDS = ("generate", "serve")
+
+
 def register_cli(subparsers):
     p = subparsers.add_parser(
         "launch", help="check the plan, then run a sharded job under mpirun or msrun",
@@ -35,7 +38,7 @@ def register_cli(subparsers):
                    help="stop the whole job after this many seconds")
     p.add_argument("--log-dir", default="msrun_log", help="msrun's worker logs")
     p.add_argument("--dry-run", action="store_true", help="print the command, do not run it")
-    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- generate ...",
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- generate|serve ...",
                    help="the msinfer command every rank runs")
     p.set_defaults(func=run)
 
@@ -44,9 +47,10 @@ def run(args):
     rank_args = list(args.command)
     if rank_args and rank_args[0] == "--":
         rank_args = rank_args[1:]
-    if not rank_args or rank_args[0] != "generate":
+    if not rank_args or rank_args[0] not in _RANK_COMMANDS:
         raise MsinferError("give the rank command after --, e.g. "
-                           "`msinfer launch --nproc 4 --strategy S -- generate --model DIR ...`")
+                           "`msinfer launch --nproc 4 --strategy S -- generate --model DIR ...` "
+                           "(or `-- serve --model DIR ...`)")
     rank_args = _with_option(rank_args, "--strategy", args.strategy)
     rank_args = _with_option(rank_args, "--hardware", args.hardware)
     if args.rank_table:
@@ -85,8 +89,10 @@ def _check_plan(args, generate):
                            f"{strategy.world_size}")
     config = load_config(generate.model)
     max_len = generate.max_len or min(config.max_position_embeddings, DEFAULT_MAX_LEN)
+    # serve sizes its batch by --max-num-seqs (the engine's default when not given)
+    batch = getattr(generate, "max_batch", None) or getattr(generate, "max_num_seqs", None) or 1
     plan = check_plan_or_raise(config, strategy, get_profile(generate.hardware),
-                               batch=generate.max_batch, max_len=max_len, dtype=generate.dtype)
+                               batch=batch, max_len=max_len, dtype=generate.dtype)
     print(format_plan(plan), file=sys.stderr, flush=True)
 
 
