@@ -1,0 +1,247 @@
+"""`msinfer serve` as a real process on a tiny checkpoint: one start, many checks through the
+official openai client and raw HTTP; then the same server as a 4-rank tp4 job under mpirun,
+whose completions must equal the single process's, and which must fail /health and exit
+non-zero when one of its ranks is killed."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx2 as httpx
+import openai
+import pytest
+
+from msinfer.distributed import free_port
+from msinfer.tiny_model import make_tiny_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TP4 = os.path.join(ROOT, "strategies", "qwen2_tp4.yaml")
+NAME = "tiny"
+MAX_LEN = 128
+PROMPTS = ["The capital of France is", "Tensor parallelism splits each layer", "Hello",
+           "one two three four five six seven"]
+
+
+class ServerProcess:
+    def __init__(self, argv, log_path, ready_timeout=600):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", GLOG_v="3")
+        self.log = open(log_path, "w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "msinfer"] + argv + ["--port", str(self.port)],
+            env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + ready_timeout
+        while not self.healthy():
+            if self.process.poll() is not None:
+                pytest.fail(f"server exited with {self.process.returncode}:\n{self.output()}")
+            if time.monotonic() > deadline:
+                self.kill()
+                pytest.fail(f"server not ready after {ready_timeout}s:\n{self.output()}")
+            time.sleep(0.5)
+
+    def healthy(self):
+        try:
+            return httpx.get(self.url + "/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def output(self):
+        with open(self.log_path) as f:
+            return f.read()
+
+    def client(self):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0,
+                             timeout=120)
+
+    def metric(self, name):
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith(name + "{") or line.startswith(name + " ")]
+        assert values, f"{name} not in /metrics"
+        return sum(values)
+
+    def kill(self):
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tiny"))
+    make_tiny_model(path, layers=2, hidden=128, heads=4, kv_heads=2, vocab=512)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    log = str(tmp_path_factory.mktemp("log") / "serve.log")
+    s = ServerProcess(["serve", "--model", model_dir, "--served-model-name", NAME,
+                       "--max-len", str(MAX_LEN), "--max-num-seqs", "4"], log)
+    yield s
+    s.kill()
+
+
+def greedy(server, prompt, max_tokens=12):
+    return server.client().completions.create(model=NAME, prompt=prompt, max_tokens=max_tokens,
+                                              temperature=0)
+
+
+def test_completions_chat_and_streams_agree(server):
+    out = greedy(server, PROMPTS[0])
+    assert 1 <= out.usage.completion_tokens <= 12
+    assert out.choices[0].finish_reason in ("length", "stop")
+    assert greedy(server, PROMPTS[0]).choices[0].text == out.choices[0].text  # deterministic
+    chunks = list(server.client().completions.create(
+        model=NAME, prompt=PROMPTS[0], max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == out.choices[0].text
+    assert chunks[-1].usage.completion_tokens == out.usage.completion_tokens
+
+    messages = [{"role": "user", "content": "Hi there"}]
+    chat = server.client().chat.completions.create(model=NAME, messages=messages,
+                                                   max_tokens=10, temperature=0)
+    streamed = list(server.client().chat.completions.create(
+        model=NAME, messages=messages, max_tokens=10, temperature=0, stream=True))
+    assert streamed[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == \
+        chat.choices[0].message.content
+    assert [m.id for m in server.client().models.list().data] == [NAME]
+
+
+def test_concurrent_requests_get_what_they_get_alone(server):
+    alone = {p: greedy(server, p).choices[0].text for p in PROMPTS}
+    together = {}
+
+    def ask(p):
+        together[p] = greedy(server, p).choices[0].text
+    threads = [threading.Thread(target=ask, args=(p,)) for p in PROMPTS * 2]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert together == alone
+
+
+def test_seeded_sampling_and_logprobs(server):
+    def sample():
+        return server.client().completions.create(model=NAME, prompt="seeded", max_tokens=8,
+                                                  temperature=1.0, top_p=0.9, seed=7,
+                                                  logprobs=2)
+    first, second = sample(), sample()
+    assert first.choices[0].text == second.choices[0].text
+    lp = first.choices[0].logprobs
+    assert len(lp.token_logprobs) == first.usage.completion_tokens
+    assert all(x <= 0 for x in lp.token_logprobs) and all(len(t) == 2 for t in lp.top_logprobs)
+
+
+def post(server, body):
+    return httpx.post(server.url + "/v1/completions", timeout=60,
+                      content=body if isinstance(body, str) else json.dumps(body),
+                      headers={"content-type": "application/json"})
+
+
+@pytest.mark.parametrize("body, status, needle", [
+    ('{"model": "tiny", "prompt": ', 400, "JSON"),
+    ({"model": NAME, "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ({"model": NAME, "prompt": "x", "max_tokens": 100000}, 400, str(MAX_LEN)),
+    ({"model": NAME, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"model": NAME, "prompt": "x", "best_of_luck": 1}, 400, "Unrecognized"),
+    ({"model": NAME, "prompt": ""}, 400, "empty"),
+    ({"model": NAME, "prompt": list(range(MAX_LEN + 5)), "max_tokens": 1}, 400, str(MAX_LEN)),
+    ({"model": NAME, "prompt": [1, 10 ** 6]}, 400, str(10 ** 6)),
+    ({"model": "gpt-4o", "prompt": "x"}, 404, "gpt-4o"),
+])
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, body, status,
+                                                                     needle):
+    response = post(server, body)
+    assert response.status_code == status, response.text
+    assert needle in response.json()["error"]["message"]
+    assert "Traceback" not in response.text
+    assert greedy(server, "still there", 2).usage.completion_tokens == 2
+
+
+def test_a_client_leaving_mid_stream_frees_its_blocks(server):
+    with httpx.Client(timeout=120) as c:
+        with c.stream("POST", server.url + "/v1/completions", json={
+                "model": NAME, "prompt": "a long one", "max_tokens": 100, "stream": True,
+                "ignore_eos": True}) as r:
+            lines = r.iter_lines()
+            while not next(lines).startswith("data: "):
+                pass
+    deadline = time.monotonic() + 30
+    while server.metric("msinfer_kv_blocks_used") or server.metric(
+            "msinfer_num_requests_running"):
+        assert time.monotonic() < deadline, "blocks still in use after the client left"
+        time.sleep(0.2)
+    assert server.metric("msinfer_request_success_total") >= 1
+    assert server.metric("msinfer_kv_blocks_total") > 0
+    assert server.metric("msinfer_generation_tokens_total") > 0
+    assert server.metric("msinfer_time_to_first_token_seconds_count") > 0
+
+
+def test_sigterm_refuses_new_work_finishes_in_flight_and_exits_0(model_dir, tmp_path):
+    s = ServerProcess(["serve", "--model", model_dir, "--served-model-name", NAME,
+                       "--max-len", str(MAX_LEN), "--shutdown-timeout", "60"],
+                      str(tmp_path / "serve.log"))
+    try:
+        with httpx.Client(timeout=120) as c:
+            with c.stream("POST", s.url + "/v1/completions", json={
+                    "model": NAME, "prompt": "last words", "max_tokens": 60, "stream": True,
+                    "ignore_eos": True}) as r:
+                lines = r.iter_lines()
+                assert next(lines).startswith("data: ")
+                s.process.send_signal(signal.SIGTERM)
+                deadline = time.monotonic() + 10
+                while c.get(s.url + "/health").status_code == 200:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+                refused = c.post(s.url + "/v1/completions", json={"model": NAME, "prompt": "x"})
+                assert refused.status_code == 503
+                events = [json.loads(line[6:]) for line in lines
+                          if line.startswith("data: {")]
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        assert s.process.wait(timeout=60) == 0
+    finally:
+        s.kill()
+
+
+def test_tp4_under_mpirun_serves_the_same_completions_and_dies_with_a_rank(
+        server, model_dir, tmp_path):
+    """One start of the 4-rank job: same greedy completions as tp1; the hand-off cost is in
+    /metrics; killing rank 2 fails /health and brings the job down non-zero."""
+    log = str(tmp_path / "tp4.log")
+    job = ServerProcess(["launch", "--nproc", "4", "--strategy", TP4, "--", "serve",
+                         "--model", model_dir, "--served-model-name", NAME,
+                         "--max-len", str(MAX_LEN), "--max-num-seqs", "4"], log,
+                        ready_timeout=900)
+    try:
+        for prompt in PROMPTS:
+            assert greedy(job, prompt).choices[0].text == greedy(server, prompt).choices[0].text
+        chat = [{"role": "user", "content": "Hi there"}]
+        assert (job.client().chat.completions.create(model=NAME, messages=chat, max_tokens=8,
+                                                     temperature=0).choices[0].message.content
+                == server.client().chat.completions.create(
+                    model=NAME, messages=chat, max_tokens=8,
+                    temperature=0).choices[0].message.content)
+        steps = job.metric("msinfer_handoff_seconds_count")
+        assert steps > 0 and job.metric("msinfer_handoff_seconds_sum") / steps < 0.01
+
+        pid = int(re.search(r"rank 2 is process (\d+)", job.output()).group(1))
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        while job.healthy():
+            assert time.monotonic() - killed < 10, "/health still ok after a rank died"
+            time.sleep(0.1)
+        code = job.process.wait(timeout=60)
+        assert code != 0
+        assert time.monotonic() - killed < 60
+    finally:
+        job.kill()
