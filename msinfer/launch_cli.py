@@ -89,10 +89,8 @@ def _check_plan(args, generate):
                            f"{strategy.world_size}")
     config = load_config(generate.model)
     max_len = generate.max_len or min(config.max_position_embeddings, DEFAULT_MAX_LEN)
-    # serve sizes its batch by --max-num-seqs (the engine's default when not given)
-    batch = getattr(generate, "max_batch", None) or getattr(generate, "max_num_seqs", None) or 1
     plan = check_plan_or_raise(config, strategy, get_profile(generate.hardware),
-                               batch=batch, max_len=max_len, dtype=generate.dtype)
+                               batch=generate.max_batch, max_len=max_len, dtype=generate.dtype)
     print(format_plan(plan), file=sys.stderr, flush=True)
 
 
