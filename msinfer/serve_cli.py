@@ -119,12 +119,10 @@ def _lead(args, llm, channel):
         listener = socket.create_server((args.host, args.port))
     except OSError as e:
         raise MsinferError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
-    loop = None
-    metrics = ServerMetrics(names[0], lambda: loop.stats)
+    metrics = ServerMetrics(names[0], llm.engine.stats())
     loop = EngineLoop(llm.engine, channel, metrics)
     config = ServerConfig(model_names=names, max_model_len=llm.engine.max_model_len,
-                          vocab_size=llm.config.vocab_size, api_key=args.api_key,
-                          max_queue=args.max_queue)
+                          api_key=args.api_key, max_queue=args.max_queue)
     app = build_app(loop, llm.tokenizer, config, metrics)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=5))

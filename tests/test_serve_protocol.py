@@ -28,10 +28,10 @@ class RunningServer:
     def __init__(self, api_key=None, max_queue=64, **engine_options):
         self.llm = fake_llm(**engine_options)
         self.engine = self.llm.engine
-        self.metrics = ServerMetrics(MODEL, lambda: self.loop.stats)
+        self.metrics = ServerMetrics(MODEL, self.engine.stats())
         self.loop = EngineLoop(self.engine, Leader([]), self.metrics)
         config = ServerConfig(model_names=[MODEL], max_model_len=self.engine.max_model_len,
-                              vocab_size=self.engine.vocab_size, api_key=api_key,
+                              api_key=api_key,
                               max_queue=max_queue)
         app = build_app(self.loop, self.llm.tokenizer, config, self.metrics)
         listener = socket.create_server(("127.0.0.1", 0))

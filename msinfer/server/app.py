@@ -37,7 +37,6 @@ class ApiError(Exception):
 class ServerConfig:
     model_names: list  # the first is reported back in responses
     max_model_len: int
-    vocab_size: int
     api_key: str = None
     max_queue: int = 1024
 

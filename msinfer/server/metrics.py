@@ -1,6 +1,6 @@
 """Prometheus metrics of a server: engine gauges and counters, request latency histograms.
 
-The engine's own counts (running, waiting, KV blocks, token totals, preemptions) are read from
+The engine's own counts (running, waiting, KV blocks, token totals, preemptions) come from
 the last step's `EngineStats` when scraped; latencies are observed as requests finish.
 """
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -14,10 +14,10 @@ _HANDOFF_BUCKETS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3, 0.01)
 
 
 class ServerMetrics:
-    def __init__(self, model_name, stats_source):
-        """stats_source(): the latest EngineStats."""
+    def __init__(self, model_name, stats):
+        """stats: the engine's EngineStats before its first step."""
         self.registry = CollectorRegistry()
-        self._stats = stats_source
+        self.stats = stats
         self._model = model_name
         self.registry.register(_EngineCollector(self))
         labels = ["model_name"]
@@ -46,6 +46,7 @@ class ServerMetrics:
                                  registry=self.registry)
 
     def observe_step(self, handoff_seconds, step_seconds, stats):
+        self.stats = stats
         self.step_time.labels(self._model).observe(step_seconds)
         self.handoff.labels(self._model).observe(handoff_seconds)
 
@@ -69,7 +70,7 @@ class _EngineCollector:
         self.metrics = metrics
 
     def collect(self):
-        stats, model = self.metrics._stats(), self.metrics._model
+        stats, model = self.metrics.stats, self.metrics._model
 
         def gauge(name, doc, value):
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
