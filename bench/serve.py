@@ -302,6 +302,34 @@ def chart(report, path):
     fig.savefig(path, dpi=110)
 
 
+def with_visible_vocabulary(model_dir):
+    """The checkpoint as is, unless its tokenizer.json covers fewer ids than the model emits:
+    then a sibling directory (the same files, linked) whose tokenizer gives every remaining
+    id a text of its own (`<tN>`). A random checkpoint samples ids all over its vocabulary, and
+    ids without text stream nothing, so without this TTFT and ITL would time the rare
+    visible tokens rather than every token, differently on each server."""
+    import tokenizers
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    tokenizer = tokenizers.Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+    have = tokenizer.get_vocab_size(with_added_tokens=True)
+    if have >= vocab:
+        return model_dir
+    target = os.path.abspath(model_dir).rstrip("/") + "-visible"
+    os.makedirs(target, exist_ok=True)
+    for name in os.listdir(model_dir):
+        link = os.path.join(target, name)
+        if name != "tokenizer.json" and not os.path.lexists(link):
+            os.symlink(os.path.abspath(os.path.join(model_dir, name)), link)
+    if not os.path.exists(os.path.join(target, "tokenizer.json")):
+        tokenizer.add_tokens([tokenizers.AddedToken(f"<t{i}>", special=False, normalized=False)
+                              for i in range(have, vocab)])
+        assert tokenizer.token_to_id(f"<t{vocab - 1}>") == vocab - 1
+        tokenizer.save(os.path.join(target, "tokenizer.json"))
+    return target
+
+
 def load_tokenizer(args):
     directory = args.tokenizer or args.model_dir
     if not directory or not os.path.isfile(os.path.join(directory, "tokenizer.json")):
@@ -320,6 +348,8 @@ def main(argv=None):
                         "(repeatable; run in the order given)")
     p.add_argument("--model-dir", help="checkpoint for --start")
     p.add_argument("--tp4-model-dir", help="checkpoint for msinfer-tp4 (heads divisible by 4)")
+    p.add_argument("--keep-tokenizer", action="store_true",
+                   help="do not give every model id a text (see with_visible_vocabulary)")
     p.add_argument("--tokenizer", help="tokenizer.json directory to size prompts "
                    "(default: --model-dir)")
     p.add_argument("--msinfer-option", action="append", default=[],
@@ -347,6 +377,10 @@ def main(argv=None):
     if args.start and not args.model_dir:
         p.error("--start needs --model-dir")
     args.out_dir = os.path.dirname(os.path.abspath(args.out))
+    if args.start and not args.keep_tokenizer:
+        args.model_dir = with_visible_vocabulary(args.model_dir)
+        if args.tp4_model_dir:
+            args.tp4_model_dir = with_visible_vocabulary(args.tp4_model_dir)
     os.makedirs(args.out_dir, exist_ok=True)
 
     requests = make_requests(args, load_tokenizer(args))
