@@ -304,17 +304,18 @@ def chart(report, path):
 
 def with_visible_vocabulary(model_dir):
     """The checkpoint as is, unless its tokenizer.json covers fewer ids than the model emits:
-    then a sibling directory (the same files, linked) whose tokenizer gives every remaining
-    id a text of its own (`<tN>`). A random checkpoint samples ids all over its vocabulary, and
+    then a sibling directory (the same files, linked) whose tokenizer's vocabulary gives every
+    remaining id a text of its own (`<tN>`, plain BPE entries that no merge produces, so
+    prompts tokenize as before). A random checkpoint samples ids all over its vocabulary, and
     ids without text stream nothing, so without this TTFT and ITL would time the rare
     visible tokens rather than every token, differently on each server."""
-    import tokenizers
-
     with open(os.path.join(model_dir, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
-    tokenizer = tokenizers.Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
-    have = tokenizer.get_vocab_size(with_added_tokens=True)
-    if have >= vocab:
+    with open(os.path.join(model_dir, "tokenizer.json")) as f:
+        tokenizer = json.load(f)
+    ids = set(tokenizer["model"]["vocab"].values())
+    ids |= {t["id"] for t in tokenizer.get("added_tokens", [])}
+    if len(ids) >= vocab:
         return model_dir
     target = os.path.abspath(model_dir).rstrip("/") + "-visible"
     os.makedirs(target, exist_ok=True)
@@ -322,11 +323,9 @@ def with_visible_vocabulary(model_dir):
         link = os.path.join(target, name)
         if name != "tokenizer.json" and not os.path.lexists(link):
             os.symlink(os.path.abspath(os.path.join(model_dir, name)), link)
-    if not os.path.exists(os.path.join(target, "tokenizer.json")):
-        tokenizer.add_tokens([tokenizers.AddedToken(f"<t{i}>", special=False, normalized=False)
-                              for i in range(have, vocab)])
-        assert tokenizer.token_to_id(f"<t{vocab - 1}>") == vocab - 1
-        tokenizer.save(os.path.join(target, "tokenizer.json"))
+    tokenizer["model"]["vocab"].update({f"<t{i}>": i for i in range(vocab) if i not in ids})
+    with open(os.path.join(target, "tokenizer.json"), "w") as f:
+        json.dump(tokenizer, f, ensure_ascii=False)
     return target
 
 
