@@ -76,7 +76,7 @@ def _parse_generate(rank_args):
 def _check_plan(args, generate):
     from .config import load_config
     from .hardware import get_profile
-    from .plan import DEFAULT_MAX_LEN, check_plan_or_raise, format_plan
+    from .plan import check_plan_or_raise, format_plan, limits_from_args
     from .strategy import load_strategy
 
     strategy = load_strategy(generate.strategy)
@@ -84,9 +84,8 @@ def _check_plan(args, generate):
         raise MsinferError(f"--nproc {args.nproc} but {strategy.source} has world_size "
                            f"{strategy.world_size}")
     config = load_config(generate.model)
-    max_len = generate.max_len or min(config.max_position_embeddings, DEFAULT_MAX_LEN)
     plan = check_plan_or_raise(config, strategy, get_profile(generate.hardware),
-                               batch=generate.max_batch, max_len=max_len, dtype=generate.dtype)
+                               limits_from_args(config, generate), generate.dtype)
     print(format_plan(plan), file=sys.stderr, flush=True)
 
 

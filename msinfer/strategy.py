@@ -55,6 +55,12 @@ _LAST_NAME_KIND = {
     "down_proj": "mlp_out",
 }
 _TIED_SPLIT = {"vocab": "colwise_gather", "replicate": "replicate"}
+# The model fuses these projections: one matmul of the parts' rows stacked in this order, each
+# rank holding its slice of every part (so fusing changes no rule and no byte count).
+FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -96,6 +102,14 @@ def _in_strategy(kind, style, tensor, data, bias=False):
 def _even_split(size, parts, index):
     step = size // parts
     return slice(index * step, (index + 1) * step)
+
+
+def checkpoint_parts(name):
+    """The checkpoint tensors a model weight is made of: its FUSED parts, else itself."""
+    for fused, parts in FUSED.items():
+        if f".{fused}." in name:
+            return [name.replace(fused, part) for part in parts]
+    return [name]
 
 
 def _ratio(a, b):
@@ -172,8 +186,10 @@ class ShardPlan:
         return name == "lm_head.weight" and self.config.tie_word_embeddings
 
     def style(self, name):
-        """The split of a checkpoint tensor. With tied embeddings the lm_head reuses the
-        embedding's slice: vocab rows split (colwise_gather) or whole (replicate)."""
+        """The split of a checkpoint tensor (or of a fused weight: its parts'). With tied
+        embeddings the lm_head reuses the embedding's slice: vocab rows split
+        (colwise_gather) or whole (replicate)."""
+        name = checkpoint_parts(name)[0]
         self._check(name)
         if self._tied_lm_head(name):
             return _TIED_SPLIT[self.styles["model.embed_tokens"]]
@@ -203,9 +219,13 @@ class ShardPlan:
         return tuple(whole)
 
     def local_shape(self, name):
-        return tuple(s.stop - s.start for s in self.slices(name, 0))
+        """Shape of a rank's slice; a fused weight stacks its parts' slices."""
+        shapes = [tuple(s.stop - s.start for s in self.slices(part, 0))
+                  for part in checkpoint_parts(name)]
+        return (sum(s[0] for s in shapes),) + shapes[0][1:]
 
     def in_strategy(self, name):
+        name = checkpoint_parts(name)[0]
         style = self.style(name)
         module = _module(name)
         if self.replicated_kv_heads and module.endswith(("k_proj", "v_proj")):

@@ -19,7 +19,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    return LLM(model_dir, max_batch=4, max_len=96)
+    return LLM(model_dir, max_num_seqs=4, max_len=96)
 
 
 def run_cli(capsys, *argv):
@@ -94,8 +94,8 @@ def test_stop_token_id_and_eos_end_generation(llm):
     assert out.finish_reason == "stop"
 
 
-def test_more_prompts_than_max_batch_run_in_several_batches(llm):
-    prompts = [[i + 1, i + 2] for i in range(6)]  # max_batch is 4
+def test_more_prompts_than_max_num_seqs_run_as_slots_free_up(llm):
+    prompts = [[i + 1, i + 2] for i in range(6)]  # max_num_seqs is 4
     greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     together = [o.token_ids for o in llm.generate(prompts, greedy)]
     alone = [llm.generate([p], greedy)[0].token_ids for p in prompts]
@@ -105,7 +105,13 @@ def test_more_prompts_than_max_batch_run_in_several_batches(llm):
 @pytest.mark.parametrize("argv, message", [
     (["--prompt", ""], "empty"),
     (["--prompt-ids", "1,2,3", "--max-tokens", "70", "--max-len", "64"],
-     "exceeds the KV cache of 64 positions"),
+     "prompt of 3 tokens + max_tokens 70 = 73 exceeds the longest sequence, max_len 64"),
+    (["--prompt-ids", "1,2,3", "--max-tokens", "40", "--max-len", "64", "--block-size", "4",
+      "--kv-cache-memory", "8KiB"], "exceeds the whole KV cache of 12 tokens (3 blocks of 4)"),
+    (["--prompt", "hi", "--kv-cache-memory", "100"], "needs at least 2"),
+    (["--prompt", "hi", "--kv-cache-memory", "lots"], "--kv-cache-memory 'lots'"),
+    (["--prompt", "hi", "--max-num-seqs", "0"], "max_num_seqs must be a positive integer"),
+    (["--prompt", "hi", "--max-len", "100000"], "exceeds the model's max_position_embeddings"),
     (["--prompt-ids", "1,x"], "--prompt-ids '1,x'"),
     (["--prompt-ids", "99999"], "token id 99999 is outside the vocabulary"),
     (["--prompt", "hi", "--temperature", "-1"], "temperature=-1.0"),
