@@ -5,17 +5,24 @@ cache for batch x max-len, and a stated workspace estimate, against the profile'
 memory. It lists the collectives each decoded token costs, the dtype and why, and the decode
 speed that memory bandwidth allows. It refuses what would fail on the hardware, saying how to
 fix it.
+
+Three things are easy to confuse: a `Strategy` (the YAML: degrees and rules), the `ShardPlan`
+it resolves to for one model (what each rank holds: strategy.py), and the `PlanReport` made
+here (is that ShardPlan legal on this hardware, in this parallel mode, and does it fit).
 """
+from __future__ import annotations
+
 import dataclasses
 import json
 import textwrap
 
-from .config import load_config
-from .errors import MsinferError, PlanRefused
-from .hardware import DTYPE_BYTES, PROFILES, GiB, compute_dtype, dtype_name, get_profile
-from .strategy import ShardPlan, load_strategy
+from .config import ModelConfig, load_config
+from .errors import PlanRefused, positive_int
+from .hardware import (DTYPE_BYTES, PROFILES, GiB, HardwareProfile, compute_dtype, dtype_name,
+                       get_profile)
+from .strategy import PARALLEL_MODES, ShardPlan, Strategy, decide_parallel_mode, load_strategy
 
-DEFAULT_MAX_LEN = 4096
+DEFAULT_MAX_LEN = 4096  # KV positions per sequence when none are asked for
 _TIGHT_MARGIN = 0.10  # below this share of capacity to spare, say that the workspace is a guess
 
 
@@ -31,7 +38,7 @@ class DeviceMemory:
     capacity_bytes: int
 
     @property
-    def margin_bytes(self):
+    def margin_bytes(self) -> int:
         return self.capacity_bytes - self.total_bytes
 
 
@@ -44,7 +51,9 @@ class Collective:
 
 
 @dataclasses.dataclass
-class Plan:
+class PlanReport:
+    """The planner's verdict on one (model, strategy, hardware, mode, batch, max-len)."""
+
     model: str
     strategy: str
     hardware: str
@@ -56,42 +65,56 @@ class Plan:
     batch: int
     max_len: int
     memory_bandwidth_bytes_per_s: float
-    dtype: str = None
-    dtype_reason: str = None
-    devices: list = dataclasses.field(default_factory=list)
-    collectives_per_token: list = dataclasses.field(default_factory=list)
-    workspace_formula: str = None
-    decode_bytes_per_step: int = None  # read by the busiest device, at a full max-len context
-    decode_tokens_per_s_bound: float = None  # at a full max-len context
-    decode_tokens_per_s_bound_short_context: float = None  # weights only
-    errors: list = dataclasses.field(default_factory=list)
-    warnings: list = dataclasses.field(default_factory=list)
-    notes: list = dataclasses.field(default_factory=list)
+    parallel_mode: str = "explicit"
+    dtype: str | None = None
+    dtype_reason: str | None = None
+    devices: list[DeviceMemory] = dataclasses.field(default_factory=list)
+    collectives_per_token: list[Collective] = dataclasses.field(default_factory=list)
+    workspace_formula: str | None = None
+    decode_bytes_per_step: int | None = None  # read by the busiest device, full context
+    decode_tokens_per_s_bound: float | None = None  # at a full max-len context
+    decode_tokens_per_s_bound_short_context: float | None = None  # weights only
+    errors: list[str] = dataclasses.field(default_factory=list)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
-    def fits(self):
+    def fits(self) -> bool:
         return not self.errors
 
-    def to_dict(self):
+    def to_dict(self) -> dict:
         return {"fits": self.fits, **dataclasses.asdict(self)}
 
 
-def make_plan(config, strategy, profile, batch=1, max_len=DEFAULT_MAX_LEN, dtype=None):
-    for key, value in (("batch", batch), ("max_len", max_len)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise MsinferError(f"{key} must be a positive integer, got {value!r}")
-    plan = Plan(model=config.source, strategy=strategy.source, hardware=profile.name,
-                hardware_title=profile.title, world_size=strategy.world_size,
-                tensor=strategy.tensor, data=strategy.data, pipeline=strategy.pipeline,
-                batch=batch, max_len=max_len,
-                memory_bandwidth_bytes_per_s=profile.memory_bandwidth_bytes_per_s)
-    refusal = _hardware_refusal(strategy, profile)
+def default_max_len(config: ModelConfig) -> int:
+    """KV positions per sequence when none are asked for: DEFAULT_MAX_LEN, or fewer when the
+    model's max_position_embeddings is smaller."""
+    return min(config.max_position_embeddings, DEFAULT_MAX_LEN)
+
+
+def make_plan(config: ModelConfig, strategy: Strategy, profile: HardwareProfile,
+              batch: int = 1, max_len: int | None = None, dtype: str | None = None,
+              parallel_mode: str | None = None) -> PlanReport:
+    """Check and size a plan. parallel_mode None: decide_parallel_mode's choice; max_len None:
+    default_max_len(config). Problems the hardware or the mode cannot run end up in
+    `errors`; bad values raise MsinferError."""
+    max_len = default_max_len(config) if max_len is None else max_len
+    positive_int(batch, "batch")
+    positive_int(max_len, "max_len")
+    mode = decide_parallel_mode(parallel_mode, strategy)
+    plan = PlanReport(model=config.source, strategy=strategy.source, hardware=profile.name,
+                      hardware_title=profile.title, world_size=strategy.world_size,
+                      tensor=strategy.tensor, data=strategy.data, pipeline=strategy.pipeline,
+                      batch=batch, max_len=max_len,
+                      memory_bandwidth_bytes_per_s=profile.memory_bandwidth_bytes_per_s,
+                      parallel_mode=mode)
+    refusal = _hardware_refusal(strategy, profile, mode)
     if refusal:
         plan.errors.append(refusal)
         return plan
     try:
         plan.dtype, plan.dtype_reason = compute_dtype(profile, config.torch_dtype, dtype)
-        shard = strategy.resolve(config)
+        shard = strategy.resolve(config, mode)
     except PlanRefused as e:
         plan.errors.append(str(e))
         return plan
@@ -119,16 +142,24 @@ def make_plan(config, strategy, profile, batch=1, max_len=DEFAULT_MAX_LEN, dtype
     return plan
 
 
-def check_plan_or_raise(config, strategy, profile, batch=1, max_len=DEFAULT_MAX_LEN,
-                        dtype=None):
-    """The launcher's gate: the Plan when it fits, else PlanRefused with the first error."""
-    plan = make_plan(config, strategy, profile, batch, max_len, dtype)
+def check_plan_or_raise(config: ModelConfig, strategy: Strategy, profile: HardwareProfile,
+                        batch: int = 1, max_len: int | None = None, dtype: str | None = None,
+                        parallel_mode: str | None = None) -> PlanReport:
+    """The gate of `msinfer launch` and `LLM(...)`: the report when the plan fits, else
+    PlanRefused with the first error."""
+    plan = make_plan(config, strategy, profile, batch, max_len, dtype, parallel_mode)
     if plan.errors:
         raise PlanRefused(plan.errors[0])
     return plan
 
 
-def _hardware_refusal(strategy, profile):
+def _hardware_refusal(strategy, profile, mode):
+    if mode == "semi_auto" and profile.device_target == "CPU" and strategy.world_size > 1:
+        return (
+            f"{strategy.source}: parallel mode semi_auto needs Ascend or GPU: MindSpore refuses "
+            f"semi_auto_parallel on CPU ('Invalid communication backend: CPU'). The explicit "
+            f"mode (the default) runs the same strategy with explicit collectives on CPU, "
+            f"Ascend and GPU")
     if strategy.pipeline > 1 and not profile.p2p_copy:
         return (
             f"{strategy.source}: pipeline: {strategy.pipeline} splits the layers over "
@@ -333,11 +364,11 @@ def _wrap(prefix, text):
                          subsequent_indent=" " * len(prefix), break_on_hyphens=False)
 
 
-def format_plan(plan):
+def format_plan(plan: PlanReport) -> str:
     lines = [f"msinfer plan: {plan.model} on {plan.world_size} x {plan.hardware}, "
              f"{plan.hardware_title}",
              f"  strategy   {plan.strategy}: tensor {plan.tensor} x data {plan.data} x "
-             f"pipeline {plan.pipeline} = {plan.world_size} devices",
+             f"pipeline {plan.pipeline} = {plan.world_size} devices, {plan.parallel_mode} mode",
              f"  request    batch {plan.batch}, max length {plan.max_len}"]
     if plan.dtype:
         lines.append(_wrap("  dtype      ", f"{plan.dtype}: {plan.dtype_reason}"))
@@ -386,7 +417,7 @@ def _run(args):
     strategy = load_strategy(args.strategy)
     profile = get_profile(args.hardware)
     plan = make_plan(config, strategy, profile, batch=args.batch, max_len=args.max_len,
-                     dtype=args.dtype)
+                     dtype=args.dtype, parallel_mode=args.parallel_mode)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
     return 0 if plan.fits else 1
 
@@ -405,9 +436,12 @@ def register_cli(subparsers):
     parser.add_argument("--hardware", required=True, choices=sorted(PROFILES),
                         help="hardware profile")
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together")
-    parser.add_argument("--max-len", type=int, default=DEFAULT_MAX_LEN,
-                        help=f"prompt plus generated tokens per sequence "
-                             f"(default {DEFAULT_MAX_LEN})")
+    parser.add_argument("--max-len", type=int, default=None,
+                        help=f"prompt plus generated tokens per sequence (default "
+                             f"{DEFAULT_MAX_LEN}, or the model's max_position_embeddings if "
+                             f"smaller)")
+    parser.add_argument("--parallel-mode", choices=PARALLEL_MODES, default=None,
+                        help="default: the strategy's parallel_mode, else explicit")
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES),
                         help="compute dtype (default: the hardware's policy)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
