@@ -8,9 +8,9 @@ import os
 import numpy as np
 
 from . import log
-from .config import ModelConfig
+from .config import ModelConfig, eos_token_ids
 from .errors import MsinferError
-from .plan import DEFAULT_MAX_LEN
+from .plan import check_plan_or_raise, default_max_len
 from .sampling import Sampler, SamplingParams
 from .tokenizer import find_stop
 
@@ -30,8 +30,8 @@ class LLM:
     model_dir: a Hugging Face Qwen2 directory (config.json, *.safetensors, tokenizer.json).
     strategy: a strategy YAML path (see strategies/); None runs on one device.
     hardware: a profile name from msinfer.hardware (default "cpu").
-    parallel_mode: "explicit" or "semi_auto"; default: the strategy's, else explicit on CPU
-        and semi_auto on Ascend/GPU.
+    parallel_mode: "explicit" or "semi_auto"; default: the strategy's, else explicit
+        (strategy.decide_parallel_mode).
     max_batch, max_len: the static KV cache (rows and positions); prompts longer than fit
         are refused before anything runs.
     dtype: compute dtype override (the hardware's policy decides otherwise).
@@ -43,21 +43,25 @@ class LLM:
 
         from .distributed import init_distributed, job_seed, tensor_group
         from .engine import Engine
-        from .hardware import compute_dtype, get_profile
-        from .strategy import Strategy, load_strategy
+        from .hardware import get_profile
+        from .strategy import Strategy, decide_parallel_mode, load_strategy
 
         self.model_dir = model_dir
         self.config = ModelConfig.from_model_dir(model_dir)
         self.profile = get_profile(hardware)
         self.strategy = load_strategy(strategy) if strategy else Strategy.default()
-        self.parallel_mode = choose_parallel_mode(parallel_mode, self.strategy, self.profile)
-        self.plan = self.strategy.resolve(self.config)
-        dtype_name, self.dtype_reason = compute_dtype(self.profile, self.config.torch_dtype,
-                                                      dtype)
-        max_len = max_len or min(self.config.max_position_embeddings, DEFAULT_MAX_LEN)
+        self.parallel_mode = decide_parallel_mode(parallel_mode, self.strategy)
+        max_len = max_len or default_max_len(self.config)
         if max_len > self.config.max_position_embeddings:
             raise MsinferError(f"max_len {max_len} exceeds the model's "
                                f"max_position_embeddings {self.config.max_position_embeddings}")
+        # The planner's check, here too, so every entry point refuses an illegal or oversized
+        # plan before any device or collective is touched.
+        report = check_plan_or_raise(self.config, self.strategy, self.profile, batch=max_batch,
+                                     max_len=max_len, dtype=dtype,
+                                     parallel_mode=self.parallel_mode)
+        dtype_name, self.dtype_reason = report.dtype, report.dtype_reason
+        self.plan = self.strategy.resolve(self.config, self.parallel_mode)
 
         self.dist = init_distributed(self.profile.device_target, self.strategy.world_size,
                                      rank_table)
@@ -119,7 +123,7 @@ class LLM:
     def eos_token_ids(self):
         if self.has_tokenizer:
             return set(self.tokenizer.eos_token_ids)
-        return set(self.config.eos_token_ids)
+        return set(eos_token_ids(self.model_dir))
 
     def generate(self, prompts, sampling_params=None):
         """prompts: a string, a list of strings, or a list of token-id lists.
@@ -218,19 +222,3 @@ def _describe(plan):
     if plan.data > 1:
         parts.append(f"{plan.data} data replicas")
     return ", ".join(parts) or "one device"
-
-
-def choose_parallel_mode(requested, strategy, profile):
-    mode = requested or strategy.parallel_mode
-    if mode is None:
-        mode = "explicit" if profile.device_target == "CPU" else "semi_auto"
-    if mode not in ("explicit", "semi_auto"):
-        raise MsinferError(f"parallel mode {mode!r}: use 'explicit' or 'semi_auto'")
-    if mode == "semi_auto" and profile.device_target == "CPU" and strategy.world_size > 1:
-        raise MsinferError(
-            "parallel mode semi_auto needs Ascend or GPU: MindSpore refuses "
-            "semi_auto_parallel on CPU ('Invalid communication backend: CPU'). "
-            "Use --parallel-mode explicit, which runs the same strategy with explicit "
-            "collectives on CPU, Ascend and GPU")
-    return mode
-

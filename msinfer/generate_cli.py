@@ -5,7 +5,8 @@ Every rank of a sharded job runs this same command; only rank 0 prints the resul
 import json
 import sys
 
-from .errors import MsinferError
+from .errors import MsinferError, positive_int
+from .strategy import PARALLEL_MODES
 
 
 def register_cli(subparsers):
@@ -29,7 +30,8 @@ def register_cli(subparsers):
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--strategy", default=None, help="strategy YAML (default: one device)")
     p.add_argument("--hardware", default="cpu", help="hardware profile (default: cpu)")
-    p.add_argument("--parallel-mode", choices=("explicit", "semi_auto"), default=None)
+    p.add_argument("--parallel-mode", choices=PARALLEL_MODES, default=None,
+                   help="default: the strategy's parallel_mode, else explicit")
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--max-len", type=int, default=None, help="KV cache positions per row")
     p.add_argument("--dtype", default=None, help="compute dtype override")
@@ -52,8 +54,7 @@ def run(args):
 
     if not args.prompt and not args.prompt_ids:
         raise MsinferError("give at least one --prompt or --prompt-ids")
-    if args.max_batch < 1:
-        raise MsinferError(f"--max-batch {args.max_batch}: must be at least 1")
+    positive_int(args.max_batch, "--max-batch")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             stop=tuple(args.stop), ignore_eos=args.ignore_eos)

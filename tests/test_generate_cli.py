@@ -109,8 +109,6 @@ def test_more_prompts_than_max_batch_run_in_several_batches(llm):
     (["--prompt-ids", "1,x"], "--prompt-ids '1,x'"),
     (["--prompt-ids", "99999"], "token id 99999 is outside the vocabulary"),
     (["--prompt", "hi", "--temperature", "-1"], "temperature=-1.0"),
-    (["--prompt", "hi", "--strategy", "strategies/qwen2_tp4.yaml", "--parallel-mode",
-      "semi_auto"], "semi_auto needs Ascend or GPU"),
     (["--prompt", "hi", "--strategy", "strategies/qwen2_tp4.yaml"],
      "needs 4 processes but this one was started alone"),
 ])
@@ -121,6 +119,17 @@ def test_bad_request_is_refused_with_a_clear_message(model_dir, capsys, argv, me
     assert code == 2
     assert message in err
     assert "Traceback" not in err
+
+
+def test_semi_auto_on_cpu_is_refused_by_the_plan_check_before_any_rank_starts(model_dir,
+                                                                            capsys):
+    tp4 = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                       "strategies", "qwen2_tp4.yaml")
+    code, _, err = run_cli(capsys, "generate", "--model", model_dir, "--prompt", "hi",
+                           "--strategy", tp4, "--parallel-mode", "semi_auto")
+    assert code == 1  # refused by the planner, as `msinfer plan` refuses it
+    assert "parallel mode semi_auto needs Ascend or GPU" in err
+    assert "started alone" not in err  # refused before init_distributed looked for ranks
 
 
 def test_missing_config_json_names_the_file(tmp_path, capsys):
