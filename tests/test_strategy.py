@@ -324,7 +324,8 @@ def test_semi_auto_refuses_replicated_kv_heads_and_says_use_explicit(tmp_path):
 def test_parallel_mode_is_explicit_unless_the_caller_or_the_strategy_asks():
     assert decide_parallel_mode(None, Strategy.default()) == "explicit"
     assert decide_parallel_mode(None, Strategy.default(parallel_mode="semi_auto")) == "semi_auto"
-    assert decide_parallel_mode("explicit", Strategy.default(parallel_mode="semi_auto")) == "explicit"
+    semi_auto = Strategy.default(parallel_mode="semi_auto")
+    assert decide_parallel_mode("explicit", semi_auto) == "explicit"
     assert decide_parallel_mode("semi_auto", Strategy.default()) == "semi_auto"
     with pytest.raises(MsinferError, match="parallel mode 'auto': use explicit or semi_auto"):
         decide_parallel_mode("auto", Strategy.default())
