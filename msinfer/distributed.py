@@ -31,10 +31,15 @@ import signal
 import socket
 import subprocess
 import sys
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 from . import log
 from .errors import MsinferError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from .strategy import ShardPlan
 
 _MPI_PREFIXES = ("OMPI_", "PMIX", "OPAL_", "PMI_")
 _SCHEDULER = (
@@ -299,7 +304,7 @@ def _start_scheduler(env):
     return scheduler
 
 
-def job_seed(info):
+def job_seed(info: DistInfo) -> int:
     """A random seed that every rank of the job agrees on (rank 0's, shared by AllReduce).
 
     Requests without a seed still have to sample the same token on every rank, or the ranks
@@ -314,22 +319,23 @@ def job_seed(info):
     return int(_over_the_job("AllReduce", mine)[0])
 
 
-def tensor_group(info, plan):
+def tensor_group(info: DistInfo, shard_plan: ShardPlan) -> str | None:
     """Create and name the communication group of this rank's tensor-parallel peers.
 
     None when the tensor group is the whole job (data = 1), or when there is nothing to
     communicate (tensor = 1). Ranks of one tensor group are consecutive."""
-    if plan.data == 1 or plan.tensor == 1:
+    tensor = shard_plan.tensor
+    if shard_plan.data == 1 or tensor == 1:
         return None
     from mindspore.communication import create_group
 
-    replica = plan.data_rank(info.rank)
+    replica = shard_plan.data_rank(info.rank)
     name = f"msinfer_tensor_{replica}"
-    create_group(name, list(range(replica * plan.tensor, (replica + 1) * plan.tensor)))
+    create_group(name, list(range(replica * tensor, (replica + 1) * tensor)))
     return name
 
 
-def all_gather_rows(rows):
+def all_gather_rows(rows: np.ndarray) -> np.ndarray:
     """Every rank's (n, width) float32 array stacked in rank order, on every rank."""
     return _over_the_job("AllGather", rows)
 
