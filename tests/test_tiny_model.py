@@ -216,16 +216,26 @@ def test_cli_progress_through_a_pipe_is_a_line_now_and_then_not_a_redraw(tmp_pat
     assert os.path.exists(tmp_path / "m" / "model-00002-of-00002.safetensors")
 
 
-def test_progress_logs_every_few_seconds_and_the_last_step(monkeypatch, caplog):
+def test_progress_logs_every_few_seconds_and_the_last_step(monkeypatch):
+    import logging
+
     from msinfer import log
     clock = iter([0.0] + [0.5 * i for i in range(1, 101)])  # 100 steps over 50 s
     monkeypatch.setattr(log.time, "monotonic", lambda: next(clock))
-    log.get().propagate = True
-    with caplog.at_level("INFO", logger="msinfer"):
+    records = []
+    catch = logging.Handler()
+    catch.emit = records.append
+    logger, level = log.get(), log.get().level
+    logger.addHandler(catch)
+    logger.setLevel("INFO")
+    try:
         progress = log.Progress("writing", 100, every=10.0)
         for i in range(1, 101):
             progress.step(i)
-    lines = [r.getMessage() for r in caplog.records]
+    finally:
+        logger.removeHandler(catch)
+        logger.setLevel(level)
+    lines = [r.getMessage() for r in records]
     assert [line.split(",")[0] for line in lines] == [
         "writing: 20/100", "writing: 40/100", "writing: 60/100", "writing: 80/100",
         "writing: 100/100"]
