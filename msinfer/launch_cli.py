@@ -73,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     if args.hostfile and args.launcher == "msrun":
         raise MsinferError(f"--hostfile {args.hostfile} is for --launcher mpirun; msrun starts "
                            f"the workers of one host (run it on each host instead)")
+    args.rank_table = args.rank_table or _option_value(rank_args, "--rank-table")
     rank_table = _rank_table(args, profile)
     for option, value in (("--strategy", args.strategy), ("--hardware", args.hardware),
                           ("--rank-table", rank_table)):
@@ -124,6 +125,16 @@ def _rank_table(args, profile):
 
 def _accepts(parser, option):
     return option in parser._option_string_actions
+
+
+def _option_value(argv, option):
+    """The value of `option` in a command line (`--x V` or `--x=V`), else None."""
+    for i, word in enumerate(argv):
+        if word == option and i + 1 < len(argv):
+            return argv[i + 1]
+        if word.startswith(option + "="):
+            return word.split("=", 1)[1]
+    return None
 
 
 def _with_option(argv, option, value):

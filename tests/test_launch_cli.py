@@ -96,19 +96,23 @@ def test_mpirun_on_atlas_without_a_table_gives_each_rank_its_local_device(model_
         assert "RANK_TABLE_FILE" not in env
 
 
-@pytest.mark.parametrize("how", ["--rank-table", "exported RANK_TABLE_FILE"])
+@pytest.mark.parametrize("how", ["--rank-table", "exported RANK_TABLE_FILE",
+                                 "the rank command's --rank-table"])
 def test_mpirun_on_atlas_with_a_rank_table_puts_each_rank_on_the_table_device(
         model_dir, table_4567, capsys, monkeypatch, how):
     launch = ["--nproc", "4", "--strategy", TP4, "--hardware", "atlas-300i-duo"]
+    rank = ("generate", "--model", model_dir, "--prompt", "hi")
     if how == "--rank-table":
         launch += ["--rank-table", table_4567]
-    else:
+    elif how == "exported RANK_TABLE_FILE":
         monkeypatch.setenv("RANK_TABLE_FILE", table_4567)
-    code, command, ranks, err = dry_run(capsys, *launch,
-                                        rank=("generate", "--model", model_dir, "--prompt", "hi"))
+    else:
+        rank += ("--rank-table", table_4567)
+    code, command, ranks, err = dry_run(capsys, *launch, rank=rank)
     assert code == 0
     # The ranks are told the table explicitly, so hosts that do not inherit the shell get it.
-    assert command[command.index("--rank-table") + 1] == os.path.abspath(table_4567)
+    given = command[command.index("--rank-table") + 1]
+    assert os.path.abspath(given) == os.path.abspath(table_4567)
     for r in range(4):
         launcher, env = ranks[r]
         assert launcher == "mpirun-ranktable"
