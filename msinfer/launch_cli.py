@@ -81,10 +81,7 @@ def run(args: argparse.Namespace) -> int:
             rank_args = _with_option(rank_args, option, value)
     rank = parser.parse_args(rank_args[1:])
     _check_plan(args, rank_args[0], rank, profile)
-    hosts = len({_mpirun_placement(args, r)[2] for r in range(args.nproc)})
-    if hosts > 1 and args.launcher == "mpirun" and not profile.multi_server:
-        raise PlanRefused(f"--hostfile {args.hostfile} places the {args.nproc} ranks on {hosts} "
-                          f"hosts, and {profile.title} runs collectives within one server only")
+    _check_hosts(args, profile)
     command = (_mpirun_command(args, rank_args) if args.launcher == "mpirun"
                else _msrun_command(args, rank_args))
     print("msinfer launch: " + shlex.join(command), file=sys.stderr, flush=True)
@@ -121,6 +118,13 @@ def _rank_table(args, profile):
             raise MsinferError(f"{table} is not a usable rank table:\n  " + "\n  ".join(problems))
         table = os.path.abspath(table)
     return table
+
+
+def _check_hosts(args, profile):
+    hosts = len({_mpirun_placement(args, r)[2] for r in range(args.nproc)})
+    if hosts > 1 and not profile.multi_server:
+        raise PlanRefused(f"--hostfile {args.hostfile} places the {args.nproc} ranks on {hosts} "
+                          f"hosts, and {profile.title} runs collectives within one server only")
 
 
 def _accepts(parser, option):
