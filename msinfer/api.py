@@ -10,9 +10,10 @@ import os
 import numpy as np
 
 from . import log
-from .config import ModelConfig
+from .config import ModelConfig, eos_token_ids
 from .engine import LLMEngine, RequestOutput
 from .errors import MsinferError
+from .plan import EngineLimits, check_plan_or_raise
 from .sampling import SamplingParams
 
 __all__ = ["LLM", "RequestOutput"]
@@ -24,8 +25,8 @@ class LLM:
     model_dir: a Hugging Face Qwen2 directory (config.json, *.safetensors, tokenizer.json).
     strategy: a strategy YAML path (see strategies/); None runs on one device.
     hardware: a profile name from msinfer.hardware (default "cpu").
-    parallel_mode: "explicit" or "semi_auto"; default: the strategy's, else explicit on CPU
-        and semi_auto on Ascend/GPU.
+    parallel_mode: "explicit" or "semi_auto"; default: the strategy's, else explicit
+        (strategy.decide_parallel_mode).
     max_len: the longest sequence (prompt + generated), like vLLM's max_model_len; default
         min(max_position_embeddings, 4096).
     kv_cache_memory: bytes of KV cache per rank; default: what the planner leaves free on the
@@ -41,23 +42,26 @@ class LLM:
         import mindspore as ms
 
         from .distributed import init_distributed, job_seed, tensor_group
-        from .hardware import compute_dtype, get_profile
-        from .plan import EngineLimits, engine_memory
-        from .strategy import Strategy, load_strategy
+        from .hardware import get_profile
+        from .plan import engine_memory
+        from .strategy import Strategy, decide_parallel_mode, load_strategy
 
         self.model_dir = model_dir
         self.config = ModelConfig.from_model_dir(model_dir)
         self.profile = get_profile(hardware)
         self.strategy = load_strategy(strategy) if strategy else Strategy.default()
-        self.parallel_mode = choose_parallel_mode(parallel_mode, self.strategy, self.profile)
-        self.plan = self.strategy.resolve(self.config)
-        dtype_name, self.dtype_reason = compute_dtype(self.profile, self.config.torch_dtype,
-                                                      dtype)
+        self.parallel_mode = decide_parallel_mode(parallel_mode, self.strategy)
         self.limits = EngineLimits.for_model(self.config, max_len=max_len,
                                              block_size=block_size,
                                              max_prefill_tokens=max_prefill_tokens,
                                              max_num_seqs=max_num_seqs,
                                              kv_cache_memory=kv_cache_memory)
+        # The planner's check, here too, so every entry point refuses an illegal or oversized
+        # plan before any device or collective is touched.
+        report = check_plan_or_raise(self.config, self.strategy, self.profile, self.limits,
+                                     dtype=dtype, parallel_mode=self.parallel_mode)
+        dtype_name, self.dtype_reason = report.dtype, report.dtype_reason
+        self.plan = self.strategy.resolve(self.config, self.parallel_mode)
 
         self.dist = init_distributed(self.profile.device_target, self.strategy.world_size,
                                      rank_table)
@@ -157,7 +161,7 @@ class LLM:
     def eos_token_ids(self) -> set:
         if self.has_tokenizer:
             return set(self.tokenizer.eos_token_ids)
-        return set(self.config.eos_token_ids)
+        return set(eos_token_ids(self.model_dir))
 
     def generate(self, prompts, sampling_params=None) -> list:
         """prompts: a string, a list of strings, or a list of token-id lists.
@@ -236,18 +240,3 @@ def _describe(plan):
     if plan.data > 1:
         parts.append(f"{plan.data} data replicas")
     return ", ".join(parts) or "one device"
-
-
-def choose_parallel_mode(requested, strategy, profile):
-    mode = requested or strategy.parallel_mode
-    if mode is None:
-        mode = "explicit" if profile.device_target == "CPU" else "semi_auto"
-    if mode not in ("explicit", "semi_auto"):
-        raise MsinferError(f"parallel mode {mode!r}: use 'explicit' or 'semi_auto'")
-    if mode == "semi_auto" and profile.device_target == "CPU" and strategy.world_size > 1:
-        raise MsinferError(
-            "parallel mode semi_auto needs Ascend or GPU: MindSpore refuses "
-            "semi_auto_parallel on CPU ('Invalid communication backend: CPU'). "
-            "Use --parallel-mode explicit, which runs the same strategy with explicit "
-            "collectives on CPU, Ascend and GPU")
-    return mode

@@ -7,6 +7,7 @@ import sys
 
 from .errors import MsinferError
 from .plan import add_engine_arguments, kv_cache_memory_from_args
+from .strategy import PARALLEL_MODES
 
 
 def register_cli(subparsers):
@@ -30,7 +31,8 @@ def register_cli(subparsers):
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--strategy", default=None, help="strategy YAML (default: one device)")
     p.add_argument("--hardware", default="cpu", help="hardware profile (default: cpu)")
-    p.add_argument("--parallel-mode", choices=("explicit", "semi_auto"), default=None)
+    p.add_argument("--parallel-mode", choices=PARALLEL_MODES, default=None,
+                   help="default: the strategy's parallel_mode, else explicit")
     add_engine_arguments(p)
     p.add_argument("--dtype", default=None, help="compute dtype override")
     p.add_argument("--rank-table", default=None, help="HCCL rank table (Ascend rank-table mode)")

@@ -7,30 +7,31 @@ workspace estimate bounded by one layer of one prefill chunk, against the profil
 memory. It lists the collectives each decoded token costs, the dtype and why, and the decode
 speed that memory bandwidth allows. It refuses what would fail on the hardware, saying how to
 fix it.
+
+Three things are easy to confuse: a `Strategy` (the YAML: degrees and rules), the `ShardPlan`
+it resolves to for one model (what each rank holds: strategy.py), and the `PlanReport` made
+here (is that ShardPlan legal on this hardware, in this parallel mode, and does it fit).
 """
+from __future__ import annotations
+
 import dataclasses
 import json
 import textwrap
 
-from .config import load_config
+from .config import ModelConfig, load_config
 from .engine.kv_cache import DEFAULT_BLOCK_SIZE, CacheLayout
-from .errors import MsinferError, PlanRefused
-from .hardware import DTYPE_BYTES, PROFILES, GiB, compute_dtype, dtype_name, get_profile
-from .strategy import ShardPlan, load_strategy
+from .errors import MsinferError, PlanRefused, positive_int
+from .hardware import (DTYPE_BYTES, PROFILES, GiB, HardwareProfile, compute_dtype, dtype_name,
+                       get_profile)
+from .strategy import PARALLEL_MODES, ShardPlan, Strategy, decide_parallel_mode, load_strategy
 
-DEFAULT_MAX_LEN = 4096
+DEFAULT_MAX_LEN = 4096  # the longest sequence when none is asked for
 DEFAULT_MAX_NUM_SEQS = 16
 DEFAULT_MAX_PREFILL_TOKENS = 256
 # Share of the memory weights and workspace leave that the KV cache takes by default (the
 # rest absorbs what the workspace estimate misses), as vLLM's gpu_memory_utilization.
 KV_CACHE_UTILIZATION = 0.9
 _TIGHT_MARGIN = 0.10  # below this share of capacity to spare, say that the workspace is a guess
-
-
-def _positive(name, value):
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise MsinferError(f"{name} must be a positive integer, got {value!r}")
-    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,17 +48,17 @@ class EngineLimits:
 
     def __post_init__(self):
         for field in ("max_len", "block_size", "max_prefill_tokens", "max_num_seqs"):
-            _positive(field, getattr(self, field))
+            positive_int(getattr(self, field), field)
         if self.kv_cache_memory is not None:
-            _positive("kv_cache_memory", self.kv_cache_memory)
+            positive_int(self.kv_cache_memory, "kv_cache_memory")
 
     @classmethod
     def for_model(cls, config, max_len=None, block_size=None, max_prefill_tokens=None,
                   max_num_seqs=None, kv_cache_memory=None):
         """Defaults filled in; max_len at most the model's max_position_embeddings."""
         if max_len is None:
-            max_len = min(config.max_position_embeddings, DEFAULT_MAX_LEN)
-        _positive("max_len", max_len)
+            max_len = default_max_len(config)
+        positive_int(max_len, "max_len")
         if max_len > config.max_position_embeddings:
             raise MsinferError(f"max_len {max_len} exceeds the model's "
                                f"max_position_embeddings {config.max_position_embeddings}")
@@ -133,7 +134,7 @@ class DeviceMemory:
     capacity_bytes: int
 
     @property
-    def margin_bytes(self):
+    def margin_bytes(self) -> int:
         return self.capacity_bytes - self.total_bytes
 
 
@@ -146,7 +147,9 @@ class Collective:
 
 
 @dataclasses.dataclass
-class Plan:
+class PlanReport:
+    """The planner's verdict on one (model, strategy, hardware, mode, batch, max-len)."""
+
     model: str
     strategy: str
     hardware: str
@@ -160,46 +163,60 @@ class Plan:
     max_prefill_tokens: int
     block_size: int
     memory_bandwidth_bytes_per_s: float
-    dtype: str = None
-    dtype_reason: str = None
-    devices: list = dataclasses.field(default_factory=list)
-    kv_blocks: int = None  # usable blocks per rank (one more is reserved)
-    kv_tokens: int = None
-    kv_bytes_per_token: int = None
-    concurrent_max_len_sequences: int = None  # per replica, each max_len tokens long
-    collectives_per_token: list = dataclasses.field(default_factory=list)
-    workspace_formula: str = None
-    decode_bytes_per_step: int = None  # read by the busiest device, with full contexts
-    decode_tokens_per_s_bound: float = None  # with full max-len contexts
-    decode_tokens_per_s_bound_short_context: float = None  # weights only
-    errors: list = dataclasses.field(default_factory=list)
-    warnings: list = dataclasses.field(default_factory=list)
-    notes: list = dataclasses.field(default_factory=list)
+    parallel_mode: str = "explicit"
+    dtype: str | None = None
+    dtype_reason: str | None = None
+    devices: list[DeviceMemory] = dataclasses.field(default_factory=list)
+    kv_blocks: int | None = None  # usable blocks per rank (one more is reserved)
+    kv_tokens: int | None = None
+    kv_bytes_per_token: int | None = None
+    concurrent_max_len_sequences: int | None = None  # per replica, each max_len tokens long
+    collectives_per_token: list[Collective] = dataclasses.field(default_factory=list)
+    workspace_formula: str | None = None
+    decode_bytes_per_step: int | None = None  # read by the busiest device, full contexts
+    decode_tokens_per_s_bound: float | None = None  # with full max-len contexts
+    decode_tokens_per_s_bound_short_context: float | None = None  # weights only
+    errors: list[str] = dataclasses.field(default_factory=list)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
-    def fits(self):
+    def fits(self) -> bool:
         return not self.errors
 
-    def to_dict(self):
+    def to_dict(self) -> dict:
         return {"fits": self.fits, **dataclasses.asdict(self)}
 
 
-def make_plan(config, strategy, profile, limits=None, dtype=None):
-    """The plan of `limits` (an EngineLimits; defaults for this model when None)."""
+def default_max_len(config: ModelConfig) -> int:
+    """The longest sequence when none is asked for: DEFAULT_MAX_LEN, or fewer when the
+    model's max_position_embeddings is smaller."""
+    return min(config.max_position_embeddings, DEFAULT_MAX_LEN)
+
+
+def make_plan(config: ModelConfig, strategy: Strategy, profile: HardwareProfile,
+              limits: EngineLimits | None = None, dtype: str | None = None,
+              parallel_mode: str | None = None) -> PlanReport:
+    """Check and size a plan of the engine's `limits` (defaults for this model when None).
+    parallel_mode None: decide_parallel_mode's choice. Problems the hardware or the mode
+    cannot run end up in `errors`; bad values raise MsinferError."""
     limits = limits or EngineLimits.for_model(config)
-    plan = Plan(model=config.source, strategy=strategy.source, hardware=profile.name,
-                hardware_title=profile.title, world_size=strategy.world_size,
-                tensor=strategy.tensor, data=strategy.data, pipeline=strategy.pipeline,
-                max_num_seqs=limits.max_num_seqs, max_len=limits.max_len,
-                max_prefill_tokens=limits.max_prefill_tokens, block_size=limits.block_size,
-                memory_bandwidth_bytes_per_s=profile.memory_bandwidth_bytes_per_s)
-    refusal = _hardware_refusal(strategy, profile)
+    mode = decide_parallel_mode(parallel_mode, strategy)
+    plan = PlanReport(model=config.source, strategy=strategy.source, hardware=profile.name,
+                      hardware_title=profile.title, world_size=strategy.world_size,
+                      tensor=strategy.tensor, data=strategy.data, pipeline=strategy.pipeline,
+                      max_num_seqs=limits.max_num_seqs, max_len=limits.max_len,
+                      max_prefill_tokens=limits.max_prefill_tokens,
+                      block_size=limits.block_size,
+                      memory_bandwidth_bytes_per_s=profile.memory_bandwidth_bytes_per_s,
+                      parallel_mode=mode)
+    refusal = _hardware_refusal(strategy, profile, mode)
     if refusal:
         plan.errors.append(refusal)
         return plan
     try:
         plan.dtype, plan.dtype_reason = compute_dtype(profile, config.torch_dtype, dtype)
-        shard = strategy.resolve(config)
+        shard = strategy.resolve(config, mode)
     except PlanRefused as e:
         plan.errors.append(str(e))
         return plan
@@ -226,15 +243,24 @@ def make_plan(config, strategy, profile, limits=None, dtype=None):
     return plan
 
 
-def check_plan_or_raise(config, strategy, profile, limits=None, dtype=None):
-    """The launcher's gate: the Plan when it fits, else PlanRefused with the first error."""
-    plan = make_plan(config, strategy, profile, limits, dtype)
+def check_plan_or_raise(config: ModelConfig, strategy: Strategy, profile: HardwareProfile,
+                        limits: EngineLimits | None = None, dtype: str | None = None,
+                        parallel_mode: str | None = None) -> PlanReport:
+    """The gate of `msinfer launch` and `LLM(...)`: the report when the plan fits, else
+    PlanRefused with the first error."""
+    plan = make_plan(config, strategy, profile, limits, dtype, parallel_mode)
     if plan.errors:
         raise PlanRefused(plan.errors[0])
     return plan
 
 
-def _hardware_refusal(strategy, profile):
+def _hardware_refusal(strategy, profile, mode):
+    if mode == "semi_auto" and profile.device_target == "CPU" and strategy.world_size > 1:
+        return (
+            f"{strategy.source}: parallel mode semi_auto needs Ascend or GPU: MindSpore refuses "
+            f"semi_auto_parallel on CPU ('Invalid communication backend: CPU'). The explicit "
+            f"mode (the default) runs the same strategy with explicit collectives on CPU, "
+            f"Ascend and GPU")
     if strategy.pipeline > 1 and not profile.p2p_copy:
         return (
             f"{strategy.source}: pipeline: {strategy.pipeline} splits the layers over "
@@ -374,9 +400,11 @@ def _does_not_fit(worst, layout, shard, profile, dtype, limits):
                    f"{_gib(worst.capacity_bytes)} ({_gib(-worst.margin_bytes)} over)")
     else:
         held = layout.usable_tokens if layout else 0
-        message = (f"does not fit: the weights ({_gib(worst.weights_bytes)}) and workspace "
-                   f"({_gib(worst.workspace_bytes)}) leave a KV cache of {held} tokens per "
-                   f"rank, less than one sequence of max-len {limits.max_len}")
+        source = (f"kv_cache_memory {limits.kv_cache_memory} bytes holds" if limits.kv_cache_memory
+                  else f"the weights ({_gib(worst.weights_bytes)}) and workspace "
+                       f"({_gib(worst.workspace_bytes)}) leave")
+        message = (f"does not fit: {source} a KV cache of {held} tokens per rank, less than "
+                   f"one sequence of max-len {limits.max_len}")
     if profile.shared_host_memory:
         return (message + "; the ranks share this host's memory, so more ranks do not help: "
                 "lower --max-len or --max-prefill-tokens, or use a machine with more memory")
@@ -450,11 +478,11 @@ def _wrap(prefix, text):
                          subsequent_indent=" " * len(prefix), break_on_hyphens=False)
 
 
-def format_plan(plan):
+def format_plan(plan: PlanReport) -> str:
     lines = [f"msinfer plan: {plan.model} on {plan.world_size} x {plan.hardware}, "
              f"{plan.hardware_title}",
              f"  strategy   {plan.strategy}: tensor {plan.tensor} x data {plan.data} x "
-             f"pipeline {plan.pipeline} = {plan.world_size} devices",
+             f"pipeline {plan.pipeline} = {plan.world_size} devices, {plan.parallel_mode} mode",
              f"  engine     up to {plan.max_num_seqs} sequences of up to {plan.max_len} tokens, "
              f"prefill chunks of {plan.max_prefill_tokens}, KV blocks of {plan.block_size}"]
     if plan.dtype:
@@ -512,7 +540,8 @@ def _run(args):
     config = load_config(args.model)
     strategy = load_strategy(args.strategy)
     profile = get_profile(args.hardware)
-    plan = make_plan(config, strategy, profile, limits_from_args(config, args), args.dtype)
+    plan = make_plan(config, strategy, profile, limits_from_args(config, args), args.dtype,
+                     args.parallel_mode)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
     return 0 if plan.fits else 1
 
@@ -531,6 +560,8 @@ def register_cli(subparsers):
     parser.add_argument("--hardware", required=True, choices=sorted(PROFILES),
                         help="hardware profile")
     add_engine_arguments(parser)
+    parser.add_argument("--parallel-mode", choices=PARALLEL_MODES, default=None,
+                        help="default: the strategy's parallel_mode, else explicit")
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES),
                         help="compute dtype (default: the hardware's policy)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")

@@ -7,6 +7,7 @@ lowest id as torch.argmax does, so greedy output can be compared token for token
 import dataclasses
 import math
 import numbers
+from typing import Optional, Tuple
 
 import numpy as np
 
@@ -23,9 +24,9 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0  # 0 or -1: off
     top_p: float = 1.0
-    seed: int = None
-    stop: tuple = ()  # strings that end the output; the string itself is not returned
-    stop_token_ids: tuple = ()
+    seed: Optional[int] = None
+    stop: Tuple[str, ...] = ()  # strings that end the output; the string itself is not returned
+    stop_token_ids: Tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int = None  # report the sampled token's logprob and this many most likely ones
 

@@ -30,7 +30,6 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--prompts", required=True, help="JSON list of token-id lists")
     p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--parallel-mode", default=None)
     args = p.parse_args()
     os.environ.setdefault("GLOG_v", "3")
 
@@ -38,8 +37,8 @@ def main():
 
     baseline = rss_bytes()
     try:
-        llm = LLM(args.model, strategy=args.strategy, parallel_mode=args.parallel_mode,
-                  max_len=128, block_size=4, max_prefill_tokens=16, kv_cache_memory=1 << 20)
+        llm = LLM(args.model, strategy=args.strategy, max_len=128, block_size=4,
+                  max_prefill_tokens=16, kv_cache_memory=1 << 20)
         rank = llm.dist.rank
         if os.environ.get("MSINFER_TEST_FAIL_RANK") == str(rank):
             raise MsinferError(f"rank {rank}: injected failure (test hook)")

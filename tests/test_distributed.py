@@ -62,7 +62,8 @@ def msrun_prefix(nproc, log_dir):
 
 
 def run_job(cmd, env=None, timeout=JOB_TIMEOUT):
-    """Runs a job in its own process group; returns (exit code, output, seconds)."""
+    """Runs a job in its own process group; returns (exit code, output, seconds). A job still
+    running after `timeout` seconds fails the test."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", GLOG_v="3", **(env or {}))
     # msrun starts the workers with the `python` on PATH: make that this interpreter.
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
@@ -158,18 +159,18 @@ def test_msinfer_launch_dp2_tp2_prints_rank0_results_identical_to_hf_greedy(mode
 
 def test_a_killed_rank_brings_the_mpirun_job_down_quickly(models, tmp_path):
     model_dir, _ = models["gqa"]
-    code, out, seconds = run_job(
+    # "Quickly": run_job fails the test if the job is still up after 120 s.
+    code, out, _ = run_job(
         mpirun_prefix(4) + [sys.executable] + worker_args(model_dir, "qwen2_tp4.yaml", tmp_path),
         env={"MSINFER_TEST_KILL_RANK": "2"}, timeout=120)
     assert code != 0
-    assert seconds < 120
     assert not list(tmp_path.glob("rank_*.npz"))  # nobody finished as if nothing happened
 
 
 def test_a_failing_rank_brings_the_msrun_job_down_with_its_message(models, tmp_path):
     model_dir, _ = models["gqa"]
     cmd = msrun_prefix(4, tmp_path / "logs") + worker_args(model_dir, "qwen2_tp4.yaml", tmp_path)
-    code, out, seconds = run_job(cmd, env={"MSINFER_TEST_FAIL_RANK": "1"}, timeout=200)
+    code, out, _ = run_job(cmd, env={"MSINFER_TEST_FAIL_RANK": "1"}, timeout=200)
     logs = "".join(p.read_text() for p in sorted((tmp_path / "logs").glob("*.log")))
     assert code != 0
     assert "rank 1: injected failure" in out + logs

@@ -147,7 +147,7 @@ def test_preempted_requests_are_recomputed_exactly(tmp_path):
     config = make_tiny_model(str(tmp_path), layers=2, hidden=64, heads=8, kv_heads=2,
                              vocab=384, seed=2)
     per_block = 2 * 2 * 4 * 2 * 8 * 4  # K and V x layers x block x KV heads x head_dim x fp32
-    llm = LLM(str(tmp_path), **dict(ENGINE, kv_cache_memory=13 * per_block))
+    llm = LLM(str(tmp_path), **dict(ENGINE, kv_cache_memory=13 * per_block, max_len=48))
     assert llm.engine.layout.num_blocks == 13  # one reserved
     hf = transformers.Qwen2ForCausalLM.from_pretrained(str(tmp_path),
                                                        dtype=torch.float32).eval()

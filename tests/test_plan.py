@@ -28,10 +28,11 @@ def strategy(name):
     return load_strategy(os.path.join(STRATEGIES, name))
 
 
-def plan_for(model, name, hardware="atlas-300i-duo", dtype=None, **limits):
+def plan_for(model, name, hardware="atlas-300i-duo", dtype=None, parallel_mode=None,
+             **limits):
     config = load_config(model)
     return make_plan(config, strategy(name), get_profile(hardware),
-                     EngineLimits.for_model(config, **limits), dtype)
+                     EngineLimits.for_model(config, **limits), dtype, parallel_mode)
 
 
 def block_bytes(layers, kv_heads, block_size=16, dtype_bytes=2, head_dim=128):
@@ -299,3 +300,49 @@ def test_docs_show_the_real_plan_output_for_72b(name):
     plan = plan_for("qwen2-72b", name)
     plan.strategy = f"strategies/{name}"  # as run from the repository root
     assert format_plan(plan) in text
+
+
+# ---- the parallel mode: explicit unless asked, and semi_auto's limits refused up front ----
+
+def test_the_planner_plans_the_explicit_mode_unless_asked_and_says_so():
+    plan = plan_for("qwen2-1.5b", "qwen2_tp4.yaml")
+    assert plan.fits and plan.parallel_mode == "explicit"  # on Ascend too
+    assert "4 devices, explicit mode" in format_plan(plan)
+    assert plan_for("qwen2-7b", "qwen2_tp4.yaml", parallel_mode="semi_auto").fits
+
+
+def test_semi_auto_with_replicated_kv_heads_is_refused_by_the_planner():
+    plan = plan_for("qwen2-1.5b", "qwen2_tp4.yaml", parallel_mode="semi_auto")
+    assert not plan.fits and plan.parallel_mode == "semi_auto"
+    assert "tensor=4 exceeds the 2 KV heads" in plan.errors[0]
+    with pytest.raises(PlanRefused, match="only in the explicit mode"):
+        check_plan_or_raise(load_config("qwen2-1.5b"), strategy("qwen2_tp4.yaml"), DUO,
+                            parallel_mode="semi_auto")
+
+
+def test_semi_auto_on_cpu_is_refused_for_several_ranks_only():
+    plan = plan_for("qwen2-0.5b", "qwen2_tp2.yaml", hardware="cpu", parallel_mode="semi_auto")
+    assert not plan.fits and "semi_auto needs Ascend or GPU" in plan.errors[0]
+    # One rank is MindSpore's stand-alone mode, where shard() is ignored: it runs on CPU.
+    assert plan_for("qwen2-0.5b", "qwen2_tp1.yaml", hardware="cpu", max_len=256,
+                    parallel_mode="semi_auto").fits
+
+
+def test_cli_takes_the_parallel_mode(monkeypatch, capsys):
+    args = ("--model", "qwen2-1.5b", "--strategy", os.path.join(STRATEGIES, "qwen2_tp4.yaml"),
+            "--hardware", "atlas-300i-duo")
+    assert run_cli(monkeypatch, capsys, *args)[0] == 0
+    code, out, _ = run_cli(monkeypatch, capsys, *args, "--parallel-mode", "semi_auto")
+    assert code == 1 and "REFUSED" in out and "parallel mode semi_auto" in out
+
+
+def test_llm_runs_the_plan_check_itself_before_touching_a_device(tmp_path):
+    """Every entry point is checked, not only `msinfer launch`: an LLM whose KV cache cannot
+    fit is refused with the planner's message, before any graph or collective exists."""
+    pytest.importorskip("mindspore")
+    from msinfer import LLM
+    from msinfer.tiny_model import make_tiny_model
+
+    make_tiny_model(str(tmp_path), layers=1, hidden=64, heads=4, kv_heads=2, vocab=512)
+    with pytest.raises(PlanRefused, match="does not fit: rank 0 needs"):
+        LLM(str(tmp_path), max_num_seqs=100_000, max_len=4096)
