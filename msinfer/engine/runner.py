@@ -12,6 +12,8 @@ In explicit mode a step is one embedding call, one call per decoder layer (one c
 graph shared by all layers, weights passed in) and one lm_head call; in semi_auto mode one
 whole-model call.
 """
+import time
+
 import numpy as np
 from mindspore import Tensor, nn
 
@@ -82,6 +84,9 @@ class ModelRunner:
             self.offsets = [Tensor(np.int32(layout.layer_offset(i)))
                             for i in range(config.num_layers)]
         self.graphs = [model] if model is not None else [self.embedding, self.layer, self.head]
+        # Wall time inside the graphs (inputs built, logits back on the host), by kind.
+        self.timings = {"prefill_s": 0.0, "prefill_calls": 0, "prefill_tokens": 0,
+                        "decode_s": 0.0, "decode_steps": 0, "decode_tokens": 0}
 
     @property
     def compilations(self) -> int:
@@ -109,7 +114,10 @@ class ModelRunner:
             slots[i, :n] = row_slots
             mask[i, 0, :n] = 0.0
         rows = np.arange(batch, dtype=np.int32)
-        return self._run(ids, positions, write, slots.reshape(-1), mask, rows)[:count]
+        start = time.perf_counter()
+        logits = self._run(ids, positions, write, slots.reshape(-1), mask, rows)[:count]
+        self._time("decode", start, count)
+        return logits
 
     def prefill(self, chunks):
         """Runs the chunks (each writes its tokens' K/V); returns logits (k, vocab) for the k
@@ -148,8 +156,16 @@ class ModelRunner:
         row_count = max(len(rows), 1)
         padded_rows = np.zeros(bucket_for(row_count, self.row_buckets), np.int32)
         padded_rows[:len(rows)] = rows
-        logits = self._run(ids, positions, write, slots, mask, padded_rows)
-        return logits[:len(rows)]
+        start = time.perf_counter()
+        logits = self._run(ids, positions, write, slots, mask, padded_rows)[:len(rows)]
+        self._time("prefill", start, total)
+        return logits
+
+    def _time(self, kind, start, tokens):
+        t = self.timings
+        t[f"{kind}_s"] += time.perf_counter() - start
+        t["prefill_calls" if kind == "prefill" else "decode_steps"] += 1
+        t[f"{kind}_tokens"] += tokens
 
     def _run(self, ids, positions, write, context_slots, mask, rows):
         cos = Tensor(self.cos[positions][:, None, :])
