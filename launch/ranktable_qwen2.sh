@@ -3,12 +3,13 @@
 #
 # When to use: an Ascend server whose HCCL setup comes from a rank table (setups that already
 # use hccl_tools-style tables, or no MPI installed). This script starts the ranks of a
-# one-server table; for several servers use mpirun with --rank-table (launch/mpirun_qwen2.sh
-# with HOSTFILE, plus `--rank-table FILE` as an extra argument). Make
+# one-server table; for several servers use mpirun (launch/mpirun_qwen2.sh with HOSTFILE and
+# RANK_TABLE, which checks the table against the job before it starts). Make
 # the table first:  msinfer ranktable generate 0-3 --no-device-ip -o rank_table_4p.json
 # (310P hosts without /etc/hccn.conf; see rank_tables/README.md for the other sources).
-# Each process gets RANK_TABLE_FILE, RANK_ID, RANK_SIZE and DEVICE_ID; MindSpore's own mpirun
-# mode is not involved, so OMPI_* variables must not be set here.
+# Each process gets RANK_TABLE_FILE, RANK_ID and RANK_SIZE here, and msinfer sets DEVICE_ID
+# from the table (a DEVICE_ID exported here that disagrees with the table is refused);
+# MindSpore's own mpirun mode is not involved, so OMPI_* variables must not be set here.
 #
 # Knobs: MODEL (required), RANK_TABLE (required), STRATEGY (default
 # strategies/qwen2_tp4.yaml), HARDWARE (default atlas-300i-duo), PROMPT, MAX_TOKENS,

@@ -1,27 +1,22 @@
 """The Python API: `LLM(model_dir, strategy=...).generate(prompts, SamplingParams(...))`.
 
-Inside each rank of a sharded job the same code runs; every rank returns the same outputs.
+`LLM` loads a checkpoint onto this rank (its slices of every weight), sizes the paged KV
+cache, and builds the engine (`llm.engine`: add_request / step / abort_request, what a server
+drives). `generate` runs a list of prompts through that engine to completion. Inside each
+rank of a sharded job the same code runs; every rank returns the same outputs.
 """
-import dataclasses
 import os
 
 import numpy as np
 
 from . import log
-from .config import ModelConfig
+from .config import ModelConfig, eos_token_ids
+from .engine import LLMEngine, RequestOutput
 from .errors import MsinferError
-from .plan import DEFAULT_MAX_LEN
-from .sampling import Sampler, SamplingParams
-from .tokenizer import find_stop
+from .plan import EngineLimits, check_plan_or_raise
+from .sampling import SamplingParams
 
-
-@dataclasses.dataclass
-class RequestOutput:
-    prompt: str  # None when the prompt was given as token ids
-    prompt_token_ids: list
-    token_ids: list  # generated ids only
-    text: str
-    finish_reason: str  # "stop" (eos, stop token or stop string) or "length"
+__all__ = ["LLM", "RequestOutput"]
 
 
 class LLM:
@@ -30,51 +25,66 @@ class LLM:
     model_dir: a Hugging Face Qwen2 directory (config.json, *.safetensors, tokenizer.json).
     strategy: a strategy YAML path (see strategies/); None runs on one device.
     hardware: a profile name from msinfer.hardware (default "cpu").
-    parallel_mode: "explicit" or "semi_auto"; default: the strategy's, else explicit on CPU
-        and semi_auto on Ascend/GPU.
-    max_batch, max_len: the static KV cache (rows and positions); prompts longer than fit
-        are refused before anything runs.
+    parallel_mode: "explicit" or "semi_auto"; default: the strategy's, else explicit
+        (strategy.decide_parallel_mode).
+    max_len: the longest sequence (prompt + generated), like vLLM's max_model_len; default
+        min(max_position_embeddings, 4096).
+    kv_cache_memory: bytes of KV cache per rank; default: what the planner leaves free on the
+        device (capped at max_num_seqs sequences of max_len).
+    block_size: tokens per KV cache block; max_prefill_tokens: tokens per prefill chunk;
+    max_num_seqs: sequences decoded together.
     dtype: compute dtype override (the hardware's policy decides otherwise).
     """
 
     def __init__(self, model_dir, strategy=None, hardware="cpu", parallel_mode=None,
-                 max_batch=8, max_len=None, dtype=None, rank_table=None):
+                 max_len=None, dtype=None, rank_table=None, kv_cache_memory=None,
+                 block_size=None, max_prefill_tokens=None, max_num_seqs=None):
         import mindspore as ms
 
         from .distributed import init_distributed, job_seed, tensor_group
-        from .engine import Engine
-        from .hardware import compute_dtype, get_profile
-        from .strategy import Strategy, load_strategy
+        from .hardware import get_profile
+        from .plan import engine_memory
+        from .strategy import Strategy, decide_parallel_mode, load_strategy
 
         self.model_dir = model_dir
         self.config = ModelConfig.from_model_dir(model_dir)
         self.profile = get_profile(hardware)
         self.strategy = load_strategy(strategy) if strategy else Strategy.default()
-        self.parallel_mode = choose_parallel_mode(parallel_mode, self.strategy, self.profile)
-        self.plan = self.strategy.resolve(self.config)
-        dtype_name, self.dtype_reason = compute_dtype(self.profile, self.config.torch_dtype,
-                                                      dtype)
-        max_len = max_len or min(self.config.max_position_embeddings, DEFAULT_MAX_LEN)
-        if max_len > self.config.max_position_embeddings:
-            raise MsinferError(f"max_len {max_len} exceeds the model's "
-                               f"max_position_embeddings {self.config.max_position_embeddings}")
+        self.parallel_mode = decide_parallel_mode(parallel_mode, self.strategy)
+        self.limits = EngineLimits.for_model(self.config, max_len=max_len,
+                                             block_size=block_size,
+                                             max_prefill_tokens=max_prefill_tokens,
+                                             max_num_seqs=max_num_seqs,
+                                             kv_cache_memory=kv_cache_memory)
+        # The planner's check, here too, so every entry point refuses an illegal or oversized
+        # plan before any device or collective is touched.
+        report = check_plan_or_raise(self.config, self.strategy, self.profile, self.limits,
+                                     dtype=dtype, parallel_mode=self.parallel_mode)
+        dtype_name, self.dtype_reason = report.dtype, report.dtype_reason
+        self.plan = self.strategy.resolve(self.config, self.parallel_mode)
 
         self.dist = init_distributed(self.profile.device_target, self.strategy.world_size,
                                      rank_table)
         if self.dist.world_size == 1:
             log.setup()
+        # Agree on the job's seed before any parallel context: semi_auto_parallel refuses a
+        # graph that already holds a communication op.
+        seed = job_seed(self.dist)
         self.tensor_rank = self.plan.tensor_rank(self.dist.rank)
         logger = log.get()
         logger.info("model %s: %d layers, hidden %d, %d heads (%d KV); %s, %s mode, %s (%s)",
                     model_dir, self.config.num_layers, self.config.hidden_size,
                     self.config.num_heads, self.config.num_kv_heads, _describe(self.plan),
                     self.parallel_mode, dtype_name, self.dtype_reason)
-        if self.parallel_mode == "semi_auto" and self.dist.world_size > 1:
+        semi_auto_job = self.parallel_mode == "semi_auto" and self.dist.world_size > 1
+        if semi_auto_job:
             ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", full_batch=True,
                                          device_num=self.dist.world_size)
 
-        from .model import Qwen2ForCausalLM
-        from .parallel_layers import ParallelContext, checkpoint_parameters
+        from .engine.runner import ModelRunner
+        from .model import Qwen2Model, head_weight_names, layer_weight_names
+        from .parallel_layers import ParallelContext
+        from .strategy import checkpoint_parts
         from .weights import Checkpoint
 
         # Explicit data parallelism: each replica runs its share of the prompts with its own
@@ -84,20 +94,52 @@ class LLM:
         ctx = ParallelContext(config=self.config, plan=self.plan, mode=self.parallel_mode,
                               tensor_rank=self.tensor_rank, group=group,
                               dtype=getattr(ms, dtype_name))
-        self.model = Qwen2ForCausalLM(self.config, ctx, max_batch, max_len)
-        self.engine = Engine(self.model, max_batch, max_len)
+        self.memory = engine_memory(self.plan, self.profile, dtype_name, self.limits)
+        layout = self.memory.layout
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB per rank); "
+                    "chunks of %d tokens; up to %d sequences of up to %d tokens",
+                    layout.num_blocks - 1, layout.block_size, layout.usable_tokens,
+                    layout.total_bytes / 2 ** 30, self.limits.max_prefill_tokens,
+                    self.limits.max_num_seqs, self.limits.max_len)
+
+        names = ["model.embed_tokens.weight"]
+        for n in range(self.config.num_layers):
+            names += layer_weight_names(n)
+        names += [n for n in head_weight_names(self.config) if n not in names]
         shapes = self.config.parameter_shapes()
-        parameters = checkpoint_parameters(self.model)
-        if self.parallel_mode == "semi_auto" and self.dist.world_size > 1:
-            # Parameters become this rank's slices once the graphs are compiled with the
-            # plan's layouts; load the slices after that, from the same function.
-            self.engine.compile_for_layouts()
-        Checkpoint(model_dir).load_into(
-            parameters, lambda name: (self.plan.slices(name, self.tensor_rank), shapes[name]))
+
+        def parts_of(name):
+            return [(part, self.plan.slices(part, self.tensor_rank), shapes[part])
+                    for part in checkpoint_parts(name)]
+
+        host_dtype = np.float16 if dtype_name == "float16" else np.float32  # no numpy bf16
+        checkpoint = Checkpoint(model_dir)
+        runner_args = dict(ctx=ctx, layout=layout, max_num_seqs=self.limits.max_num_seqs,
+                           max_prefill_tokens=self.limits.max_prefill_tokens,
+                           max_model_len=self.limits.max_len)
+        compute = getattr(ms, dtype_name)
+        if self.parallel_mode == "semi_auto":
+            full = {n: (sum(shapes[p][0] for p in checkpoint_parts(n)),)
+                    + tuple(shapes[checkpoint_parts(n)[0]][1:]) for n in names}
+            model = Qwen2Model(ctx, layout, full)
+            runner = ModelRunner(model=model, **runner_args)
+            if semi_auto_job:
+                # Parameters become this rank's slices once a graph is compiled with the
+                # plan's layouts; load the slices after that, from the same function.
+                runner.compile_shape("decode", 1, runner.context_buckets[0])
+            for name, array in checkpoint.load(names, parts_of, host_dtype).items():
+                model.weights[name].set_data(ms.Tensor(array, dtype=compute))
+        else:
+            weights = {name: ms.Tensor(array, dtype=compute)
+                       for name, array in checkpoint.load(names, parts_of, host_dtype).items()}
+            runner = ModelRunner(weights=weights, **runner_args)
         self._tokenizer = None
-        self._sampler = Sampler()
-        self._seed = job_seed(self.dist)  # for requests without a seed of their own
-        self._requests = 0
+        self.engine = LLMEngine(
+            runner, layout, vocab_size=self.config.vocab_size, max_model_len=self.limits.max_len,
+            eos_token_ids=self.eos_token_ids(), max_num_seqs=self.limits.max_num_seqs,
+            max_prefill_tokens=self.limits.max_prefill_tokens, seed=seed,
+            tokenizer=(lambda: self.tokenizer) if self.has_tokenizer else None)
+        self._batches = 0
 
     @property
     def tokenizer(self):
@@ -107,26 +149,24 @@ class LLM:
         return self._tokenizer
 
     @property
-    def compilations(self):
-        """Graphs compiled so far (prefill and decode buckets)."""
-        return self.engine.compilations
+    def compilations(self) -> int:
+        """Graphs compiled so far."""
+        return self.engine.runner.compilations
 
     @property
-    def has_tokenizer(self):
+    def has_tokenizer(self) -> bool:
         """Token-id prompts work without tokenizer.json; text needs it."""
         return os.path.isfile(os.path.join(self.model_dir, "tokenizer.json"))
 
-    def eos_token_ids(self):
+    def eos_token_ids(self) -> set:
         if self.has_tokenizer:
             return set(self.tokenizer.eos_token_ids)
-        return set(self.config.eos_token_ids)
+        return set(eos_token_ids(self.model_dir))
 
-    def generate(self, prompts, sampling_params=None):
+    def generate(self, prompts, sampling_params=None) -> list:
         """prompts: a string, a list of strings, or a list of token-id lists.
         sampling_params: one SamplingParams for all, or one per prompt.
-        Returns one RequestOutput per prompt, in order."""
-        from .engine import Sequence
-
+        Returns one finished RequestOutput per prompt, in order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not prompts:
@@ -136,78 +176,60 @@ class LLM:
         if len(params) != len(prompts):
             raise MsinferError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
         texts, token_lists = [], []
-        for i, prompt in enumerate(prompts):
+        for prompt in prompts:
             if isinstance(prompt, str):
                 texts.append(prompt)
                 token_lists.append(self.tokenizer.encode(prompt))
             else:
-                ids = [int(t) for t in prompt]
-                bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-                if bad:
-                    raise MsinferError(f"prompt {i}: token id {bad[0]} is outside the "
-                                       f"vocabulary (0..{self.config.vocab_size - 1})")
                 texts.append(None)
-                token_lists.append(ids)
-            if not token_lists[-1]:
-                raise MsinferError(f"prompt {i} is empty: give at least one token")
-        eos = self.eos_token_ids()
-        generators = [self._generator(p) for p in params]
-        sequences = [Sequence(ids, p.max_tokens) for ids, p in zip(token_lists, params)]
-        for seq in sequences:  # refuse before any replica starts
-            self.engine.check_fits(len(seq.prompt), seq.max_tokens)
+                token_lists.append([int(t) for t in prompt])
+        for i, (ids, p) in enumerate(zip(token_lists, params)):  # refuse before anything runs
+            self.engine.check_request(ids, p, name=f"prompt {i}")
+        self._batches += 1
         # With data replicas, replica d runs prompts d, d + data, ...; then all exchange.
-        mine = list(range(self.plan.data_rank(self.dist.rank) if self.replicas > 1 else 0,
-                          len(sequences), self.replicas))
-
-        def next_tokens(rows, logits):
-            return self._sampler(logits, [params[mine[r]] for r in rows],
-                                 [generators[mine[r]] for r in rows])
-
-        def is_finished(row, seq):
-            p, token = params[mine[row]], seq.generated[-1]
-            if (token in eos and not p.ignore_eos) or token in p.stop_token_ids:
-                return "stop"
-            if p.stop and find_stop(self.tokenizer.decode(seq.generated), p.stop) is not None:
-                return "stop"
-            return None
-
-        self.engine.generate([sequences[i] for i in mine], next_tokens, is_finished)
+        first = self.plan.data_rank(self.dist.rank) if self.replicas > 1 else 0
+        mine = list(range(first, len(prompts), self.replicas))
+        ids = {i: f"generate-{self._batches}-{i}" for i in mine}
+        for i in mine:
+            self.engine.add_request(ids[i], token_lists[i], params[i], prompt=texts[i])
+        finished = {}
+        progress = log.Progress("generating", len(mine))
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+            stats = self.engine.stats()
+            progress.step(len(finished), f"{stats.num_running} running, "
+                                         f"{stats.num_waiting} waiting")
+        outputs = [finished.get(ids[i]) if i in ids else None for i in range(len(prompts))]
         if self.replicas > 1:
-            self._exchange(sequences, mine, max(p.max_tokens for p in params))
-        return [self._output(text, seq, p) for text, seq, p in zip(texts, sequences, params)]
+            self._exchange(outputs, texts, token_lists, max(p.max_tokens for p in params))
+        return outputs
 
-    def _exchange(self, sequences, mine, max_tokens):
+    def _exchange(self, outputs, texts, token_lists, max_tokens):
         """Give every rank every replica's results: one AllGather over the job of fixed-size
         rows [prompt index, finished as "stop", count, tokens...] (float32 holds ids < 2**24
         exactly)."""
         from .distributed import all_gather_rows
 
-        per_replica = -(-len(sequences) // self.replicas)
+        per_replica = -(-len(outputs) // self.replicas)
         rows = np.full((per_replica, 3 + max_tokens), -1, np.float32)
+        mine = [i for i, out in enumerate(outputs) if out is not None]
         for slot, index in enumerate(mine):
-            seq = sequences[index]
-            rows[slot, :3] = index, seq.finish_reason == "stop", len(seq.generated)
-            rows[slot, 3:3 + len(seq.generated)] = seq.generated
+            out = outputs[index]
+            rows[slot, :3] = index, out.finish_reason == "stop", len(out.token_ids)
+            rows[slot, 3:3 + len(out.token_ids)] = out.token_ids
         everyone = all_gather_rows(rows).reshape(self.dist.world_size, per_replica, -1)
         for row in everyone[::self.plan.tensor].reshape(-1, rows.shape[1]):  # one rank each
-            if row[0] >= 0:
-                seq = sequences[int(row[0])]
-                seq.generated = row[3:3 + int(row[2])].astype(np.int64).tolist()
-                seq.finish_reason = "stop" if row[1] else "length"
-
-    def _generator(self, params):
-        self._requests += 1
-        if params.seed is not None:
-            return params.new_generator()
-        # Every rank sees the same requests in the same order: the same stream everywhere.
-        return np.random.default_rng((self._seed, self._requests))
-
-    def _output(self, prompt_text, seq, params):
-        text = self.tokenizer.decode(seq.generated) if self.has_tokenizer else ""
-        cut = find_stop(text, params.stop) if params.stop else None
-        return RequestOutput(prompt=prompt_text, prompt_token_ids=list(seq.prompt),
-                             token_ids=list(seq.generated), text=text[:cut],
-                             finish_reason=seq.finish_reason)
+            index = int(row[0])
+            if index < 0 or outputs[index] is not None:
+                continue
+            tokens = row[3:3 + int(row[2])].astype(np.int64).tolist()
+            text = self.tokenizer.decode(tokens) if self.has_tokenizer else ""
+            outputs[index] = RequestOutput(
+                request_id=f"generate-{self._batches}-{index}", prompt=texts[index],
+                prompt_token_ids=token_lists[index], token_ids=tokens, text=text,
+                finished=True, finish_reason="stop" if row[1] else "length")
 
 
 def _describe(plan):
@@ -218,19 +240,3 @@ def _describe(plan):
     if plan.data > 1:
         parts.append(f"{plan.data} data replicas")
     return ", ".join(parts) or "one device"
-
-
-def choose_parallel_mode(requested, strategy, profile):
-    mode = requested or strategy.parallel_mode
-    if mode is None:
-        mode = "explicit" if profile.device_target == "CPU" else "semi_auto"
-    if mode not in ("explicit", "semi_auto"):
-        raise MsinferError(f"parallel mode {mode!r}: use 'explicit' or 'semi_auto'")
-    if mode == "semi_auto" and profile.device_target == "CPU" and strategy.world_size > 1:
-        raise MsinferError(
-            "parallel mode semi_auto needs Ascend or GPU: MindSpore refuses "
-            "semi_auto_parallel on CPU ('Invalid communication backend: CPU'). "
-            "Use --parallel-mode explicit, which runs the same strategy with explicit "
-            "collectives on CPU, Ascend and GPU")
-    return mode
-

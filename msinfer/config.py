@@ -1,13 +1,16 @@
 """Qwen2 model configuration, read from a Hugging Face config.json.
 
 Accepts both spellings in the wild: transformers 4.x (`rope_theta`, `torch_dtype`) and
-5.x (`rope_parameters.rope_theta`, `dtype`). Every derived size is computed here, once.
+5.x (`rope_parameters.rope_theta`, `dtype`). Every derived size is computed here, once, and
+the ids that end a generation are read here, once (`eos_token_ids`).
 """
+from __future__ import annotations
+
 import dataclasses
 import json
 import os
 
-from .errors import MsinferError
+from .errors import MsinferError, positive_int
 
 _SUPPORTED_MODEL_TYPES = ("qwen2",)
 _REQUIRED_KEYS = (
@@ -30,24 +33,22 @@ class ModelConfig:
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = False
     torch_dtype: str = "bfloat16"
-    bos_token_id: int = None
-    eos_token_ids: tuple = ()
     source: str = "<memory>"
 
     @property
-    def kv_groups(self):
+    def kv_groups(self) -> int:
         """Query heads that share one KV head."""
         return self.num_heads // self.num_kv_heads
 
     @property
-    def q_size(self):
+    def q_size(self) -> int:
         return self.num_heads * self.head_dim
 
     @property
-    def kv_size(self):
+    def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def parameter_shapes(self):
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every parameter of the HF checkpoint, by its HF name, in HF layout (out, in).
 
         This is the one table of checkpoint names: the loader checks files against it, the
@@ -76,7 +77,7 @@ class ModelConfig:
             shapes["lm_head.weight"] = (self.vocab_size, h)
         return shapes
 
-    def num_parameters(self):
+    def num_parameters(self) -> int:
         total = 0
         for shape in self.parameter_shapes().values():
             count = 1
@@ -86,7 +87,7 @@ class ModelConfig:
         return total
 
     @classmethod
-    def from_dict(cls, raw, source="<dict>"):
+    def from_dict(cls, raw: dict, source: str = "<dict>") -> ModelConfig:
         model_type = raw.get("model_type")
         if model_type not in _SUPPORTED_MODEL_TYPES:
             raise MsinferError(
@@ -97,10 +98,7 @@ class ModelConfig:
             raise MsinferError(f"{source}: missing required key(s): {', '.join(missing)}")
 
         def integer(key, default=None):
-            value = raw.get(key, default)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise MsinferError(f"{source}: {key} must be a positive integer, got {value!r}")
-            return value
+            return positive_int(raw.get(key, default), f"{source}: {key}")
 
         heads = integer("num_attention_heads")
         kv_heads = integer("num_key_value_heads", heads)
@@ -121,8 +119,6 @@ class ModelConfig:
         rope_type = rope.get("rope_type", (raw.get("rope_scaling") or {}).get("type", "default"))
         if rope_type not in ("default", None):
             raise MsinferError(f"{source}: rope scaling {rope_type!r} is not supported")
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
             vocab_size=integer("vocab_size"),
             hidden_size=hidden,
@@ -136,33 +132,57 @@ class ModelConfig:
             max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"),
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=eos_ids,
             source=source,
         )
 
     @classmethod
-    def from_model_dir(cls, model_dir):
+    def from_model_dir(cls, model_dir: str) -> ModelConfig:
         path = os.path.join(model_dir, "config.json")
         if not os.path.isdir(model_dir):
             raise MsinferError(f"model directory {model_dir} does not exist")
         if not os.path.isfile(path):
             raise MsinferError(f"{path}: not found (a Hugging Face model directory has one)")
-        try:
-            with open(path) as f:
-                raw = json.load(f)
-        except json.JSONDecodeError as e:
-            raise MsinferError(f"{path}: not valid JSON: {e}") from None
-        if not isinstance(raw, dict):
-            raise MsinferError(f"{path}: expected a JSON object")
-        return cls.from_dict(raw, source=path)
+        return cls.from_dict(read_json_object(path), source=path)
+
+
+def read_json_object(path: str) -> dict:
+    """The JSON object in `path`, or {} when the file is absent."""
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise MsinferError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise MsinferError(f"{path}: expected a JSON object")
+    return value
+
+
+def eos_token_ids(model_dir: str) -> tuple[int, ...]:
+    """The ids that end a generation: generation_config.json's eos_token_id, else
+    config.json's (an int or a list); () when neither names one. The tokenizer adds a last
+    fallback by token name, for checkpoints that name none."""
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(model_dir, name)
+        value = read_json_object(path).get("eos_token_id")
+        if value is None:
+            continue
+        ids = value if isinstance(value, list) else [value]
+        for i in ids:
+            if not isinstance(i, int) or isinstance(i, bool) or i < 0:
+                raise MsinferError(f"{path}: eos_token_id must be a non-negative integer or a "
+                                   f"list of them, got {value!r}")
+        if ids:
+            return tuple(ids)
+    return ()
 
 
 def _preset(vocab, hidden, inter, layers, heads, kv, tie, max_pos):
     return ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
                        num_layers=layers, num_heads=heads, num_kv_heads=kv,
                        head_dim=hidden // heads, tie_word_embeddings=tie,
-                       max_position_embeddings=max_pos, eos_token_ids=(151643,))
+                       max_position_embeddings=max_pos)
 
 
 # The published Qwen2 configs (Hugging Face Qwen/Qwen2-*/config.json), for planning
@@ -175,7 +195,7 @@ PRESETS = {
 }
 
 
-def load_config(model):
+def load_config(model: str) -> ModelConfig:
     """A model directory or a preset name."""
     if model in PRESETS:
         return dataclasses.replace(PRESETS[model], source=model)

@@ -1,25 +1,45 @@
 """One `init_distributed()` for every way msinfer is started.
 
-- alone: world size 1, no communication at all;
-- msrun (MindSpore's launcher): it already set MS_ROLE and friends, so `init()` is enough;
-- mpirun on CPU (and GPU): MindSpore's `init()` refuses OpenMPI's environment on CPU, so
-  mpirun only spawns the ranks. Rank 0 starts MindSpore's scheduler on a free port, mpi4py
-  carries its address to the others, every rank scrubs the OMPI_*/PMIX*/OPAL_* variables and
-  joins MindSpore's dynamic cluster as worker `rank`;
-- mpirun on Ascend with a rank table: mpirun only spawns; each rank sets RANK_TABLE_FILE,
-  RANK_ID, RANK_SIZE and DEVICE_ID from the table and clears OMPI_*, since MindSpore's own
-  mpirun mode must not see a rank table;
-- mpirun on Ascend without a rank table: MindSpore's native mpirun mode (`init()` as is).
+Which launcher started this process is read from the environment it set (`detect_launcher`);
+what each rank then changes in its environment before MindSpore's `init()` is one pure
+function of that environment (`rank_environment`), so it is tested on CPU with environments
+set as each launcher sets them, and `msinfer launch --dry-run` prints it per rank.
+
+- single: world size 1, no communication at all;
+- msrun (MindSpore's launcher): it set MS_ROLE, MS_WORKER_NUM, DEVICE_ID (= local rank) and
+  friends, so `init()` is enough. msrun builds the job itself and does not use a rank table to
+  initialise it, so an explicit `--rank-table` under msrun is refused, not ignored;
+- mpirun-bridge (CPU, GPU): MindSpore's `init()` refuses OpenMPI's environment on CPU, so mpirun
+  only spawns the ranks. Rank 0 starts MindSpore's scheduler on a free port (on its own
+  address when the ranks span hosts), mpi4py carries the address to the others, every rank
+  scrubs the OMPI_*/PMIX*/OPAL_* variables and joins MindSpore's dynamic cluster as worker
+  `rank`;
+- mpirun-ranktable (Ascend, with `--rank-table` or an exported RANK_TABLE_FILE): mpirun only
+  spawns; each rank sets RANK_TABLE_FILE, RANK_ID, RANK_SIZE and DEVICE_ID from the table and
+  clears OMPI_*, since MindSpore's own mpirun mode must not see a rank table. MindSpore sets
+  DEVICE_ID to the MPI local rank when it is imported; the table's device id replaces it and is
+  the one handed to `set_device`;
+- rank-table-process (no launcher, RANK_ID and a rank table set per process, as
+  launch/ranktable_qwen2.sh does): the same, rank from RANK_ID;
+- mpirun-native (Ascend, no rank table): MindSpore's own mpirun mode, device = MPI local rank.
 """
+from __future__ import annotations
+
 import dataclasses
 import os
 import signal
 import socket
 import subprocess
 import sys
+from typing import TYPE_CHECKING, Mapping
 
 from . import log
 from .errors import MsinferError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from .strategy import ShardPlan
 
 _MPI_PREFIXES = ("OMPI_", "PMIX", "OPAL_", "PMI_")
 _SCHEDULER = (
@@ -28,19 +48,21 @@ _SCHEDULER = (
     "from mindspore.communication import init\n"
     "init()\n"
 )
+LAUNCHERS = ("single", "msrun", "mpirun-bridge", "mpirun-ranktable", "mpirun-native",
+             "rank-table-process")
 
 
 @dataclasses.dataclass(frozen=True)
 class DistInfo:
     rank: int
     world_size: int
-    launcher: str  # "single", "msrun", "mpirun-bridge", "mpirun-ranktable", "mpirun-native"
+    launcher: str  # one of LAUNCHERS
     device_id: int = 0
 
 
-def mpi_world():
+def mpi_world(env: Mapping[str, str] | None = None) -> tuple[int, int] | None:
     """(rank, size) when started by mpirun (OpenMPI or a PMI launcher), else None."""
-    env = os.environ
+    env = os.environ if env is None else env
     for rank_key, size_key in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
                                ("PMIX_RANK", "PMI_SIZE"), ("PMI_RANK", "PMI_SIZE")):
         if rank_key in env and size_key in env:
@@ -48,9 +70,9 @@ def mpi_world():
     return None
 
 
-def processes_on_host():
+def processes_on_host(env: Mapping[str, str] | None = None) -> int:
     """How many ranks of this job share this host (1 when started alone)."""
-    env = os.environ
+    env = os.environ if env is None else env
     for key in ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
         if env.get(key, "").isdigit():
             return int(env[key])
@@ -59,45 +81,143 @@ def processes_on_host():
     return 1
 
 
-def detect_launcher(device_target, rank_table=None):
-    if os.environ.get("MS_ROLE") and os.environ.get("MS_WORKER_NUM"):
-        return "msrun"
-    if mpi_world() is None:
-        return "rank-table-process" if rank_table and os.environ.get("RANK_ID") else "single"
+def _local_rank(env):
+    for key in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"):
+        if env.get(key, "").isdigit():
+            return int(env[key])
+    return 0
+
+
+def detect_launcher(device_target: str, rank_table: str | None = None,
+                    env: Mapping[str, str] | None = None) -> tuple[str, str | None]:
+    """(launcher, rank table it uses) from the environment the launcher set.
+
+    rank_table: the one given explicitly (--rank-table); otherwise an exported RANK_TABLE_FILE
+    counts where a rank table decides the devices (mpirun on Ascend, one process per device
+    with RANK_ID). MsinferError for a table msinfer would otherwise ignore."""
+    env = os.environ if env is None else env
+    table = rank_table or env.get("RANK_TABLE_FILE") or None
+    if env.get("MS_ROLE") and env.get("MS_WORKER_NUM"):
+        if rank_table:
+            raise MsinferError(
+                f"--rank-table {rank_table}: msrun builds the job itself (device = local rank) "
+                f"and does not initialise it from a rank table; drop --rank-table, or start "
+                f"the ranks with mpirun (msinfer launch --launcher mpirun --rank-table ...)")
+        return "msrun", None
+    world = mpi_world(env)
+    if world is None:
+        if table and "RANK_ID" in env:
+            return "rank-table-process", table
+        if rank_table:
+            raise MsinferError(
+                f"--rank-table {rank_table}: no RANK_ID and no launcher: a rank table runs one "
+                f"process per device, each with RANK_ID set (launch/ranktable_qwen2.sh), or "
+                f"under msinfer launch --rank-table")
+        return "single", None
     if device_target == "Ascend":
-        return "mpirun-ranktable" if rank_table else "mpirun-native"
-    return "mpirun-bridge"
+        return ("mpirun-ranktable", table) if table else ("mpirun-native", None)
+    if rank_table:
+        raise MsinferError(f"--rank-table {rank_table}: rank tables set up HCCL on Ascend; on "
+                           f"{device_target} the ranks join MindSpore's own cluster instead")
+    return "mpirun-bridge", None
 
 
-def init_distributed(device_target, expected_world_size=1, rank_table=None):
+def rank_environment(launcher: str, env: Mapping[str, str],
+                     rank_table: str | None = None) -> dict[str, str | None]:
+    """What this rank changes in its environment before init(): {name: value, or None to
+    remove it}. The bridge's scheduler address is added at run time (`bridge_environment`)."""
+    changes: dict[str, str | None] = {}
+    if launcher in ("mpirun-bridge", "mpirun-ranktable"):  # mpirun only spawned this process
+        changes.update({key: None for key in env if key.startswith(_MPI_PREFIXES)})
+    if launcher in ("mpirun-ranktable", "rank-table-process"):
+        changes.update(_rank_table_environment(launcher, env, rank_table))
+    elif launcher == "mpirun-native":
+        # MindSpore's mpirun mode: rank r on the device of its local rank (what MindSpore also
+        # sets when imported; said here so that the device does not hang on import order).
+        changes["DEVICE_ID"] = str(_local_rank(env))
+    return changes
+
+
+def _rank_table_environment(launcher, env, path):
+    from .ranktable import device_for_rank, load
+
+    world = mpi_world(env)
+    if world:
+        rank, size = world
+    else:
+        rank = env["RANK_ID"]
+        size = sum(len(server["device"]) for server in load(path)["server_list"])
+    device = device_for_rank(path, rank)
+    given = env.get("DEVICE_ID")
+    if launcher == "rank-table-process" and given is not None and given != str(device.device_id):
+        raise MsinferError(
+            f"DEVICE_ID={given} but {path} puts rank {device.rank} on device "
+            f"{device.device_id}; unset DEVICE_ID (the table decides) or fix the table")
+    return {"RANK_TABLE_FILE": os.path.abspath(path), "RANK_ID": str(device.rank),
+            "RANK_SIZE": str(size), "DEVICE_ID": str(device.device_id)}
+
+
+def spans_hosts(env: Mapping[str, str] | None = None) -> bool:
+    """Whether the ranks of an mpirun job are on more than one host: MSINFER_MULTI_HOST=1 (what
+    `msinfer launch --hostfile` exports), or fewer ranks on this host than in the job."""
+    env = os.environ if env is None else env
+    if env.get("MSINFER_MULTI_HOST", "") not in ("", "0"):
+        return True
+    world = mpi_world(env)
+    return world is not None and processes_on_host(env) < world[1]
+
+
+def bridge_environment(rank: int, size: int, host: str, port: int | str) -> dict[str, str]:
+    """The dynamic-cluster variables rank `rank` of the mpirun bridge joins with."""
+    return {"MS_WORKER_NUM": str(size), "MS_SCHED_HOST": host, "MS_SCHED_PORT": str(port),
+            "MS_ROLE": "MS_WORKER", "MS_NODE_ID": str(rank)}
+
+
+def apply_environment(changes: Mapping[str, str | None]) -> None:
+    for key, value in changes.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def prepare_rank(device_target: str, rank_table: str | None = None) -> tuple[str, int, int]:
+    """Detect the launcher and change this process's environment as it needs, before init():
+    (launcher, device id, ranks on this host). The device id is the final DEVICE_ID, which
+    replaces the MPI local rank MindSpore put there when it was imported."""
+    launcher, rank_table = detect_launcher(device_target, rank_table)
+    sharing = processes_on_host()
+    if launcher == "mpirun-bridge":
+        _join_dynamic_cluster()
+    elif launcher != "single":
+        apply_environment(rank_environment(launcher, os.environ, rank_table))
+    device_id = os.environ.get("DEVICE_ID", "0")
+    if not device_id.isdigit():
+        raise MsinferError(f"DEVICE_ID={device_id!r}: a device id is a non-negative integer")
+    return launcher, int(device_id), sharing
+
+
+def init_distributed(device_target: str, expected_world_size: int = 1,
+                     rank_table: str | None = None) -> DistInfo:
     """Set up this process's device (GRAPH_MODE) and communication; return who it is.
 
-    The launcher decides the device id (rank table, msrun's DEVICE_ID), and MindSpore takes
-    the device only once, so the device is set here, between preparing the environment and
-    `init()`. Checks that the world size equals the strategy's (`expected_world_size`) and
-    raises a clear MsinferError when not, before any model is built.
+    The launcher decides the device id (rank table, msrun's DEVICE_ID, the MPI local rank),
+    and MindSpore takes the device only once, so the device is set here, between preparing
+    the environment and `init()`. Checks that the world size equals the strategy's
+    (`expected_world_size`) and raises a clear MsinferError when not, before any model is
+    built.
     """
-    rank_table = (rank_table or os.environ.get("MSINFER_RANK_TABLE")
-                  or os.environ.get("RANK_TABLE_FILE"))
-    launcher = detect_launcher(device_target, rank_table)
+    launcher, device_id, sharing = prepare_rank(device_target, rank_table)
     if launcher == "single":
         if expected_world_size != 1:
             raise MsinferError(
                 f"the strategy needs {expected_world_size} processes but this one was started "
                 f"alone; start it with `msinfer launch --nproc {expected_world_size}`, mpirun "
                 "or msrun")
-        set_graph_mode(device_target)
-        return DistInfo(rank=0, world_size=1, launcher="single")
+        set_graph_mode(device_target, device_id)
+        return DistInfo(rank=0, world_size=1, launcher="single", device_id=device_id)
 
     from mindspore.communication import get_group_size, get_rank, init
-    sharing = processes_on_host()
-    if launcher == "mpirun-bridge":
-        _join_dynamic_cluster()
-    elif launcher in ("mpirun-ranktable", "rank-table-process"):
-        _use_rank_table(rank_table)
-    elif launcher == "mpirun-native":
-        os.environ.pop("RANK_TABLE_FILE", None)  # MindSpore's mpirun mode must not see one
-    device_id = int(os.environ.get("DEVICE_ID", 0))
     set_graph_mode(device_target, device_id, sharing)
     init()
     info = DistInfo(rank=get_rank(), world_size=get_group_size(), launcher=launcher,
@@ -111,7 +231,7 @@ def init_distributed(device_target, expected_world_size=1, rank_table=None):
     return info
 
 
-def set_graph_mode(device_target, device_id=0, processes_on_host=1):
+def set_graph_mode(device_target: str, device_id: int = 0, processes_on_host: int = 1) -> None:
     """GRAPH_MODE on the device; on CPU, share the host's cores among its ranks.
 
     MindSpore's CPU kernels default to a pool of 25-30 threads per process: on a small host,
@@ -127,16 +247,16 @@ def set_graph_mode(device_target, device_id=0, processes_on_host=1):
     if RuntimeConf.get_instance().is_op_threads_num_configured():
         return  # once per process: a second LLM in the same process keeps the first's
     cores = len(os.sched_getaffinity(0))
-    threads = int(os.environ.get("MSINFER_CPU_THREADS", max(1, cores // processes_on_host)))
+    threads = max(1, cores // processes_on_host)
+    if os.environ.get("MSINFER_CPU_THREADS"):
+        threads = os.environ["MSINFER_CPU_THREADS"]
+        if not threads.isdigit() or int(threads) < 1:
+            raise MsinferError(f"MSINFER_CPU_THREADS={threads!r}: give a positive integer")
+        threads = int(threads)
     ms.device_context.cpu.op_tuning.threads_num(threads)
 
 
-def _scrub_mpi_environment():
-    for key in [k for k in os.environ if k.startswith(_MPI_PREFIXES)]:
-        del os.environ[key]
-
-
-def free_port():
+def free_port() -> int:
     """A TCP port on this host that nobody listens on right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -150,15 +270,24 @@ def _join_dynamic_cluster():
     rank, size = comm.Get_rank(), comm.Get_size()
     address = None
     if rank == 0:
-        address = ("127.0.0.1", free_port())
-        if size > 1 and os.environ.get("MSINFER_MULTI_HOST"):
-            address = (socket.gethostbyname(socket.gethostname()), address[1])
+        address = (scheduler_host(), free_port())
     host, port = comm.bcast(address, root=0)
-    _scrub_mpi_environment()
-    cluster = {"MS_WORKER_NUM": str(size), "MS_SCHED_HOST": host, "MS_SCHED_PORT": str(port)}
+    apply_environment(rank_environment("mpirun-bridge", os.environ))
+    cluster = bridge_environment(rank, size, host, port)
     if rank == 0:
-        _start_scheduler(dict(os.environ, MS_ROLE="MS_SCHED", **cluster))
-    os.environ.update(cluster, MS_ROLE="MS_WORKER", MS_NODE_ID=str(rank))
+        worker_only = ("MS_ROLE", "MS_NODE_ID")
+        _start_scheduler({**os.environ, **{k: v for k, v in cluster.items()
+                                           if k not in worker_only}, "MS_ROLE": "MS_SCHED"})
+    apply_environment(cluster)
+
+
+def scheduler_host(env: Mapping[str, str] | None = None) -> str:
+    """Where rank 0 of the bridge listens: loopback when every rank is on this host, else this
+    host's address as the others reach it (the source address of its default route)."""
+    if not spans_hosts(env):
+        return "127.0.0.1"
+    from .ranktable import host_ip
+    return host_ip()
 
 
 def _start_scheduler(env):
@@ -175,20 +304,7 @@ def _start_scheduler(env):
     return scheduler
 
 
-def _use_rank_table(path):
-    from .ranktable import device_for_rank
-
-    world = mpi_world()
-    rank = world[0] if world else int(os.environ["RANK_ID"])
-    device = device_for_rank(path, rank)
-    _scrub_mpi_environment()
-    os.environ.update(RANK_TABLE_FILE=os.path.abspath(path), RANK_ID=str(rank),
-                      DEVICE_ID=str(device.device_id))
-    if world:
-        os.environ["RANK_SIZE"] = str(world[1])
-
-
-def job_seed(info):
+def job_seed(info: DistInfo) -> int:
     """A random seed that every rank of the job agrees on (rank 0's, shared by AllReduce).
 
     Requests without a seed still have to sample the same token on every rank, or the ranks
@@ -203,22 +319,23 @@ def job_seed(info):
     return int(_over_the_job("AllReduce", mine)[0])
 
 
-def tensor_group(info, plan):
+def tensor_group(info: DistInfo, shard_plan: ShardPlan) -> str | None:
     """Create and name the communication group of this rank's tensor-parallel peers.
 
     None when the tensor group is the whole job (data = 1), or when there is nothing to
     communicate (tensor = 1). Ranks of one tensor group are consecutive."""
-    if plan.data == 1 or plan.tensor == 1:
+    tensor = shard_plan.tensor
+    if shard_plan.data == 1 or tensor == 1:
         return None
     from mindspore.communication import create_group
 
-    replica = plan.data_rank(info.rank)
+    replica = shard_plan.data_rank(info.rank)
     name = f"msinfer_tensor_{replica}"
-    create_group(name, list(range(replica * plan.tensor, (replica + 1) * plan.tensor)))
+    create_group(name, list(range(replica * tensor, (replica + 1) * tensor)))
     return name
 
 
-def all_gather_rows(rows):
+def all_gather_rows(rows: np.ndarray) -> np.ndarray:
     """Every rank's (n, width) float32 array stacked in rank order, on every rank."""
     return _over_the_job("AllGather", rows)
 

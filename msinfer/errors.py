@@ -11,3 +11,10 @@ class PlanRefused(MsinferError):
     """A legal request that the hardware cannot run (does not fit, no bf16, no P2P). Exit 1."""
 
     exit_code = 1
+
+
+def positive_int(value: object, where: str) -> int:
+    """`value` when it is an integer >= 1 (not a bool), else MsinferError naming `where`."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise MsinferError(f"{where} must be a positive integer, got {value!r}")
+    return value

@@ -6,6 +6,8 @@ import json
 import sys
 
 from .errors import MsinferError
+from .plan import add_engine_arguments, kv_cache_memory_from_args
+from .strategy import PARALLEL_MODES
 
 
 def register_cli(subparsers):
@@ -29,9 +31,9 @@ def register_cli(subparsers):
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--strategy", default=None, help="strategy YAML (default: one device)")
     p.add_argument("--hardware", default="cpu", help="hardware profile (default: cpu)")
-    p.add_argument("--parallel-mode", choices=("explicit", "semi_auto"), default=None)
-    p.add_argument("--max-batch", type=int, default=8)
-    p.add_argument("--max-len", type=int, default=None, help="KV cache positions per row")
+    p.add_argument("--parallel-mode", choices=PARALLEL_MODES, default=None,
+                   help="default: the strategy's parallel_mode, else explicit")
+    add_engine_arguments(p)
     p.add_argument("--dtype", default=None, help="compute dtype override")
     p.add_argument("--rank-table", default=None, help="HCCL rank table (Ascend rank-table mode)")
     p.add_argument("--json", action="store_true",
@@ -52,14 +54,14 @@ def run(args):
 
     if not args.prompt and not args.prompt_ids:
         raise MsinferError("give at least one --prompt or --prompt-ids")
-    if args.max_batch < 1:
-        raise MsinferError(f"--max-batch {args.max_batch}: must be at least 1")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     llm = LLM(args.model, strategy=args.strategy, hardware=args.hardware,
-              parallel_mode=args.parallel_mode, max_batch=args.max_batch, max_len=args.max_len,
-              dtype=args.dtype, rank_table=args.rank_table)
+              parallel_mode=args.parallel_mode, max_len=args.max_len, dtype=args.dtype,
+              rank_table=args.rank_table, kv_cache_memory=kv_cache_memory_from_args(args),
+              block_size=args.block_size, max_prefill_tokens=args.max_prefill_tokens,
+              max_num_seqs=args.max_num_seqs)
     prompts = list(args.prompt)
     if args.chat:
         prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}])

@@ -3,6 +3,8 @@
 Each figure says where it comes from. "GiB" figures from npu-smi are its MB column, which
 counts MiB.
 """
+from __future__ import annotations
+
 import dataclasses
 import os
 
@@ -21,15 +23,12 @@ class HardwareProfile:
     name: str
     title: str
     device_target: str              # "Ascend" | "CPU" | "GPU"
-    memory_bytes: int               # per device, nominal
     usable_bytes: int               # per device, what the driver leaves to programs
-    devices_per_card: int
     devices_per_server: int
     memory_bandwidth_bytes_per_s: float  # per device
     dtypes: tuple                   # compute dtypes msinfer runs here, preferred first
     dtype_note: str                 # why the others are not offered
     p2p_copy: bool                  # device-to-device copy (what pipeline stages need)
-    hccl_broadcast: bool
     runtime_reserve_bytes: int      # runtime, communication buffers, compiled graphs
     multi_server: bool = True       # collectives across servers work
     shared_host_memory: bool = False  # all ranks of a server share one memory (CPU)
@@ -38,7 +37,6 @@ class HardwareProfile:
 _ATLAS_300I_DUO_COMMON = dict(
     device_target="Ascend",
     # One card holds two 310P chips; each chip is its own device (npu-smi lists each 310P3).
-    devices_per_card=2,
     # An Atlas 800 inference server (model 3000) takes at most 4 Duo cards = 8 chips
     # (hiascend.com mindcluster dl_affinity_0009).
     devices_per_server=8,
@@ -53,8 +51,6 @@ _ATLAS_300I_DUO_COMMON = dict(
     # Copying device to device dies with "sdma error" (vllm-project/vllm-ascend#3316);
     # HCCL collectives over PCIe work and are how tensor parallelism runs here.
     p2p_copy=False,
-    # vllm-ascend patches broadcast with all_gather on 310P (vllm-project/vllm-ascend#1478).
-    hccl_broadcast=False,
     # MindFormers' own 310P config (br_feature_infer_300iduo, deepseek tp4pp6 yaml) caps
     # MindSpore at max_device_memory 41GB of the ~43 GiB the chip shows, leaving about 2 GiB
     # to the runtime and HCCL buffers (HCCL_BUFFSIZE defaults to 200 MB per communicator).
@@ -68,8 +64,7 @@ PROFILES = {
     "atlas-300i-duo": HardwareProfile(
         name="atlas-300i-duo",
         title="Atlas 300I Duo (96 GB card, 2 x 310P chips)",
-        # 96 GB LPDDR4X per card = 2 x 48 GB (accio.com/plp/huawei-96gb-gpu).
-        memory_bytes=48 * GiB,
+        # 96 GB LPDDR4X per card = 2 x 48 GB (accio.com/plp/huawei-96gb-gpu), of which
         # npu-smi shows 44280 and 43693 MB for the two chips of one card
         # (vllm-project/vllm-ascend#1141, Syllo/nvtop#421): take the smaller.
         usable_bytes=43693 * MiB,
@@ -77,7 +72,6 @@ PROFILES = {
     "atlas-300i-duo-48g": HardwareProfile(
         name="atlas-300i-duo-48g",
         title="Atlas 300I Duo (48 GB card, 2 x 310P chips)",
-        memory_bytes=24 * GiB,
         # npu-smi shows 21525 MB per chip on the 48 GB card (Project-HAMi/website#782).
         usable_bytes=21525 * MiB,
         **_ATLAS_300I_DUO_COMMON),
@@ -85,12 +79,10 @@ PROFILES = {
         name="atlas-800i-a2",
         title="Atlas 800I A2 (Ascend 910B, 64 GB)",
         device_target="Ascend",
-        memory_bytes=64 * GiB,
         # npu-smi shows 65536 MB HBM with about 3.4 GB in use at idle
         # (vllm-project/vllm-ascend#2534); MindFormers' Qwen2-72B predict config caps
         # MindSpore at 59GB (research/qwen2 r1.3.0).
         usable_bytes=(65536 - 3416) * MiB,
-        devices_per_card=1,
         devices_per_server=8,
         # 1.6 TB/s is the figure commonly quoted for the 64 GB 910B's HBM2e; not confirmed
         # from a Huawei datasheet.
@@ -101,7 +93,6 @@ PROFILES = {
         # The NPUs of one 800I A2 server are linked by HCCS, which carries device-to-device
         # copies and every HCCL collective (not measured here: no A2 at hand).
         p2p_copy=True,
-        hccl_broadcast=True,
         # The 300I Duo allowance; 65536 - 3416 MiB - 2 GiB is close to MindFormers' 59GB cap.
         runtime_reserve_bytes=2 * GiB,
     ),
@@ -109,21 +100,16 @@ PROFILES = {
         name="cpu",
         title="CPU (MindSpore CPU backend, ranks share this host's memory)",
         device_target="CPU",
-        memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
         # A planning allowance, not a measurement: the OS and other programs keep a fifth.
         usable_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 4 // 5,
-        devices_per_card=1,
         devices_per_server=os.cpu_count() or 1,
-        # Measured on this project's machines: a float32 896x4864 GEMV reads ~17 GB/s
-        # (shared/PLATFORM.md).
+        # Measured on this project's 2-core CI machines: a float32 896x4864 GEMV reads
+        # ~17 GB/s with MindSpore 2.10.
         memory_bandwidth_bytes_per_s=17e9,
         dtypes=("float32", "float16"),
-        # shared/PLATFORM.md, MindSpore 2.10 on CPU.
+        # MindSpore 2.10 on CPU: bfloat16 MatMul fails, float16 runs about 11x slower.
         dtype_note="bfloat16 matmul fails in MindSpore on CPU",
         p2p_copy=True,
-        # msinfer does not use broadcast; MindSpore's CPU collectives were checked for
-        # AllReduce and AllGather only.
-        hccl_broadcast=False,
         # The Python process with MindSpore loaded; an allowance.
         runtime_reserve_bytes=1 * GiB,
         shared_host_memory=True,
@@ -131,13 +117,13 @@ PROFILES = {
 }
 
 
-def get_profile(name):
+def get_profile(name: str) -> HardwareProfile:
     if name not in PROFILES:
         raise MsinferError(f"unknown hardware {name!r}; known: {', '.join(PROFILES)}")
     return PROFILES[name]
 
 
-def dtype_name(value, what="dtype"):
+def dtype_name(value: object, what: str = "dtype") -> str:
     """A dtype spelled as in config.json, torch or short form, as its plain name."""
     name = str(value).replace("torch.", "").lower()
     name = _DTYPE_ALIASES.get(name, name)
@@ -146,7 +132,8 @@ def dtype_name(value, what="dtype"):
     return name
 
 
-def compute_dtype(profile, checkpoint_dtype, requested=None):
+def compute_dtype(profile: HardwareProfile, checkpoint_dtype: str,
+                  requested: str | None = None) -> tuple[str, str]:
     """The dtype msinfer computes in on this hardware, and why. PlanRefused if it cannot."""
     checkpoint = dtype_name(checkpoint_dtype, "checkpoint dtype")
     if requested is not None:

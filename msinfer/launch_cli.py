@@ -2,11 +2,17 @@
 
     msinfer launch --nproc 4 --strategy strategies/qwen2_tp4.yaml -- generate --model DIR ...
 
-The planner runs first, on this machine, so a plan that cannot work on the hardware (too big,
-bf16 on 310P, pipeline stages on cards without P2P copy) is refused before any process
-starts. Every rank then runs `python -m msinfer generate ...`; mpirun brings the whole job
-down as soon as one rank exits with an error.
+The rank command after `--` is any msinfer subcommand; for the ones that build a model
+(MODEL_COMMANDS) the planner runs first, on this machine, in the parallel mode the rank command
+or the strategy asks for, so a plan that cannot work on the hardware (too big, bf16 on 310P,
+pipeline stages on cards without P2P copy, semi_auto where it cannot run) is refused before any
+process starts. mpirun brings the whole job down as soon as one rank exits with an error.
+
+`--dry-run` prints the command and the environment each rank will run with: what the launcher
+sets, and what msinfer's own start-up (msinfer.distributed.rank_environment) makes of it.
 """
+from __future__ import annotations
+
 import argparse
 import os
 import re
@@ -17,14 +23,18 @@ import subprocess
 import sys
 import threading
 
-from .distributed import free_port
-from .errors import MsinferError
+from .distributed import (bridge_environment, detect_launcher, free_port, rank_environment,
+                          spans_hosts)
+from .errors import MsinferError, PlanRefused
+
+# Rank commands that build a model: the planner checks them before anything starts.
+MODEL_COMMANDS = ("generate", "serve")
+# What the dry run shows of each rank's environment (MPI variables are summarised).
+_SHOWN = ("RANK_TABLE_FILE", "RANK_ID", "RANK_SIZE", "DEVICE_ID", "MS_ROLE", "MS_WORKER_NUM",
+          "MS_SCHED_HOST", "MS_SCHED_PORT", "MS_NODE_ID", "MSINFER_MULTI_HOST")
 
 
-_RANK_COMMANDS = ("generate", "serve")
-
-
-def register_cli(subparsers):
+def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "launch", help="check the plan, then run a sharded job under mpirun or msrun",
         description="Plan, then start NPROC ranks that each run the given msinfer command.")
@@ -33,37 +43,102 @@ def register_cli(subparsers):
     p.add_argument("--hardware", default="cpu", help="hardware profile (default: cpu)")
     p.add_argument("--launcher", choices=("mpirun", "msrun"), default="mpirun")
     p.add_argument("--hostfile", help="mpirun hostfile for several servers")
-    p.add_argument("--rank-table", help="HCCL rank table: Ascend rank-table mode under mpirun")
+    p.add_argument("--rank-table",
+                   help="HCCL rank table: Ascend rank-table mode under mpirun (default: an "
+                        "exported RANK_TABLE_FILE)")
     p.add_argument("--timeout", type=int, default=None,
                    help="stop the whole job after this many seconds")
     p.add_argument("--log-dir", default="msrun_log", help="msrun's worker logs")
-    p.add_argument("--dry-run", action="store_true", help="print the command, do not run it")
-    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- generate|serve ...",
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the command and each rank's environment, do not run it")
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- generate ...",
                    help="the msinfer command every rank runs")
-    p.set_defaults(func=run)
+    # The sibling subcommands' parsers read the rank command: no import of msinfer.cli.
+    p.set_defaults(func=run, rank_parsers=subparsers.choices)
 
 
-def run(args):
+def run(args: argparse.Namespace) -> int:
+    from .hardware import get_profile
+
+    profile = get_profile(args.hardware)
     rank_args = list(args.command)
     if rank_args and rank_args[0] == "--":
         rank_args = rank_args[1:]
-    if not rank_args or rank_args[0] not in _RANK_COMMANDS:
-        raise MsinferError("give the rank command after --, e.g. "
-                           "`msinfer launch --nproc 4 --strategy S -- generate --model DIR ...` "
-                           "(or `-- serve --model DIR ...`)")
-    rank_args = _with_option(rank_args, "--strategy", args.strategy)
-    rank_args = _with_option(rank_args, "--hardware", args.hardware)
-    if args.rank_table:
-        rank_args = _with_option(rank_args, "--rank-table", args.rank_table)
-    generate = _parse_generate(rank_args)
-    _check_plan(args, generate)
+    commands = [c for c in args.rank_parsers if c != "launch"]
+    if not rank_args or rank_args[0] not in commands:
+        raise MsinferError(f"give the rank command after --, one of {', '.join(commands)}; "
+                           f"e.g. `msinfer launch --nproc 4 --strategy S -- generate --model "
+                           f"DIR ...`")
+    parser = args.rank_parsers[rank_args[0]]
+    if args.hostfile and args.launcher == "msrun":
+        raise MsinferError(f"--hostfile {args.hostfile} is for --launcher mpirun; msrun starts "
+                           f"the workers of one host (run it on each host instead)")
+    args.rank_table = args.rank_table or _option_value(rank_args, "--rank-table")
+    rank_table = _rank_table(args, profile)
+    for option, value in (("--strategy", args.strategy), ("--hardware", args.hardware),
+                          ("--rank-table", rank_table)):
+        if value and _accepts(parser, option):
+            rank_args = _with_option(rank_args, option, value)
+    rank = parser.parse_args(rank_args[1:])
+    _check_plan(args, rank_args[0], rank, profile)
+    _check_hosts(args, profile)
     command = (_mpirun_command(args, rank_args) if args.launcher == "mpirun"
                else _msrun_command(args, rank_args))
     print("msinfer launch: " + shlex.join(command), file=sys.stderr, flush=True)
     if args.dry_run:
         print(shlex.join(command))
+        for r in range(args.nproc):
+            print(describe_rank_environment(r, _launcher_environment(args, r, command),
+                                            profile.device_target, rank_table))
         return 0
     return _run(command, args.timeout)
+
+
+def _rank_table(args, profile):
+    """The rank table the ranks use: --rank-table, else an exported RANK_TABLE_FILE under
+    mpirun on Ascend (rank-table mode either way); checked here, before anything starts."""
+    table = args.rank_table
+    if table and args.launcher == "msrun":
+        raise MsinferError(
+            f"--rank-table {table}: msrun builds the job itself (worker i on device i) and "
+            f"does not initialise it from a rank table; use --launcher mpirun with a rank "
+            f"table, or msrun without one")
+    if table and profile.device_target != "Ascend":
+        raise MsinferError(f"--rank-table {table}: rank tables set up HCCL on Ascend; "
+                           f"--hardware {profile.name} runs on {profile.device_target}")
+    if not table and args.launcher == "mpirun" and profile.device_target == "Ascend":
+        table = os.environ.get("RANK_TABLE_FILE") or None
+        if table:
+            print(f"msinfer launch: rank-table mode with the exported RANK_TABLE_FILE {table}",
+                  file=sys.stderr)
+    if table:
+        from .ranktable import check_file
+        problems = check_file(table, args.nproc, profile.devices_per_server)
+        if problems:
+            raise MsinferError(f"{table} is not a usable rank table:\n  " + "\n  ".join(problems))
+        table = os.path.abspath(table)
+    return table
+
+
+def _check_hosts(args, profile):
+    hosts = len({_mpirun_placement(args, r)[2] for r in range(args.nproc)})
+    if hosts > 1 and not profile.multi_server:
+        raise PlanRefused(f"--hostfile {args.hostfile} places the {args.nproc} ranks on {hosts} "
+                          f"hosts, and {profile.title} runs collectives within one server only")
+
+
+def _accepts(parser, option):
+    return option in parser._option_string_actions
+
+
+def _option_value(argv, option):
+    """The value of `option` in a command line (`--x V` or `--x=V`), else None."""
+    for i, word in enumerate(argv):
+        if word == option and i + 1 < len(argv):
+            return argv[i + 1]
+        if word.startswith(option + "="):
+            return word.split("=", 1)[1]
+    return None
 
 
 def _with_option(argv, option, value):
@@ -72,25 +147,21 @@ def _with_option(argv, option, value):
     return argv + [option, value]
 
 
-def _parse_generate(rank_args):
-    from .cli import build_parser
-    return build_parser().parse_args(rank_args)
-
-
-def _check_plan(args, generate):
+def _check_plan(args, command, rank, profile):
     from .config import load_config
-    from .hardware import get_profile
-    from .plan import DEFAULT_MAX_LEN, check_plan_or_raise, format_plan
+    from .plan import check_plan_or_raise, format_plan, limits_from_args
     from .strategy import load_strategy
 
-    strategy = load_strategy(generate.strategy)
+    strategy = load_strategy(getattr(rank, "strategy", None) or args.strategy)
     if args.nproc != strategy.world_size:
         raise MsinferError(f"--nproc {args.nproc} but {strategy.source} has world_size "
                            f"{strategy.world_size}")
-    config = load_config(generate.model)
-    max_len = generate.max_len or min(config.max_position_embeddings, DEFAULT_MAX_LEN)
-    plan = check_plan_or_raise(config, strategy, get_profile(generate.hardware),
-                               batch=generate.max_batch, max_len=max_len, dtype=generate.dtype)
+    if command not in MODEL_COMMANDS:
+        return
+    config = load_config(rank.model)
+    plan = check_plan_or_raise(config, strategy, profile, limits_from_args(config, rank),
+                               dtype=getattr(rank, "dtype", None),
+                               parallel_mode=getattr(rank, "parallel_mode", None))
     print(format_plan(plan), file=sys.stderr, flush=True)
 
 
@@ -104,7 +175,8 @@ def _mpirun_command(args, rank_args):
     if os.geteuid() == 0:
         command.append("--allow-run-as-root")
     if args.hostfile:
-        command += ["--hostfile", args.hostfile]
+        # Rank 0's scheduler (CPU/GPU bridge) must listen on an address the other hosts reach.
+        command += ["--hostfile", args.hostfile, "-x", "MSINFER_MULTI_HOST=1"]
     elif args.nproc > (os.cpu_count() or 1):
         command.append("--oversubscribe")
     if args.timeout:
@@ -120,6 +192,77 @@ def _msrun_command(args, rank_args):
     return [msrun, f"--worker_num={args.nproc}", f"--local_worker_num={args.nproc}",
             f"--master_port={free_port()}", f"--log_dir={args.log_dir}", "--join=True",
             f"--cluster_time_out={args.timeout or 600}", script] + rank_args
+
+
+# ---- the dry run: each rank's environment ----
+
+def _launcher_environment(args, rank, command):
+    """The variables the launcher gives rank `rank` (what mpirun or msrun export to it), on
+    top of the launching shell's environment."""
+    env = dict(os.environ)
+    n = args.nproc
+    if args.launcher == "msrun":
+        # msrun's process manager (mindspore/parallel/cluster/process_entity/_api.py).
+        port = next(a.split("=", 1)[1] for a in command if a.startswith("--master_port="))
+        env.update(MS_ROLE="MS_WORKER", MS_WORKER_NUM=str(n), MS_SCHED_HOST="127.0.0.1",
+                   MS_SCHED_PORT=port, MS_NODE_ID=str(rank), RANK_ID=str(rank),
+                   DEVICE_ID=str(rank), RANK_SIZE=str(n))
+        return env
+    local_rank, local_size, _ = _mpirun_placement(args, rank)
+    env.update(OMPI_COMM_WORLD_RANK=str(rank), OMPI_COMM_WORLD_SIZE=str(n),
+               OMPI_COMM_WORLD_LOCAL_RANK=str(local_rank),
+               OMPI_COMM_WORLD_LOCAL_SIZE=str(local_size))
+    for i, word in enumerate(command[:-1]):
+        if word == "-x" and "=" in command[i + 1]:
+            key, value = command[i + 1].split("=", 1)
+            env[key] = value
+    # What `import mindspore` does with them (mindspore.communication.management
+    # _set_rank_from_mpi): the rank's code starts from there.
+    env.update(RANK_ID=str(rank), DEVICE_ID=str(local_rank), RANK_SIZE=str(n))
+    return env
+
+
+def _mpirun_placement(args, rank):
+    """(local rank, ranks on that host, host number) as mpirun maps ranks by slot over the
+    hostfile's hosts in order."""
+    if not args.hostfile:
+        return rank, args.nproc, 0
+    slots = []
+    try:
+        with open(args.hostfile) as f:
+            for line in f:
+                words = line.split("#", 1)[0].split()
+                if words:
+                    found = [w.split("=", 1)[1] for w in words[1:] if w.startswith("slots=")]
+                    slots.append(int(found[0]) if found else 1)
+    except (OSError, ValueError) as e:
+        raise MsinferError(f"--hostfile {args.hostfile}: cannot read it: {e}") from None
+    first = 0
+    for host, count in enumerate(slots):
+        if rank < first + count:
+            return rank - first, min(count, args.nproc - first), host
+        first += count
+    raise MsinferError(f"--hostfile {args.hostfile} has {first} slots for {args.nproc} ranks")
+
+
+def describe_rank_environment(rank: int, env: dict[str, str], device_target: str,
+                              rank_table: str | None) -> str:
+    """One line: the launcher msinfer will detect in rank `rank` and the variables it runs
+    with once msinfer's start-up has changed them."""
+    launcher, table = detect_launcher(device_target, rank_table, env)
+    changes = rank_environment(launcher, env, table)
+    if launcher == "mpirun-bridge":
+        host = "(rank-0-address)" if spans_hosts(env) else "127.0.0.1"
+        changes.update(bridge_environment(rank, int(env["OMPI_COMM_WORLD_SIZE"]), host,
+                                          "(rank-0-free-port)"))
+    final = {k: v for k, v in {**env, **changes}.items() if v is not None}
+    words = [f"{key}={final[key]}" for key in _SHOWN if key in final]
+    mpi = sorted(k for k in env if k.startswith("OMPI_COMM_WORLD"))
+    if mpi and all(changes.get(k, "") is None for k in mpi):
+        words.append("OMPI_*=(removed)")
+    elif mpi:
+        words += [f"{k}={env[k]}" for k in mpi]
+    return f"rank {rank} ({launcher}): " + " ".join(words)
 
 
 # MindSpore's cluster code logs INFO lines at exit whatever GLOG_v says; below the level the

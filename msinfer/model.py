@@ -1,26 +1,45 @@
-"""Qwen2 for causal LM as MindSpore Cells, with a static KV cache held in Parameters.
+"""Qwen2 for causal LM as MindSpore Cells over a paged KV cache.
 
-The model reads top to bottom like Hugging Face's `modeling_qwen2.py`: embedding, decoder
-layers (RMSNorm, rotary attention with grouped KV heads and q/k/v biases, SwiGLU MLP), final
-norm, lm_head (tied to the embedding when the config says so). Sharding lives in
-`parallel_layers`: this file never mentions ranks, except through the head counts it reads off
-its (possibly sharded) projections.
+The math reads like Hugging Face's `modeling_qwen2.py`: embedding, decoder layers (RMSNorm,
+rotary attention with grouped KV heads and q/k/v biases, SwiGLU MLP), final norm, lm_head
+(tied to the embedding when the config says so). Two projections are fused: q/k/v is one
+column-parallel matmul and gate/up another (each rank's part of each is cut by the shard
+plan), so a layer runs 4 weight matmuls instead of 7. Sharding lives in `parallel_layers`.
 
-Two entry points, each compiled as its own graph by `PrefillStep` / `DecodeStep`:
-- `prefill(ids[B,S], last_index[B,2], cache_rows[B*kv*S], mask[S,S])`: runs whole prompts
-  (right-padded to a bucket length S), writes their K/V into cache rows 0..B-1, positions
-  0..S-1, and returns the logits at each prompt's last real token.
-- `decode(ids[B], positions[B], cache_rows[B*kv], context_rows[B*kv*T], mask[B,T])`: one
-  token per row at its own position, attending over the first T cache positions of its row
-  (T is a bucket >= the longest row), gathered by row number: a step reads only its context.
-Padding needs no special case: a row's padded positions are written to the cache but masked
-out of every later step, and overwritten as the row grows.
+The Cells hold primitives, not weights: weights are arguments (`LAYER_WEIGHTS` order), so
+one compiled graph of `DecoderLayer` serves all layers. That is how the engine runs in
+explicit mode: a call per layer keeps what a compiled graph holds (on MindSpore's CPU backend,
+every intermediate of the graph at once) to one layer of one chunk. In semi_auto mode
+`Qwen2Model` owns the weights as Parameters (so MindSpore can lay them out per rank) and runs
+all layers in one graph.
+
+Attention of one call works on G groups of Q queries, each group over its own gathered
+context of T cache slots: a prefill chunk is G=1 (the chunk's tokens, possibly of several
+sequences, over the concatenation of their contexts, with a mask keeping each token to its own
+sequence's earlier positions); a decode step is G=batch, Q=1.
 """
 import numpy as np
-from mindspore import Parameter, Tensor, nn, ops
 import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common.initializer import Zero
 
 from .parallel_layers import ParallelEmbedding, ParallelLinear
+
+# One decoder layer's weights, in the order DecoderLayer takes them.
+LAYER_WEIGHTS = ("input_layernorm.weight", "self_attn.qkv_proj.weight",
+                 "self_attn.qkv_proj.bias", "self_attn.o_proj.weight",
+                 "post_attention_layernorm.weight", "mlp.gate_up_proj.weight",
+                 "mlp.down_proj.weight")
+
+
+def layer_weight_names(layer: int) -> list:
+    return [f"model.layers.{layer}.{w}" for w in LAYER_WEIGHTS]
+
+
+def head_weight_names(config) -> list:
+    """The final norm and the lm_head (the embedding itself when tied)."""
+    lm_head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    return ["model.norm.weight", lm_head]
 
 
 def rotary_tables(head_dim, theta, max_len):
@@ -33,187 +52,155 @@ def rotary_tables(head_dim, theta, max_len):
 
 
 def apply_rotary(x, cos, sin):
-    """x: (B, S, heads, head_dim); cos/sin broadcast to it."""
+    """x: (tokens, heads, head_dim); cos/sin: (tokens, 1, head_dim)."""
     half = x.shape[-1] // 2
     rotated = ops.concat((-x[..., half:], x[..., :half]), -1)
     return x * cos + rotated * sin
 
 
-class RMSNorm(nn.Cell):
-    def __init__(self, ctx, name, eps):
-        super().__init__()
-        self.weight = ctx.new_parameter(name + ".weight")
-        self.checkpoint_names = {name + ".weight": self.weight}
-        self.eps = eps
-
-    def construct(self, x):
-        xf = x.astype(ms.float32)
-        variance = ops.mean(xf * xf, -1, keep_dims=True)
-        return self.weight * (xf * ops.rsqrt(variance + self.eps)).astype(x.dtype)
-
-
-class Attention(nn.Cell):
-    def __init__(self, ctx, prefix, config, max_batch, max_len):
-        super().__init__()
-        p = prefix + "self_attn."
-        self.q_proj = ParallelLinear(ctx, p + "q_proj", bias=True)
-        self.k_proj = ParallelLinear(ctx, p + "k_proj", bias=True)
-        self.v_proj = ParallelLinear(ctx, p + "v_proj", bias=True)
-        self.o_proj = ParallelLinear(ctx, p + "o_proj")
-        self.head_dim = config.head_dim
-        self.heads = ctx.parameter_shape(p + "q_proj.weight")[0] // self.head_dim
-        self.kv_heads = ctx.parameter_shape(p + "k_proj.weight")[0] // self.head_dim
-        self.groups = self.heads // self.kv_heads
-        self.scale = self.head_dim ** -0.5
-        # The cache is (batch, kv head, position, head_dim) flattened to one row per vector,
-        # row (b * kv + h) * max_len + position: ScatterUpdate writes rows in place, where a
-        # scatter into the 4-D tensor would copy the whole cache at every step.
-        rows = (max_batch * self.kv_heads * max_len, self.head_dim)
-        host_dtype = np.float16 if ctx.dtype == ms.float16 else np.float32  # no numpy bf16
-        self.k_cache = Parameter(Tensor(np.zeros(rows, host_dtype), ctx.dtype),
-                                 name=prefix + "k_cache", requires_grad=False)
-        self.v_cache = Parameter(Tensor(np.zeros(rows, host_dtype), ctx.dtype),
-                                 name=prefix + "v_cache", requires_grad=False)
-        self.write_rows = ops.ScatterUpdate()
-
-    def _project(self, x, batch, seq, cos, sin):
-        q = self.q_proj(x).reshape(batch, seq, self.heads, self.head_dim)
-        k = self.k_proj(x).reshape(batch, seq, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(batch, seq, self.kv_heads, self.head_dim)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
-
-    def _attend(self, q, k, v, mask):
-        """q: (B, kv, rows, D) with rows = groups*queries; k, v: (B, kv, T, D)."""
-        # The scores are the big tensors here (rows x T): scale q instead, and cast only
-        # where the compute dtype is not float32 already (decided when the graph compiles).
-        scores = ops.BatchMatMul(transpose_b=True)(q * self.scale, k)
-        if scores.dtype != ms.float32:
-            scores = scores.astype(ms.float32)
-        probs = ops.softmax(scores + mask, -1)
-        if probs.dtype != v.dtype:
-            probs = probs.astype(v.dtype)
-        return ops.BatchMatMul()(probs, v)
-
-    def _write_cache(self, cache_rows, k, v):
-        """Writes k, v (rows ordered like cache_rows); returns the caches, to be read after
-        the writes (`depend` orders them; reshaping the whole Parameter would copy it)."""
-        k_written = self.write_rows(self.k_cache, cache_rows, k.reshape(-1, self.head_dim))
-        v_written = self.write_rows(self.v_cache, cache_rows, v.reshape(-1, self.head_dim))
-        return ops.depend(self.k_cache, k_written), ops.depend(self.v_cache, v_written)
-
-    def prefill(self, x, batch, seq, cos, sin, mask, cache_rows):
-        q, k, v = self._project(x, batch, seq, cos, sin)
-        k = k.transpose(0, 2, 1, 3)  # (B, kv, S, D): the cache's order
-        v = v.transpose(0, 2, 1, 3)
-        self._write_cache(cache_rows, k, v)
-        # Query head j uses KV head j // groups: group the queries under their KV head.
-        q = q.reshape(batch, seq, self.kv_heads, self.groups, self.head_dim)
-        q = q.transpose(0, 2, 3, 1, 4).reshape(batch, self.kv_heads, self.groups * seq,
-                                                self.head_dim)
-        mask = ops.tile(mask, (self.groups, 1))  # (groups*S, S), rows ordered like q
-        out = self._attend(q, k, v, mask)
-        out = out.reshape(batch, self.kv_heads, self.groups, seq, self.head_dim)
-        out = out.transpose(0, 3, 1, 2, 4).reshape(batch * seq, self.heads * self.head_dim)
-        return self.o_proj(out)
-
-    def decode(self, x, batch, cos, sin, mask, cache_rows, context_rows):
-        q, k, v = self._project(x, batch, 1, cos, sin)
-        keys, values = self._write_cache(cache_rows, k, v)
-        context = mask.shape[-1]
-        shape = (batch, self.kv_heads, context, self.head_dim)
-        keys = ops.gather(keys, context_rows, 0).reshape(shape)
-        values = ops.gather(values, context_rows, 0).reshape(shape)
-        q = q.reshape(batch, self.kv_heads, self.groups, self.head_dim)
-        out = self._attend(q, keys, values, mask.reshape(batch, 1, 1, context))
-        return self.o_proj(out.reshape(batch, self.heads * self.head_dim))
-
-
-class MLP(nn.Cell):
-    def __init__(self, ctx, prefix):
-        super().__init__()
-        self.gate_proj = ParallelLinear(ctx, prefix + "mlp.gate_proj")
-        self.up_proj = ParallelLinear(ctx, prefix + "mlp.up_proj")
-        self.down_proj = ParallelLinear(ctx, prefix + "mlp.down_proj")
-
-    def construct(self, x):
-        return self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x))
+def rms_norm(x, weight, eps):
+    xf = x.astype(ms.float32)
+    variance = ops.mean(xf * xf, -1, keep_dims=True)
+    return weight * (xf * ops.rsqrt(variance + eps)).astype(x.dtype)
 
 
 class DecoderLayer(nn.Cell):
-    def __init__(self, ctx, index, config, max_batch, max_len):
+    def __init__(self, ctx):
         super().__init__()
-        prefix = f"model.layers.{index}."
-        self.input_layernorm = RMSNorm(ctx, prefix + "input_layernorm", config.rms_norm_eps)
-        self.self_attn = Attention(ctx, prefix, config, max_batch, max_len)
-        self.post_attention_layernorm = RMSNorm(ctx, prefix + "post_attention_layernorm",
-                                                config.rms_norm_eps)
-        self.mlp = MLP(ctx, prefix)
+        config, plan = ctx.config, ctx.plan
+        p = "model.layers.0."
+        self.qkv_proj = ParallelLinear(ctx, p + "self_attn.qkv_proj", bias=True)
+        self.o_proj = ParallelLinear(ctx, p + "self_attn.o_proj")
+        self.gate_up_proj = ParallelLinear(ctx, p + "mlp.gate_up_proj")
+        self.down_proj = ParallelLinear(ctx, p + "mlp.down_proj")
+        self.eps = config.rms_norm_eps
+        self.head_dim = config.head_dim
+        if ctx.mode == "explicit":  # this rank's slices
+            self.heads, self.kv_heads = plan.local_heads, plan.local_kv_heads
+            self.intermediate = plan.local_shape(p + "mlp.down_proj.weight")[1]
+        else:  # full shapes, laid out by MindSpore
+            self.heads, self.kv_heads = config.num_heads, config.num_kv_heads
+            self.intermediate = config.intermediate_size
+        self.groups = self.heads // self.kv_heads
+        self.q_size = self.heads * self.head_dim
+        self.kv_size = self.kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.write_rows = ops.ScatterUpdate()
 
-    def prefill(self, x, batch, seq, cos, sin, mask, cache_rows):
-        x = x + self.self_attn.prefill(self.input_layernorm(x), batch, seq, cos, sin, mask,
-                                       cache_rows)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def construct(self, x, cos, sin, k_cache, v_cache, write_rows, context_rows, mask,
+                  ln1, w_qkv, b_qkv, w_o, ln2, w_gate_up, w_down):
+        """x: (N, hidden) with N = G*Q tokens; cos/sin: (N, 1, head_dim); write_rows: (N,)
+        cache rows of the tokens' own K/V; context_rows: (G*T,); mask: (G, Q, T), 0 where a
+        query may look and a large negative number elsewhere."""
+        h = rms_norm(x, ln1, self.eps)
+        qkv = self.qkv_proj(h, w_qkv, b_qkv)
+        tokens = x.shape[0]
+        q = qkv[:, :self.q_size].reshape(tokens, self.heads, self.head_dim)
+        k = qkv[:, self.q_size:self.q_size + self.kv_size].reshape(tokens, self.kv_heads,
+                                                                   self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].reshape(tokens, self.kv_heads, self.head_dim)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        # Write this call's K/V, then read the context (which includes them) after the writes.
+        k_written = self.write_rows(k_cache, write_rows, k)
+        v_written = self.write_rows(v_cache, write_rows, v)
+        keys = ops.gather(ops.depend(k_cache, k_written), context_rows, 0)
+        values = ops.gather(ops.depend(v_cache, v_written), context_rows, 0)
+        x = x + self.o_proj(self._attend(q, keys, values, mask), w_o)
+        h = rms_norm(x, ln2, self.eps)
+        gate_up = self.gate_up_proj(h, w_gate_up)
+        act = ops.silu(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:]
+        return x + self.down_proj(act, w_down)
 
-    def decode(self, x, batch, cos, sin, mask, cache_rows, context_rows):
-        x = x + self.self_attn.decode(self.input_layernorm(x), batch, cos, sin, mask,
-                                      cache_rows, context_rows)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def _attend(self, q, keys, values, mask):
+        groups, queries, context = mask.shape
+        d, kv = self.head_dim, self.kv_heads
+        keys = keys.reshape(groups, context, kv, d).transpose(0, 2, 1, 3)
+        values = values.reshape(groups, context, kv, d).transpose(0, 2, 1, 3)
+        # Query head j uses KV head j // groups: put each KV head's queries in one row block.
+        q = q.reshape(groups, queries, kv, self.groups, d).transpose(0, 2, 3, 1, 4)
+        q = q.reshape(groups, kv, self.groups * queries, d)
+        # The scores are the big tensor here: scale q, not them; softmax in float32.
+        scores = ops.BatchMatMul(transpose_b=True)(q * self.scale, keys)
+        if scores.dtype != ms.float32:
+            scores = scores.astype(ms.float32)
+        mask = ops.tile(mask, (1, self.groups, 1)).reshape(groups, 1, self.groups * queries,
+                                                          context)
+        probs = ops.softmax(scores + mask, -1)
+        if probs.dtype != values.dtype:
+            probs = probs.astype(values.dtype)
+        out = ops.BatchMatMul()(probs, values)  # (G, kv, groups*Q, d)
+        out = out.reshape(groups, kv, self.groups, queries, d).transpose(0, 3, 1, 2, 4)
+        return out.reshape(groups * queries, self.heads * d)
 
 
-class Qwen2ForCausalLM(nn.Cell):
-    def __init__(self, config, ctx, max_batch, max_len):
+class Embedding(nn.Cell):
+    def __init__(self, ctx):
         super().__init__()
-        self.config = config
-        self.max_batch = max_batch
-        self.max_len = max_len
-        self.embed_tokens = ParallelEmbedding(ctx, "model.embed_tokens")
-        self.layers = nn.CellList([DecoderLayer(ctx, i, config, max_batch, max_len)
-                                   for i in range(config.num_layers)])
-        self.norm = RMSNorm(ctx, "model.norm", config.rms_norm_eps)
-        tied = self.embed_tokens.weight if config.tie_word_embeddings else None
-        self.lm_head = ParallelLinear(ctx, "lm_head", weight=tied)
-        cos, sin = rotary_tables(config.head_dim, config.rope_theta, max_len)
-        self.cos = Tensor(cos, ctx.dtype)
-        self.sin = Tensor(sin, ctx.dtype)
-        self.kv_heads = self.layers[0].self_attn.kv_heads
+        self.embed = ParallelEmbedding(ctx, "model.embed_tokens")
 
-    def prefill(self, ids, last_index, cache_rows, mask):
-        batch, seq = ids.shape
-        x = self.embed_tokens(ids.reshape(-1))
-        cos = self.cos[:seq].reshape(1, seq, 1, -1)
-        sin = self.sin[:seq].reshape(1, seq, 1, -1)
-        for layer in self.layers:
-            x = layer.prefill(x, batch, seq, cos, sin, mask, cache_rows)
-        x = ops.gather_nd(x.reshape(batch, seq, -1), last_index)
-        return self.lm_head(self.norm(x)).astype(ms.float32)
-
-    def decode(self, ids, positions, cache_rows, context_rows, mask):
-        batch = ids.shape[0]
-        x = self.embed_tokens(ids)
-        cos = ops.gather(self.cos, positions, 0).reshape(batch, 1, 1, -1)
-        sin = ops.gather(self.sin, positions, 0).reshape(batch, 1, 1, -1)
-        for layer in self.layers:
-            x = layer.decode(x, batch, cos, sin, mask, cache_rows, context_rows)
-        return self.lm_head(self.norm(x)).astype(ms.float32)
+    def construct(self, ids, weight):
+        return self.embed(ids, weight)
 
 
-class PrefillStep(nn.Cell):
-    """The compiled prefill graph (one per (batch, prompt-length) bucket)."""
+class LMHead(nn.Cell):
+    """Final norm and lm_head over the rows that need logits; float32 logits."""
 
-    def __init__(self, model):
+    def __init__(self, ctx):
         super().__init__()
-        self.model = model
+        self.eps = ctx.config.rms_norm_eps
+        self.lm_head = ParallelLinear(ctx, "lm_head")
 
-    def construct(self, ids, last_index, cache_rows, mask):
-        return self.model.prefill(ids, last_index, cache_rows, mask)
+    def construct(self, x, rows, norm_weight, lm_weight):
+        x = ops.gather(x, rows, 0)
+        return self.lm_head(rms_norm(x, norm_weight, self.eps), lm_weight).astype(ms.float32)
 
 
-class DecodeStep(nn.Cell):
-    """The compiled decode graph (one per (batch, context-length) bucket)."""
+def new_cache(layout, dtype, name):
+    """One of the two cache tensors (K or V) as a Parameter updated in place."""
+    return Parameter(Tensor(shape=layout.shape, dtype=dtype, init=Zero()), name=name,
+                     requires_grad=False)
 
-    def __init__(self, model):
+
+class Qwen2Model(nn.Cell):
+    """The whole model in one graph, owning its weights as Parameters (semi_auto mode).
+
+    construct(ids, cos, sin, write_slots, context_slots, mask, logit_rows) -> float32 logits
+    of the rows `logit_rows`; the slots are layer-0 cache rows, offset here per layer."""
+
+    def __init__(self, ctx, layout, shapes):
         super().__init__()
-        self.model = model
+        config = ctx.config
+        self.embedding = Embedding(ctx)
+        self.layer = DecoderLayer(ctx)
+        self.head = LMHead(ctx)
+        self.num_slots = layout.num_slots
 
-    def construct(self, ids, positions, cache_rows, context_rows, mask):
-        return self.model.decode(ids, positions, cache_rows, context_rows, mask)
+        def param(name):
+            return Parameter(Tensor(shape=shapes[name], dtype=ctx.dtype, init=Zero()),
+                             name=name, requires_grad=False)
+
+        self.embed_weight = param("model.embed_tokens.weight")
+        self.weights = {"model.embed_tokens.weight": self.embed_weight}
+        holders = []
+        for n in range(config.num_layers):
+            params = ms.ParameterTuple([param(name) for name in layer_weight_names(n)])
+            setattr(self, f"layer{n}_weights", params)  # registered with the Cell
+            self.weights.update({p.name: p for p in params})
+            holders.append(params)
+        self.layer_params = tuple(holders)
+        norm_name, lm_name = head_weight_names(config)
+        self.norm_weight = param(norm_name)
+        self.weights[norm_name] = self.norm_weight
+        self.lm_weight = (self.embed_weight if config.tie_word_embeddings else param(lm_name))
+        self.weights[lm_name] = self.lm_weight
+        self.k_cache = new_cache(layout, ctx.dtype, "k_cache")
+        self.v_cache = new_cache(layout, ctx.dtype, "v_cache")
+
+    def construct(self, ids, cos, sin, write_slots, context_slots, mask, logit_rows):
+        x = self.embedding(ids, self.embed_weight)
+        for n, weights in enumerate(self.layer_params):
+            offset = n * self.num_slots
+            x = self.layer(x, cos, sin, self.k_cache, self.v_cache, write_slots + offset,
+                           context_slots + offset, mask, *weights)
+        return self.head(x, logit_rows, self.norm_weight, self.lm_weight)

@@ -1,22 +1,125 @@
 """`msinfer plan`: before launch, is this (model, strategy, hardware) legal, and does it fit?
 
-Per device it counts the weight bytes exactly (from the config and the shard plan), the KV
-cache for batch x max-len, and a stated workspace estimate, against the profile's usable
+Per device it counts what the engine allocates, from the same functions the engine sizes
+itself with (`engine_memory`): the weight bytes exactly (from the config and the shard plan),
+the paged KV cache pool (blocks, tokens, how many max-len sequences it holds), and a stated
+workspace estimate bounded by one layer of one prefill chunk, against the profile's usable
 memory. It lists the collectives each decoded token costs, the dtype and why, and the decode
 speed that memory bandwidth allows. It refuses what would fail on the hardware, saying how to
 fix it.
+
+Three things are easy to confuse: a `Strategy` (the YAML: degrees and rules), the `ShardPlan`
+it resolves to for one model (what each rank holds: strategy.py), and the `PlanReport` made
+here (is that ShardPlan legal on this hardware, in this parallel mode, and does it fit).
 """
+from __future__ import annotations
+
 import dataclasses
 import json
 import textwrap
 
-from .config import load_config
-from .errors import MsinferError, PlanRefused
-from .hardware import DTYPE_BYTES, PROFILES, GiB, compute_dtype, dtype_name, get_profile
-from .strategy import ShardPlan, load_strategy
+from .config import ModelConfig, load_config
+from .engine.kv_cache import DEFAULT_BLOCK_SIZE, CacheLayout
+from .errors import MsinferError, PlanRefused, positive_int
+from .hardware import (DTYPE_BYTES, PROFILES, GiB, HardwareProfile, compute_dtype, dtype_name,
+                       get_profile)
+from .strategy import PARALLEL_MODES, ShardPlan, Strategy, decide_parallel_mode, load_strategy
 
-DEFAULT_MAX_LEN = 4096
+DEFAULT_MAX_LEN = 4096  # the longest sequence when none is asked for
+DEFAULT_MAX_NUM_SEQS = 16
+DEFAULT_MAX_PREFILL_TOKENS = 256
+# Share of the memory weights and workspace leave that the KV cache takes by default (the
+# rest absorbs what the workspace estimate misses), as vLLM's gpu_memory_utilization.
+KV_CACHE_UTILIZATION = 0.9
 _TIGHT_MARGIN = 0.10  # below this share of capacity to spare, say that the workspace is a guess
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineLimits:
+    """The engine's knobs that decide its memory: the longest sequence, the KV block size, the
+    prefill chunk, the sequences decoded together, and the KV cache budget (None: what is
+    left on the device)."""
+
+    max_len: int = DEFAULT_MAX_LEN
+    block_size: int = DEFAULT_BLOCK_SIZE
+    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    kv_cache_memory: int = None
+
+    def __post_init__(self):
+        for field in ("max_len", "block_size", "max_prefill_tokens", "max_num_seqs"):
+            positive_int(getattr(self, field), field)
+        if self.kv_cache_memory is not None:
+            positive_int(self.kv_cache_memory, "kv_cache_memory")
+
+    @classmethod
+    def for_model(cls, config, max_len=None, block_size=None, max_prefill_tokens=None,
+                  max_num_seqs=None, kv_cache_memory=None):
+        """Defaults filled in; max_len at most the model's max_position_embeddings."""
+        if max_len is None:
+            max_len = default_max_len(config)
+        positive_int(max_len, "max_len")
+        if max_len > config.max_position_embeddings:
+            raise MsinferError(f"max_len {max_len} exceeds the model's "
+                               f"max_position_embeddings {config.max_position_embeddings}")
+        def given(value, default):
+            return default if value is None else value
+
+        max_prefill_tokens = given(max_prefill_tokens, DEFAULT_MAX_PREFILL_TOKENS)
+        if isinstance(max_prefill_tokens, int) and isinstance(max_len, int):
+            max_prefill_tokens = min(max_prefill_tokens, max_len)  # no chunk beyond a sequence
+        return cls(max_len=max_len, block_size=given(block_size, DEFAULT_BLOCK_SIZE),
+                   max_prefill_tokens=max_prefill_tokens,
+                   max_num_seqs=given(max_num_seqs, DEFAULT_MAX_NUM_SEQS),
+                   kv_cache_memory=kv_cache_memory)
+
+
+@dataclasses.dataclass
+class EngineMemory:
+    """What one rank of the engine allocates, in bytes, and its KV cache layout."""
+
+    weights_bytes: int
+    workspace_bytes: int
+    capacity_bytes: int
+    layout: CacheLayout = None  # None: no KV block fits beside the weights and workspace
+    kv_budget_bytes: int = 0
+
+    @property
+    def kv_cache_bytes(self):
+        return self.layout.total_bytes if self.layout else 0
+
+
+def engine_memory(shard, profile, dtype, limits, tensor_rank=0, strict=True):
+    """The engine's allocations on tensor rank `tensor_rank`: its weight slices, the workspace
+    of its largest call, and the KV cache pool sized from the budget (kv_cache_memory, else
+    KV_CACHE_UTILIZATION of what weights and workspace leave of the device, or of this rank's
+    share of the host on CPU), never more than max_num_seqs sequences of max_len can use.
+    `strict`: raise when not even one block fits (the engine); else layout None (the planner).
+    """
+    config = shard.config
+    dtype_bytes = DTYPE_BYTES[dtype]
+    weights = 0
+    for name in config.parameter_shapes():
+        count = 1
+        for s in shard.slices(name, tensor_rank):
+            count *= s.stop - s.start
+        weights += count * dtype_bytes
+    workspace = _workspace_bytes(shard, profile, dtype_bytes, limits)
+    capacity = profile.usable_bytes
+    if profile.shared_host_memory:
+        capacity //= shard.world_size
+    budget = limits.kv_cache_memory
+    if budget is None:
+        budget = int(max(0, capacity - weights - workspace) * KV_CACHE_UTILIZATION)
+    cap = limits.max_num_seqs * -(-limits.max_len // limits.block_size)
+    args = (config.num_layers, shard.local_kv_heads, config.head_dim, limits.block_size,
+            dtype_bytes)
+    per_block = CacheLayout.bytes_per_block(*args)
+    layout = None
+    if strict or budget >= 2 * per_block:
+        layout = CacheLayout.from_budget(budget, *args, max_blocks=cap)
+    return EngineMemory(weights_bytes=weights, workspace_bytes=workspace,
+                        capacity_bytes=capacity, layout=layout, kv_budget_bytes=budget)
 
 
 @dataclasses.dataclass
@@ -31,7 +134,7 @@ class DeviceMemory:
     capacity_bytes: int
 
     @property
-    def margin_bytes(self):
+    def margin_bytes(self) -> int:
         return self.capacity_bytes - self.total_bytes
 
 
@@ -44,7 +147,9 @@ class Collective:
 
 
 @dataclasses.dataclass
-class Plan:
+class PlanReport:
+    """The planner's verdict on one (model, strategy, hardware, mode, batch, max-len)."""
+
     model: str
     strategy: str
     hardware: str
@@ -53,65 +158,84 @@ class Plan:
     tensor: int
     data: int
     pipeline: int
-    batch: int
+    max_num_seqs: int  # per data replica: sequences decoded together
     max_len: int
+    max_prefill_tokens: int
+    block_size: int
     memory_bandwidth_bytes_per_s: float
-    dtype: str = None
-    dtype_reason: str = None
-    devices: list = dataclasses.field(default_factory=list)
-    collectives_per_token: list = dataclasses.field(default_factory=list)
-    workspace_formula: str = None
-    decode_bytes_per_step: int = None  # read by the busiest device, at a full max-len context
-    decode_tokens_per_s_bound: float = None  # at a full max-len context
-    decode_tokens_per_s_bound_short_context: float = None  # weights only
-    errors: list = dataclasses.field(default_factory=list)
-    warnings: list = dataclasses.field(default_factory=list)
-    notes: list = dataclasses.field(default_factory=list)
+    parallel_mode: str = "explicit"
+    dtype: str | None = None
+    dtype_reason: str | None = None
+    devices: list[DeviceMemory] = dataclasses.field(default_factory=list)
+    kv_blocks: int | None = None  # usable blocks per rank (one more is reserved)
+    kv_tokens: int | None = None
+    kv_bytes_per_token: int | None = None
+    concurrent_max_len_sequences: int | None = None  # per replica, each max_len tokens long
+    collectives_per_token: list[Collective] = dataclasses.field(default_factory=list)
+    workspace_formula: str | None = None
+    decode_bytes_per_step: int | None = None  # read by the busiest device, full contexts
+    decode_tokens_per_s_bound: float | None = None  # with full max-len contexts
+    decode_tokens_per_s_bound_short_context: float | None = None  # weights only
+    errors: list[str] = dataclasses.field(default_factory=list)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
-    def fits(self):
+    def fits(self) -> bool:
         return not self.errors
 
-    def to_dict(self):
+    def to_dict(self) -> dict:
         return {"fits": self.fits, **dataclasses.asdict(self)}
 
 
-def make_plan(config, strategy, profile, batch=1, max_len=DEFAULT_MAX_LEN, dtype=None):
-    for key, value in (("batch", batch), ("max_len", max_len)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise MsinferError(f"{key} must be a positive integer, got {value!r}")
-    plan = Plan(model=config.source, strategy=strategy.source, hardware=profile.name,
-                hardware_title=profile.title, world_size=strategy.world_size,
-                tensor=strategy.tensor, data=strategy.data, pipeline=strategy.pipeline,
-                batch=batch, max_len=max_len,
-                memory_bandwidth_bytes_per_s=profile.memory_bandwidth_bytes_per_s)
-    refusal = _hardware_refusal(strategy, profile)
+def default_max_len(config: ModelConfig) -> int:
+    """The longest sequence when none is asked for: DEFAULT_MAX_LEN, or fewer when the
+    model's max_position_embeddings is smaller."""
+    return min(config.max_position_embeddings, DEFAULT_MAX_LEN)
+
+
+def make_plan(config: ModelConfig, strategy: Strategy, profile: HardwareProfile,
+              limits: EngineLimits | None = None, dtype: str | None = None,
+              parallel_mode: str | None = None) -> PlanReport:
+    """Check and size a plan of the engine's `limits` (defaults for this model when None).
+    parallel_mode None: decide_parallel_mode's choice. Problems the hardware or the mode
+    cannot run end up in `errors`; bad values raise MsinferError."""
+    limits = limits or EngineLimits.for_model(config)
+    mode = decide_parallel_mode(parallel_mode, strategy)
+    plan = PlanReport(model=config.source, strategy=strategy.source, hardware=profile.name,
+                      hardware_title=profile.title, world_size=strategy.world_size,
+                      tensor=strategy.tensor, data=strategy.data, pipeline=strategy.pipeline,
+                      max_num_seqs=limits.max_num_seqs, max_len=limits.max_len,
+                      max_prefill_tokens=limits.max_prefill_tokens,
+                      block_size=limits.block_size,
+                      memory_bandwidth_bytes_per_s=profile.memory_bandwidth_bytes_per_s,
+                      parallel_mode=mode)
+    refusal = _hardware_refusal(strategy, profile, mode)
     if refusal:
         plan.errors.append(refusal)
         return plan
     try:
         plan.dtype, plan.dtype_reason = compute_dtype(profile, config.torch_dtype, dtype)
-        shard = strategy.resolve(config)
+        shard = strategy.resolve(config, mode)
     except PlanRefused as e:
         plan.errors.append(str(e))
         return plan
-    if batch % strategy.data:
-        plan.errors.append(
-            f"--batch {batch} does not divide over data: {strategy.data} replicas "
-            f"({batch} / {strategy.data} = {batch / strategy.data:g}); use a batch that is a "
-            f"multiple of {strategy.data}")
-        return plan
 
     dtype_bytes = DTYPE_BYTES[plan.dtype]
-    plan.devices = _device_memory(shard, profile, dtype_bytes, batch, max_len)
-    plan.workspace_formula = _workspace_formula(profile, batch // shard.data, max_len)
-    plan.collectives_per_token = _collectives(shard, dtype_bytes, batch // shard.data)
-    _decode_bound(plan, shard, dtype_bytes)
+    plan.devices, layout = _device_memory(shard, profile, plan.dtype, limits)
+    plan.workspace_formula = _workspace_formula(profile, limits)
+    plan.collectives_per_token = _collectives(shard, dtype_bytes, limits.max_num_seqs)
+    if layout is not None:
+        plan.kv_blocks = layout.num_blocks - 1
+        plan.kv_tokens = layout.usable_tokens
+        plan.kv_bytes_per_token = layout.total_bytes // layout.num_slots
+        plan.concurrent_max_len_sequences = layout.usable_tokens // limits.max_len
+        _decode_bound(plan, shard, dtype_bytes)
     _explain(plan, shard, profile)
     worst = max(plan.devices, key=lambda d: d.total_bytes - d.capacity_bytes)
-    if worst.margin_bytes < 0:
-        plan.errors.append(_does_not_fit(worst, shard, profile, dtype_bytes, batch, max_len))
-    elif worst.margin_bytes < _TIGHT_MARGIN * worst.capacity_bytes:
+    if worst.margin_bytes < 0 or layout is None or plan.concurrent_max_len_sequences < 1:
+        plan.errors.append(_does_not_fit(worst, layout, shard, profile, plan.dtype, limits))
+    elif worst.margin_bytes < _TIGHT_MARGIN * worst.capacity_bytes and limits.kv_cache_memory:
         plan.warnings.append(
             f"rank {worst.rank} has only {_gib(worst.margin_bytes)} "
             f"({worst.margin_bytes / worst.capacity_bytes:.0%}) to spare, and the workspace "
@@ -119,16 +243,24 @@ def make_plan(config, strategy, profile, batch=1, max_len=DEFAULT_MAX_LEN, dtype
     return plan
 
 
-def check_plan_or_raise(config, strategy, profile, batch=1, max_len=DEFAULT_MAX_LEN,
-                        dtype=None):
-    """The launcher's gate: the Plan when it fits, else PlanRefused with the first error."""
-    plan = make_plan(config, strategy, profile, batch, max_len, dtype)
+def check_plan_or_raise(config: ModelConfig, strategy: Strategy, profile: HardwareProfile,
+                        limits: EngineLimits | None = None, dtype: str | None = None,
+                        parallel_mode: str | None = None) -> PlanReport:
+    """The gate of `msinfer launch` and `LLM(...)`: the report when the plan fits, else
+    PlanRefused with the first error."""
+    plan = make_plan(config, strategy, profile, limits, dtype, parallel_mode)
     if plan.errors:
         raise PlanRefused(plan.errors[0])
     return plan
 
 
-def _hardware_refusal(strategy, profile):
+def _hardware_refusal(strategy, profile, mode):
+    if mode == "semi_auto" and profile.device_target == "CPU" and strategy.world_size > 1:
+        return (
+            f"{strategy.source}: parallel mode semi_auto needs Ascend or GPU: MindSpore refuses "
+            f"semi_auto_parallel on CPU ('Invalid communication backend: CPU'). The explicit "
+            f"mode (the default) runs the same strategy with explicit collectives on CPU, "
+            f"Ascend and GPU")
     if strategy.pipeline > 1 and not profile.p2p_copy:
         return (
             f"{strategy.source}: pipeline: {strategy.pipeline} splits the layers over "
@@ -146,51 +278,52 @@ def _hardware_refusal(strategy, profile):
     return None
 
 
-def _device_memory(shard, profile, dtype_bytes, batch, max_len):
-    config = shard.config
-    local_batch = batch // shard.data
-    kv_cache = (config.num_layers * 2 * local_batch * max_len * shard.local_kv_heads
-                * config.head_dim * dtype_bytes)
-    workspace = _workspace_bytes(shard, profile, dtype_bytes, local_batch, max_len)
-    capacity = profile.usable_bytes
-    if profile.shared_host_memory:
-        capacity //= shard.world_size
-    devices = []
+def _device_memory(shard, profile, dtype, limits):
+    """Per rank what `engine_memory` allocates; and the KV layout (the same on every rank)."""
+    devices, layout = [], None
     for rank in range(shard.world_size):
         tensor_rank = shard.tensor_rank(rank)
-        weights = 0
-        for name in config.parameter_shapes():
-            count = 1
-            for s in shard.slices(name, tensor_rank):
-                count *= s.stop - s.start
-            weights += count * dtype_bytes
+        memory = engine_memory(shard, profile, dtype, limits, tensor_rank, strict=False)
+        layout = memory.layout
+        total = memory.weights_bytes + memory.kv_cache_bytes + memory.workspace_bytes
         devices.append(DeviceMemory(
             rank=rank, tensor_rank=tensor_rank, data_rank=shard.data_rank(rank),
-            weights_bytes=weights, kv_cache_bytes=kv_cache, workspace_bytes=workspace,
-            total_bytes=weights + kv_cache + workspace, capacity_bytes=capacity))
-    return devices
+            weights_bytes=memory.weights_bytes, kv_cache_bytes=memory.kv_cache_bytes,
+            workspace_bytes=memory.workspace_bytes, total_bytes=total,
+            capacity_bytes=memory.capacity_bytes))
+    return devices, layout
 
 
-def _workspace_bytes(shard, profile, dtype_bytes, local_batch, max_len):
-    """Runtime reserve plus the activations of one layer prefilling the local batch at
-    max-len, all held at once (an upper estimate): 4 hidden-size tensors, local q/k/v, float32
-    attention scores, 3 intermediate-size tensors, and float32 logits over the whole vocab."""
+def _workspace_bytes(shard, profile, dtype_bytes, limits):
+    """Runtime reserve plus the activations of the engine's largest call, held at once (an
+    upper estimate). Calls run one decoder layer at a time, so this is one layer of either a
+    prefill chunk (max_prefill_tokens tokens over a context of up to max_len: hidden-size
+    tensors, local q/k/v, the gathered K/V context, float32 scores, mask and softmax, the
+    intermediate-size tensors) or a decode step (max_num_seqs tokens, each over max_len), plus
+    float32 logits of max_num_seqs rows over the whole vocabulary."""
     config = shard.config
-    tokens = local_batch * max_len
+    context = limits.max_len
     intermediate = shard.local_shape("model.layers.0.mlp.gate_proj.weight")[0]
-    activations = tokens * dtype_bytes * (
-        4 * config.hidden_size
-        + (shard.local_heads + 2 * shard.local_kv_heads) * config.head_dim
-        + 3 * intermediate)
-    scores = local_batch * shard.local_heads * max_len * max_len * 4
-    logits = local_batch * config.vocab_size * 4
-    return profile.runtime_reserve_bytes + activations + scores + logits
+    heads, kv = shard.local_heads, shard.local_kv_heads
+    per_token = dtype_bytes * (6 * config.hidden_size + 2 * (heads + 2 * kv) * config.head_dim
+                               + 4 * intermediate)
+
+    def call(tokens, contexts):
+        gathered = 2 * contexts * context * kv * config.head_dim * dtype_bytes
+        scores = 3 * tokens * heads * context * 4 + tokens * context * 4
+        return tokens * per_token + gathered + scores
+
+    prefill = call(limits.max_prefill_tokens, 1)
+    decode = call(limits.max_num_seqs, limits.max_num_seqs)
+    logits = limits.max_num_seqs * config.vocab_size * 4
+    return profile.runtime_reserve_bytes + max(prefill, decode) + logits
 
 
-def _workspace_formula(profile, local_batch, max_len):
-    return (f"{_gib(profile.runtime_reserve_bytes)} runtime reserve + one layer's prefill "
-            f"activations for {local_batch} x {max_len} tokens (float32 attention scores "
-            f"grow with max-len squared) + float32 logits")
+def _workspace_formula(profile, limits):
+    return (f"{_gib(profile.runtime_reserve_bytes)} runtime reserve + one decoder layer of the "
+            f"largest call (a {limits.max_prefill_tokens}-token prefill chunk or a "
+            f"{limits.max_num_seqs}-sequence decode step, over up to {limits.max_len} tokens "
+            f"of context: float32 scores grow with chunk x context) + float32 logits")
 
 
 def _collectives(shard, dtype_bytes, local_batch):
@@ -220,18 +353,21 @@ def _collectives(shard, dtype_bytes, local_batch):
 
 
 def _decode_bound(plan, shard, dtype_bytes):
-    """Decoding re-reads every weight (and the KV cache so far) per step, so a device's memory
-    bandwidth caps the steps per second; each step yields one token per sequence."""
+    """Decoding re-reads every weight (and each sequence's KV cache so far) per step, so a
+    device's memory bandwidth caps the steps per second; each step yields one token per
+    sequence. With full contexts: max_num_seqs sequences of max_len, as many as the pool holds."""
     embedding = 0
     if not shard.config.tie_word_embeddings:  # a lookup reads a few rows, not the table
         rows, cols = shard.local_shape("model.embed_tokens.weight")
         embedding = rows * cols * dtype_bytes
     weights_read = max(d.weights_bytes for d in plan.devices) - embedding
-    full = weights_read + max(d.kv_cache_bytes for d in plan.devices)
+    batch = max(1, min(plan.max_num_seqs, plan.concurrent_max_len_sequences))
+    full = weights_read + batch * plan.max_len * plan.kv_bytes_per_token
     bandwidth = plan.memory_bandwidth_bytes_per_s
     plan.decode_bytes_per_step = full
-    plan.decode_tokens_per_s_bound = plan.batch * bandwidth / full
-    plan.decode_tokens_per_s_bound_short_context = plan.batch * bandwidth / weights_read
+    plan.decode_tokens_per_s_bound = batch * plan.data * bandwidth / full
+    plan.decode_tokens_per_s_bound_short_context = (plan.max_num_seqs * plan.data * bandwidth
+                                                    / weights_read)
 
 
 def _explain(plan, shard, profile):
@@ -241,10 +377,6 @@ def _explain(plan, shard, profile):
         plan.warnings.append(
             "bfloat16 weights run in float16, whose largest value is 65504: an activation "
             "bfloat16 would hold can overflow to inf")
-    if plan.max_len > config.max_position_embeddings:
-        plan.warnings.append(
-            f"--max-len {plan.max_len} exceeds the model's max_position_embeddings "
-            f"{config.max_position_embeddings}")
     if shard.replicated_kv_heads:
         r = shard.kv_replicas
         plan.notes.append(
@@ -255,19 +387,27 @@ def _explain(plan, shard, profile):
     if shard.data > 1:
         plan.notes.append(
             f"data {shard.data}: each replica holds a whole tensor-parallel copy of the "
-            f"weights and serves {plan.batch // shard.data} of the {plan.batch} sequences")
+            f"weights and its own KV cache, and decodes up to {plan.max_num_seqs} sequences")
     if profile.shared_host_memory:
         plan.notes.append(
             f"the {shard.world_size} ranks share this host's memory: each gets "
             f"1/{shard.world_size} of {_gib(profile.usable_bytes)}")
 
 
-def _does_not_fit(worst, shard, profile, dtype_bytes, batch, max_len):
-    message = (f"does not fit: rank {worst.rank} needs {_gib(worst.total_bytes)} of "
-               f"{_gib(worst.capacity_bytes)} ({_gib(-worst.margin_bytes)} over)")
+def _does_not_fit(worst, layout, shard, profile, dtype, limits):
+    if worst.margin_bytes < 0:
+        message = (f"does not fit: rank {worst.rank} needs {_gib(worst.total_bytes)} of "
+                   f"{_gib(worst.capacity_bytes)} ({_gib(-worst.margin_bytes)} over)")
+    else:
+        held = layout.usable_tokens if layout else 0
+        source = (f"kv_cache_memory {limits.kv_cache_memory} bytes holds" if limits.kv_cache_memory
+                  else f"the weights ({_gib(worst.weights_bytes)}) and workspace "
+                       f"({_gib(worst.workspace_bytes)}) leave")
+        message = (f"does not fit: {source} a KV cache of {held} tokens per rank, less than "
+                   f"one sequence of max-len {limits.max_len}")
     if profile.shared_host_memory:
         return (message + "; the ranks share this host's memory, so more ranks do not help: "
-                "lower --batch or --max-len, or use a machine with more memory")
+                "lower --max-len or --max-prefill-tokens, or use a machine with more memory")
     fixes = []
     limit = 64 if profile.multi_server else profile.devices_per_server // shard.data
     for tensor in range(shard.tensor + 1, limit + 1):
@@ -275,27 +415,32 @@ def _does_not_fit(worst, shard, profile, dtype_bytes, batch, max_len):
             bigger = ShardPlan(shard.config, shard.styles, tensor, shard.data)
         except PlanRefused:
             continue
-        devices = _device_memory(bigger, profile, dtype_bytes, batch, max_len)
-        need = max(d.total_bytes for d in devices)
-        if need <= profile.usable_bytes:
+        if _fits(bigger, profile, dtype, limits):
+            need = max(d.total_bytes for d in _device_memory(bigger, profile, dtype, limits)[0])
             fixes.append(f"with tensor: {tensor} (world_size {tensor * shard.data}) it fits, "
                          f"needing {_gib(need)} per device")
             break
     else:
-        fixes.append(f"no tensor degree up to {limit} fits batch {batch} x max-len {max_len}")
-    longest = _longest_fitting_max_len(shard, profile, dtype_bytes, batch, max_len)
+        fixes.append(f"no tensor degree up to {limit} fits max-len {limits.max_len}")
+    longest = _longest_fitting_max_len(shard, profile, dtype, limits)
     if longest:
         fixes.append(f"with --max-len {longest} it fits at tensor {shard.tensor}")
     return "; ".join([message] + fixes)
 
 
-def _longest_fitting_max_len(shard, profile, dtype_bytes, batch, max_len):
+def _fits(shard, profile, dtype, limits):
+    devices, layout = _device_memory(shard, profile, dtype, limits)
+    return (layout is not None and all(d.margin_bytes >= 0 for d in devices)
+            and layout.usable_tokens >= limits.max_len)
+
+
+def _longest_fitting_max_len(shard, profile, dtype, limits):
     """The largest max-len below the requested one that fits at this degree (None if none)."""
     def fits(n):
-        devices = _device_memory(shard, profile, dtype_bytes, batch, n)
-        return all(d.margin_bytes >= 0 for d in devices)
+        return _fits(shard, profile, dtype, dataclasses.replace(
+            limits, max_len=n, max_prefill_tokens=min(limits.max_prefill_tokens, n)))
 
-    low, high = 0, max_len  # fits(low) or low == 0; not fits(high)
+    low, high = 0, limits.max_len  # fits(low) or low == 0; not fits(high)
     while high - low > 1:
         middle = (low + high) // 2
         if fits(middle):
@@ -333,12 +478,13 @@ def _wrap(prefix, text):
                          subsequent_indent=" " * len(prefix), break_on_hyphens=False)
 
 
-def format_plan(plan):
+def format_plan(plan: PlanReport) -> str:
     lines = [f"msinfer plan: {plan.model} on {plan.world_size} x {plan.hardware}, "
              f"{plan.hardware_title}",
              f"  strategy   {plan.strategy}: tensor {plan.tensor} x data {plan.data} x "
-             f"pipeline {plan.pipeline} = {plan.world_size} devices",
-             f"  request    batch {plan.batch}, max length {plan.max_len}"]
+             f"pipeline {plan.pipeline} = {plan.world_size} devices, {plan.parallel_mode} mode",
+             f"  engine     up to {plan.max_num_seqs} sequences of up to {plan.max_len} tokens, "
+             f"prefill chunks of {plan.max_prefill_tokens}, KV blocks of {plan.block_size}"]
     if plan.dtype:
         lines.append(_wrap("  dtype      ", f"{plan.dtype}: {plan.dtype_reason}"))
     if plan.devices:
@@ -354,6 +500,12 @@ def format_plan(plan):
         lines += ["    " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
                   for row in table]
         lines.append(_wrap("  workspace = ", plan.workspace_formula))
+        if plan.kv_blocks:
+            lines.append(_wrap("  KV cache = ", (
+                f"{plan.kv_blocks} blocks of {plan.block_size} tokens = {plan.kv_tokens} tokens "
+                f"per rank ({_size(plan.kv_bytes_per_token)} per token): "
+                f"{plan.concurrent_max_len_sequences} sequence(s) of {plan.max_len} tokens at "
+                f"once, more when shorter")))
         lines += ["", f"  collectives per decoded token (within each tensor group of "
                       f"{plan.tensor}):"]
         if not plan.collectives_per_token:
@@ -361,11 +513,14 @@ def format_plan(plan):
         for c in plan.collectives_per_token:
             lines.append(f"    {c.kind:<10} x{c.count:<4} {_size(c.payload_bytes):>10} each  "
                          f"({c.where})")
+    if plan.decode_tokens_per_s_bound:
+        full = max(1, min(plan.max_num_seqs, plan.concurrent_max_len_sequences))
         lines += ["", _wrap("  decode     ", (
-            f"at most {plan.decode_tokens_per_s_bound:.1f} tokens/s at batch {plan.batch} with "
-            f"a full {plan.max_len}-token context ({plan.decode_tokens_per_s_bound_short_context:.1f} "
-            f"at a short one): each device reads {_size(plan.decode_bytes_per_step)} per step "
-            f"at {plan.memory_bandwidth_bytes_per_s / 1e9:.0f} GB/s. A ceiling set by memory "
+            f"at most {plan.decode_tokens_per_s_bound:.1f} tokens/s with {full} full "
+            f"{plan.max_len}-token context(s) per replica "
+            f"({plan.decode_tokens_per_s_bound_short_context:.1f} with {plan.max_num_seqs} short "
+            f"ones): each device reads {_size(plan.decode_bytes_per_step)} per step at "
+            f"{plan.memory_bandwidth_bytes_per_s / 1e9:.0f} GB/s. A ceiling set by memory "
             f"bandwidth, not a promise."))]
     if plan.notes or plan.warnings or plan.errors:
         lines.append("")
@@ -385,8 +540,8 @@ def _run(args):
     config = load_config(args.model)
     strategy = load_strategy(args.strategy)
     profile = get_profile(args.hardware)
-    plan = make_plan(config, strategy, profile, batch=args.batch, max_len=args.max_len,
-                     dtype=args.dtype)
+    plan = make_plan(config, strategy, profile, limits_from_args(config, args), args.dtype,
+                     args.parallel_mode)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
     return 0 if plan.fits else 1
 
@@ -404,11 +559,58 @@ def register_cli(subparsers):
                                                           "strategies/qwen2_tp4.yaml")
     parser.add_argument("--hardware", required=True, choices=sorted(PROFILES),
                         help="hardware profile")
-    parser.add_argument("--batch", type=int, default=1, help="sequences decoded together")
-    parser.add_argument("--max-len", type=int, default=DEFAULT_MAX_LEN,
-                        help=f"prompt plus generated tokens per sequence "
-                             f"(default {DEFAULT_MAX_LEN})")
+    add_engine_arguments(parser)
+    parser.add_argument("--parallel-mode", choices=PARALLEL_MODES, default=None,
+                        help="default: the strategy's parallel_mode, else explicit")
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES),
                         help="compute dtype (default: the hardware's policy)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=_run)
+
+
+def parse_bytes(text):
+    """'536870912', '512MiB', '2GiB', '1.5GB' -> bytes."""
+    units = {"kib": 1024, "mib": 1024 ** 2, "gib": GiB, "kb": 1e3, "mb": 1e6, "gb": 1e9,
+             "b": 1}
+    value = str(text).strip().lower()
+    for unit, scale in units.items():
+        if value.endswith(unit):
+            value, factor = value[:-len(unit)], scale
+            break
+    else:
+        factor = 1
+    try:
+        result = int(float(value) * factor)
+    except ValueError:
+        raise MsinferError(f"--kv-cache-memory {text!r}: expected bytes like 536870912, "
+                           f"512MiB or 2GiB") from None
+    if result < 1:
+        raise MsinferError(f"--kv-cache-memory {text!r}: must be positive")
+    return result
+
+
+def add_engine_arguments(parser):
+    """The engine knobs, the same for plan, generate, serve (and launch reads them)."""
+    parser.add_argument("--max-len", type=int, default=None,
+                        help=f"longest sequence, prompt plus generated tokens (default: "
+                             f"min(max_position_embeddings, {DEFAULT_MAX_LEN}))")
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help=f"sequences decoded together (default {DEFAULT_MAX_NUM_SEQS})")
+    parser.add_argument("--max-prefill-tokens", type=int, default=None,
+                        help=f"tokens per prefill chunk (default {DEFAULT_MAX_PREFILL_TOKENS})")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help=f"tokens per KV cache block (default {DEFAULT_BLOCK_SIZE})")
+    parser.add_argument("--kv-cache-memory", default=None, metavar="BYTES",
+                        help="KV cache per rank, e.g. 2GiB (default: "
+                             f"{KV_CACHE_UTILIZATION:.0%} of what weights and workspace leave)")
+
+
+def limits_from_args(config, args):
+    return EngineLimits.for_model(config, max_len=args.max_len, block_size=args.block_size,
+                                  max_prefill_tokens=args.max_prefill_tokens,
+                                  max_num_seqs=args.max_num_seqs,
+                                  kv_cache_memory=kv_cache_memory_from_args(args))
+
+
+def kv_cache_memory_from_args(args):
+    return None if args.kv_cache_memory is None else parse_bytes(args.kv_cache_memory)

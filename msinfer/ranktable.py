@@ -7,6 +7,8 @@ wrote numbers, so `validate` names each such value with its server and device.
 A table is kept as the plain dict that is written to JSON, so `validate` can take whatever a
 file holds and report every problem instead of failing on the first.
 """
+from __future__ import annotations
+
 import dataclasses
 import ipaddress
 import json
@@ -15,7 +17,6 @@ import re
 import shutil
 import socket
 import subprocess
-from typing import Optional
 
 from .errors import MsinferError
 
@@ -31,12 +32,12 @@ class RankDevice:
     rank: int
     server_id: str
     device_id: int
-    device_ip: Optional[str]
+    device_ip: str | None
 
 
 # ---- reading the command line's inputs ----
 
-def parse_devices(text):
+def parse_devices(text: str) -> list[int]:
     """Device ids from `0-3`, `0,1,2,3`, `[0,8)` or `0-1,8-9`: ascending, each once."""
     spec = text.strip()
     half_open = re.fullmatch(r"\[\s*([0-9]+)\s*,\s*([0-9]+)\s*\)", spec)
@@ -62,7 +63,7 @@ def parse_devices(text):
     return sorted(ids)
 
 
-def split_device_ips(text, devices):
+def split_device_ips(text: str, devices: list[int]) -> dict[int, str]:
     """`--device-ips a,b,c,d`: one address per device, in ascending device order."""
     ips = [ip.strip() for ip in text.split(",")]
     if len(ips) != len(devices):
@@ -74,7 +75,7 @@ def split_device_ips(text, devices):
     return dict(zip(devices, ips))
 
 
-def read_hccn_conf(path, devices):
+def read_hccn_conf(path: str, devices: list[int]) -> dict[int, str]:
     """Device IPs from the `address_N=IP` lines of an hccn.conf file."""
     try:
         with open(path, encoding="utf-8") as f:
@@ -95,7 +96,7 @@ def read_hccn_conf(path, devices):
     return {d: found[d] for d in devices}
 
 
-def query_hccn_tool(devices, tool=HCCN_TOOL):
+def query_hccn_tool(devices: list[int], tool: str = HCCN_TOOL) -> dict[int, str]:
     """Device IPs from `hccn_tool -i N -ip -g`, which prints `ipaddr:IP` and `netmask:...`."""
     ips = {}
     for d in devices:
@@ -117,7 +118,7 @@ def query_hccn_tool(devices, tool=HCCN_TOOL):
     return ips
 
 
-def host_ip():
+def host_ip() -> str:
     """This host's address as other servers reach it: the source address of its default route.
 
     Connecting a UDP socket sends nothing; it only picks the outgoing interface. The host
@@ -137,7 +138,7 @@ def host_ip():
 
 # ---- building, checking, merging tables ----
 
-def build(devices, server_ip, device_ips=None):
+def build(devices: list[int], server_ip: str, device_ips: dict[int, str] | None = None) -> dict:
     """A one-server table; ranks follow ascending device ids. device_ips: {device_id: ip}."""
     devices = sorted(devices)
     if device_ips is not None and set(device_ips) != set(devices):
@@ -156,7 +157,7 @@ def build(devices, server_ip, device_ips=None):
     return table
 
 
-def default_file_name(table):
+def default_file_name(table: dict) -> str:
     """hccl_tools' names: `hccl_{N}p_{ids}_{server_ip}.json`, merged `hccl_{S}s_{N}p.json`."""
     servers = table["server_list"]
     ranks = sum(len(s["device"]) for s in servers)
@@ -166,127 +167,160 @@ def default_file_name(table):
     return f"hccl_{len(servers)}s_{ranks}p.json"
 
 
-def validate(table, world_size=None, devices_per_server=None, source="rank table"):
+def validate(table: object, world_size: int | None = None,
+             devices_per_server: int | None = None, source: str = "rank table") -> list[str]:
     """Every problem of a parsed table as `source: where: what` lines; [] when HCCL can use it."""
-    problems = []
-
-    def report(where, what):
-        problems.append(f"{source}: {where}: {what}" if where else f"{source}: {what}")
-
+    found = _Findings(source)
     if not isinstance(table, dict):
-        report("", f"the top level is {_describe(table)}; a rank table is a JSON object")
-        return problems
+        found.report("", f"the top level is {_describe(table)}; a rank table is a JSON object")
+        return found.problems
+    _check_header(table, found)
+    servers = _check_server_list(table, found)
+    for i, server in enumerate(servers):
+        _check_server(i, server, len(servers) > 1, devices_per_server, found)
+    _check_rank_numbering(found)
+    if found.with_ip and found.without_ip and len(servers) == 1:
+        found.report("", f"device_ip is given for {len(found.with_ip)} devices but not for "
+                         f"{', '.join(found.without_ip)}; give it for all or (one 310P server "
+                         f"only) none")
+    if world_size is not None and found.devices != world_size:
+        found.report("", f"the table has {found.devices} devices but the strategy's world_size "
+                         f"is {world_size}")
+    return found.problems
+
+
+class _Findings:
+    """The problems found so far, and what was seen where, for the checks across devices."""
+
+    def __init__(self, source):
+        self.source = source
+        self.problems = []
+        self.server_at = {}   # server_id -> where it first appeared
+        self.rank_at = {}     # rank -> where it first appeared
+        self.ip_at = {}       # device_ip -> where it first appeared
+        self.ranked = []      # (where, rank), for the range check once all devices are counted
+        self.with_ip, self.without_ip = [], []
+        self.devices = 0
+
+    def report(self, where, what):
+        self.problems.append(f"{self.source}: {where}: {what}" if where
+                             else f"{self.source}: {what}")
+
+
+def _check_header(table, found):
     for key, expected in (("version", VERSION), ("status", "completed")):
         if key not in table:
-            report("", f'no "{key}"; HCCL expects "{expected}"')
+            found.report("", f'no "{key}"; HCCL expects "{expected}"')
         elif table[key] != expected:
-            report("", f'{key} is {_describe(table[key])}; HCCL expects "{expected}"')
+            found.report("", f'{key} is {_describe(table[key])}; HCCL expects "{expected}"')
 
+
+def _check_server_list(table, found):
+    """The servers to check one by one ([] when there are none), after their count."""
     servers = table.get("server_list")
     if not isinstance(servers, list) or not servers:
-        report("", f"server_list is {_describe_list(servers)}; it must list at least one server")
+        found.report("", f"server_list is {_describe_list(servers)}; it must list at least one "
+                         f"server")
         servers = servers if isinstance(servers, list) else []
     if "server_count" not in table:
-        report("", f'no "server_count"; it should be "{len(servers)}"')
+        found.report("", f'no "server_count"; it should be "{len(servers)}"')
     else:
         count, wrong = _number(table["server_count"])
         if wrong:
-            report("", f"server_count {wrong}")
+            found.report("", f"server_count {wrong}")
         if count is not None and count != len(servers):
-            report("", f"server_count is {count} but server_list has {len(servers)} servers")
+            found.report("", f"server_count is {count} but server_list has {len(servers)} "
+                             f"servers")
+    return servers
 
-    several_servers = len(servers) > 1
-    server_at = {}      # server_id -> where it first appeared
-    rank_at = {}        # rank -> where it first appeared
-    ip_at = {}          # device_ip -> where it first appeared
-    ranked = []         # (where, rank) for the range check once the device count is known
-    with_ip, without_ip = [], []
-    devices_seen = 0
-    for i, server in enumerate(servers):
-        here = f"server_list[{i}]"
-        if not isinstance(server, dict):
-            report(here, f"is {_describe(server)}; a server is an object")
-            continue
-        server_id = server.get("server_id")
-        if isinstance(server_id, str):
-            here = f"server_list[{i}] (server_id {server_id})"
-        if "server_id" not in server:
-            report(here, "no server_id; it is the server's IPv4 address")
-        elif _record_unique_ipv4(report, here, "server_id", server_id, server_at,
-                                 f"server {server_id} is listed twice (also {{}})"):
-            if several_servers and ipaddress.IPv4Address(server_id).is_loopback:
-                report(here, f"server_id {server_id} is a loopback address; other servers "
-                             f"cannot reach it (give --server-ip)")
 
-        devices = server.get("device")
-        if not isinstance(devices, list) or not devices:
-            report(here, f"device is {_describe_list(devices)}; it must list at least one device")
-            continue
-        device_at = {}      # device id on this server -> where it first appeared
-        for j, device in enumerate(devices):
-            at = f"{here}, device[{j}]"
-            if not isinstance(device, dict):
-                report(at, f"is {_describe(device)}; a device is an object")
-                continue
-            devices_seen += 1
-            device_id, wrong = _number(device.get("device_id"))
-            if device_id is not None:
-                at = f"{at} (device_id {device_id})"
-            if "device_id" not in device:
-                report(at, "no device_id")
-            elif wrong:
-                report(at, f"device_id {wrong}")
-            if device_id is not None:
-                if devices_per_server is not None and device_id >= devices_per_server:
-                    report(at, f"device_id {device_id} is beyond this hardware's "
-                               f"{devices_per_server} devices per server "
-                               f"(0..{devices_per_server - 1})")
-                if device_id in device_at:
-                    report(at, f"device {device_id} is listed twice on this server "
-                               f"(also {device_at[device_id]})")
-                else:
-                    device_at[device_id] = at
+def _check_server(i, server, several_servers, devices_per_server, found):
+    here = f"server_list[{i}]"
+    if not isinstance(server, dict):
+        found.report(here, f"is {_describe(server)}; a server is an object")
+        return
+    server_id = server.get("server_id")
+    if isinstance(server_id, str):
+        here = f"server_list[{i}] (server_id {server_id})"
+    if "server_id" not in server:
+        found.report(here, "no server_id; it is the server's IPv4 address")
+    elif _record_unique_ipv4(found.report, here, "server_id", server_id, found.server_at,
+                             f"server {server_id} is listed twice (also {{}})"):
+        if several_servers and ipaddress.IPv4Address(server_id).is_loopback:
+            found.report(here, f"server_id {server_id} is a loopback address; other servers "
+                               f"cannot reach it (give --server-ip)")
+    devices = server.get("device")
+    if not isinstance(devices, list) or not devices:
+        found.report(here, f"device is {_describe_list(devices)}; it must list at least one "
+                           f"device")
+        return
+    device_at = {}  # device id on this server -> where it first appeared
+    for j, device in enumerate(devices):
+        _check_device(f"{here}, device[{j}]", device, several_servers, devices_per_server,
+                      device_at, found)
 
-            rank, wrong = _number(device.get("rank_id"))
-            if "rank_id" not in device:
-                report(at, "no rank_id")
-            elif wrong:
-                report(at, f"rank_id {wrong}")
-            if rank is not None:
-                if rank in rank_at:
-                    report(at, f"rank {rank} is given twice (also {rank_at[rank]})")
-                else:
-                    rank_at[rank] = at
-                ranked.append((at, rank))
 
-            if "device_ip" not in device:
-                without_ip.append(at)
-                if several_servers:
-                    report(at, "no device_ip; a job on several servers needs every device's "
-                               "IP (address_N in /etc/hccn.conf)")
-                continue
-            with_ip.append(at)
-            ip = device["device_ip"]
-            _record_unique_ipv4(report, at, "device_ip", ip, ip_at,
-                                f"device_ip {ip} is also the IP of {{}}")
+def _check_device(at, device, several_servers, devices_per_server, device_at, found):
+    if not isinstance(device, dict):
+        found.report(at, f"is {_describe(device)}; a device is an object")
+        return
+    found.devices += 1
+    device_id, wrong = _number(device.get("device_id"))
+    if device_id is not None:
+        at = f"{at} (device_id {device_id})"
+    if "device_id" not in device:
+        found.report(at, "no device_id")
+    elif wrong:
+        found.report(at, f"device_id {wrong}")
+    if device_id is not None:
+        if devices_per_server is not None and device_id >= devices_per_server:
+            found.report(at, f"device_id {device_id} is beyond this hardware's "
+                             f"{devices_per_server} devices per server "
+                             f"(0..{devices_per_server - 1})")
+        if device_id in device_at:
+            found.report(at, f"device {device_id} is listed twice on this server "
+                             f"(also {device_at[device_id]})")
+        else:
+            device_at[device_id] = at
 
-    for at, rank in ranked:
-        if rank >= devices_seen:
-            report(at, f"rank_id {rank} is outside 0..{devices_seen - 1} "
-                       f"(the table has {devices_seen} devices)")
-    absent = [r for r in range(devices_seen) if r not in rank_at]
+    rank, wrong = _number(device.get("rank_id"))
+    if "rank_id" not in device:
+        found.report(at, "no rank_id")
+    elif wrong:
+        found.report(at, f"rank_id {wrong}")
+    if rank is not None:
+        if rank in found.rank_at:
+            found.report(at, f"rank {rank} is given twice (also {found.rank_at[rank]})")
+        else:
+            found.rank_at[rank] = at
+        found.ranked.append((at, rank))
+
+    if "device_ip" not in device:
+        found.without_ip.append(at)
+        if several_servers:
+            found.report(at, "no device_ip; a job on several servers needs every device's IP "
+                             "(address_N in /etc/hccn.conf)")
+        return
+    found.with_ip.append(at)
+    ip = device["device_ip"]
+    _record_unique_ipv4(found.report, at, "device_ip", ip, found.ip_at,
+                        f"device_ip {ip} is also the IP of {{}}")
+
+
+def _check_rank_numbering(found):
+    """Ranks are exactly 0..devices-1."""
+    for at, rank in found.ranked:
+        if rank >= found.devices:
+            found.report(at, f"rank_id {rank} is outside 0..{found.devices - 1} "
+                             f"(the table has {found.devices} devices)")
+    absent = [r for r in range(found.devices) if r not in found.rank_at]
     if absent:
-        report("", f"rank {_join(absent)} missing; ranks must be exactly 0..{devices_seen - 1}")
-    if with_ip and without_ip and not several_servers:
-        report("", f"device_ip is given for {len(with_ip)} devices but not for "
-                   f"{', '.join(without_ip)}; give it for all or (one 310P server only) none")
-    if world_size is not None and devices_seen != world_size:
-        report("", f"the table has {devices_seen} devices but the strategy's world_size is "
-                   f"{world_size}")
-    return problems
+        found.report("", f"rank {_join(absent)} missing; ranks must be exactly "
+                         f"0..{found.devices - 1}")
 
 
-def check_file(path, world_size=None, devices_per_server=None):
+def check_file(path: str, world_size: int | None = None,
+               devices_per_server: int | None = None) -> list[str]:
     """Problems of a rank-table file, JSON syntax (with line:column) included; [] when clean."""
     table, problems = _parse(path)
     if table is _UNPARSED:
@@ -294,7 +328,7 @@ def check_file(path, world_size=None, devices_per_server=None):
     return problems + validate(table, world_size, devices_per_server, source=str(path))
 
 
-def load(path):
+def load(path: str) -> dict:
     """A valid table from a file; MsinferError listing every problem otherwise."""
     table, problems = _parse(path)
     if table is not _UNPARSED:
@@ -303,7 +337,8 @@ def load(path):
     return table
 
 
-def merge(tables, sources=None, sort_by=None):
+def merge(tables: list[dict], sources: list[str] | None = None,
+          sort_by: str | None = None) -> dict:
     """One table of every server in `tables`, ranks renumbered 0.. in the order given.
 
     sort_by="server_id" orders the servers by address first. Numbers written by older tools
@@ -347,7 +382,7 @@ def merge(tables, sources=None, sort_by=None):
     return merged
 
 
-def device_for_rank(path_or_table, rank):
+def device_for_rank(path_or_table: str | os.PathLike | dict, rank: int | str) -> RankDevice:
     """The server, device id and device IP of `rank` (an int, or a string like RANK_ID's)."""
     if isinstance(path_or_table, dict):
         source = "rank table"
@@ -373,7 +408,7 @@ def device_for_rank(path_or_table, rank):
     raise MsinferError(f"{source}: no rank {wanted}; the table has ranks 0..{devices - 1}")
 
 
-def write(table, path):
+def write(table: dict, path: str) -> None:
     try:
         with open(path, "w", encoding="utf-8") as f:
             f.write(json.dumps(table, indent=4) + "\n")

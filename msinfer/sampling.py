@@ -7,6 +7,7 @@ lowest id as torch.argmax does, so greedy output can be compared token for token
 import dataclasses
 import math
 import numbers
+from typing import Optional, Tuple
 
 import numpy as np
 
@@ -23,10 +24,11 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0  # 0 or -1: off
     top_p: float = 1.0
-    seed: int = None
-    stop: tuple = ()  # strings that end the output; the string itself is not returned
-    stop_token_ids: tuple = ()
+    seed: Optional[int] = None
+    stop: Tuple[str, ...] = ()  # strings that end the output; the string itself is not returned
+    stop_token_ids: Tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int = None  # report the sampled token's logprob and this many most likely ones
 
     def __post_init__(self):
         def bad(field, value, why):
@@ -57,6 +59,8 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not is_int(t) or t < 0:
                 bad("stop_token_ids", self.stop_token_ids, "must hold non-negative integers")
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
+            bad("logprobs", self.logprobs, "must be a non-negative integer or None")
         self.max_tokens, self.top_k = int(self.max_tokens), int(self.top_k)
         self.temperature, self.top_p = float(self.temperature), float(self.top_p)
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)

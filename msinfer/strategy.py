@@ -5,18 +5,26 @@ shard rule per checkpoint module pattern. `Strategy.resolve(config)` checks it a
 and returns a `ShardPlan`, the one place that turns a rule into both the MindSpore `in_strategy`
 for `shard()` and the slice of each weight a rank loads, so the semi-auto path, the explicit
 path and the weight loader cannot disagree.
+
+The parallel mode (`explicit` or `semi_auto`) is decided once, by `decide_parallel_mode`, and
+handed to `Strategy.resolve` and the planner, which refuse what the mode cannot run.
 """
+from __future__ import annotations
+
 import collections.abc
 import dataclasses
 import difflib
+import os
 import re
 
 import yaml
 
-from .errors import MsinferError, PlanRefused
+from .config import ModelConfig
+from .errors import MsinferError, PlanRefused, positive_int
 
 STYLES = ("colwise", "rowwise", "vocab", "colwise_gather", "replicate")
-PARALLEL_MODES = ("semi_auto", "explicit")
+PARALLEL_MODES = ("explicit", "semi_auto")
+DEFAULT_PARALLEL_MODE = "explicit"
 _KEYS = ("world_size", "tensor", "data", "pipeline", "parallel_mode", "rules")
 
 # The Megatron split: q/k/v and gate/up by output features, o/down by input features (one
@@ -48,14 +56,30 @@ _ALLOWED = {
     "norm": ("replicate",),
     "lm_head": ("colwise_gather", "replicate"),
 }
-_PRIMITIVE = {"embedding": "Gather", "norm": "Mul"}  # every other kind: MatMul(x, W, transpose_b)
+_PRIMITIVE = {"embedding": "Gather"}  # norms have none (replicated, element-wise); others MatMul
 _LAST_NAME_KIND = {
     "q_proj": "attention_in", "k_proj": "attention_in", "v_proj": "attention_in",
     "o_proj": "attention_out", "gate_proj": "mlp_in", "up_proj": "mlp_in",
     "down_proj": "mlp_out",
 }
 _TIED_SPLIT = {"vocab": "colwise_gather", "replicate": "replicate"}
+# The model fuses these projections: one matmul of the parts' rows stacked in this order, each
+# rank holding its slice of every part (so fusing changes no rule and no byte count).
+FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def decide_parallel_mode(requested: str | None, strategy: Strategy) -> str:
+    """The one decision of the parallel mode: what the caller asked for (`--parallel-mode`,
+    `LLM(parallel_mode=...)`), else the strategy's `parallel_mode`, else explicit, on every
+    device. Explicit is the path the tests run on real ranks; semi_auto is opt-in."""
+    mode = requested or strategy.parallel_mode or DEFAULT_PARALLEL_MODE
+    if mode not in PARALLEL_MODES:
+        raise MsinferError(f"parallel mode {mode!r}: use {' or '.join(PARALLEL_MODES)}")
+    return mode
 
 
 def _kind(module):
@@ -85,11 +109,8 @@ def _in_strategy(kind, style, tensor, data, bias=False):
         return ((d, t), (1, t))
     if style == "vocab":
         return ((t, 1), (d, 1))
-    primitive = _PRIMITIVE.get(kind, "MatMul")
-    if primitive == "Gather":
+    if _PRIMITIVE.get(kind) == "Gather":
         return ((1, 1), (d, 1))
-    if primitive == "Mul":
-        return ((d, 1), (1,))
     return ((d, 1), (1, 1))
 
 
@@ -98,11 +119,19 @@ def _even_split(size, parts, index):
     return slice(index * step, (index + 1) * step)
 
 
+def checkpoint_parts(name):
+    """The checkpoint tensors a model weight is made of: its FUSED parts, else itself."""
+    for fused, parts in FUSED.items():
+        if f".{fused}." in name:
+            return [name.replace(fused, part) for part in parts]
+    return [name]
+
+
 def _ratio(a, b):
     return f"{a} / {b} = {a / b:g}"
 
 
-def divisibility_problems(config, styles, tensor):
+def divisibility_problems(config: ModelConfig, styles: dict[str, str], tensor: int) -> list[str]:
     """Why `tensor` cannot split this model under these module styles (empty when it can)."""
     t = tensor
     if t == 1:
@@ -134,7 +163,8 @@ class ShardPlan:
     Slices are in HF layout (weights are (out, in)) and index safetensors' get_slice directly.
     """
 
-    def __init__(self, config, styles, tensor, data=1, parallel_mode=None, source="<memory>"):
+    def __init__(self, config: ModelConfig, styles: dict[str, str], tensor: int, data: int = 1,
+                 source: str = "<memory>"):
         problems = divisibility_problems(config, styles, tensor)
         if problems:
             working = [str(n) for n in range(1, 65)
@@ -148,7 +178,6 @@ class ShardPlan:
         self.tensor = tensor
         self.data = data
         self.world_size = tensor * data
-        self.parallel_mode = parallel_mode
         self.source = source
         self._shapes = config.parameter_shapes()
         if "lm_head.weight" not in self._shapes:  # tied: the embedding serves as lm_head too
@@ -171,15 +200,17 @@ class ShardPlan:
     def _tied_lm_head(self, name):
         return name == "lm_head.weight" and self.config.tie_word_embeddings
 
-    def style(self, name):
-        """The split of a checkpoint tensor. With tied embeddings the lm_head reuses the
-        embedding's slice: vocab rows split (colwise_gather) or whole (replicate)."""
+    def style(self, name: str) -> str:
+        """The split of a checkpoint tensor (or of a fused weight: its parts'). With tied
+        embeddings the lm_head reuses the embedding's slice: vocab rows split
+        (colwise_gather) or whole (replicate)."""
+        name = checkpoint_parts(name)[0]
         self._check(name)
         if self._tied_lm_head(name):
             return _TIED_SPLIT[self.styles["model.embed_tokens"]]
         return self.styles[_module(name)]
 
-    def slices(self, name, tensor_rank):
+    def slices(self, name: str, tensor_rank: int) -> tuple[slice, ...]:
         style = self.style(name)
         if not 0 <= tensor_rank < self.tensor:
             raise MsinferError(f"tensor rank {tensor_rank} is outside 0..{self.tensor - 1}")
@@ -202,12 +233,21 @@ class ShardPlan:
             whole[0] = _even_split(shape[0], self.tensor, tensor_rank)
         return tuple(whole)
 
-    def local_shape(self, name):
-        return tuple(s.stop - s.start for s in self.slices(name, 0))
+    def local_shape(self, name: str) -> tuple[int, ...]:
+        """Shape of a rank's slice; a fused weight stacks its parts' slices."""
+        shapes = [tuple(s.stop - s.start for s in self.slices(part, 0))
+                  for part in checkpoint_parts(name)]
+        return (sum(s[0] for s in shapes),) + shapes[0][1:]
 
-    def in_strategy(self, name):
+    def in_strategy(self, name: str) -> tuple[tuple[int, ...], ...]:
+        """The in_strategy semi_auto hands to shard() for the primitive consuming `name` (a
+        fused weight: its parts')."""
+        name = checkpoint_parts(name)[0]
         style = self.style(name)
         module = _module(name)
+        if _kind(module) == "norm":
+            raise MsinferError(f"{name}: a norm weight is replicated and applied element-wise; "
+                               f"it has no MatMul or Gather in_strategy")
         if self.replicated_kv_heads and module.endswith(("k_proj", "v_proj")):
             raise MsinferError(
                 f"{self.source}: {name}: tensor={self.tensor} exceeds the "
@@ -217,11 +257,11 @@ class ShardPlan:
         return _in_strategy(_kind(module), style, self.tensor, self.data,
                             bias=name.endswith(".bias"))
 
-    def tensor_rank(self, global_rank):
+    def tensor_rank(self, global_rank: int) -> int:
         self._check_rank(global_rank)
         return global_rank % self.tensor
 
-    def data_rank(self, global_rank):
+    def data_rank(self, global_rank: int) -> int:
         self._check_rank(global_rank)
         return global_rank // self.tensor
 
@@ -236,19 +276,20 @@ class Strategy:
     tensor: int
     data: int = 1
     pipeline: int = 1
-    parallel_mode: str = None
+    parallel_mode: str | None = None  # None: decide_parallel_mode's default
     rules: dict = dataclasses.field(default_factory=dict)  # pattern -> style or raw in_strategy
     source: str = "<memory>"
 
     @classmethod
-    def default(cls, tensor=1, data=1, parallel_mode=None):
+    def default(cls, tensor: int = 1, data: int = 1,
+                parallel_mode: str | None = None) -> Strategy:
         """The tensor-parallel plan of strategies/qwen2_tp*.yaml, in memory."""
         return cls(world_size=tensor * data, tensor=tensor, data=data,
                    parallel_mode=parallel_mode, rules=dict(TENSOR_PARALLEL_RULES),
                    source=f"<default tensor={tensor} data={data}>")
 
     @classmethod
-    def from_dict(cls, raw, source="<dict>"):
+    def from_dict(cls, raw: object, source: str = "<dict>") -> Strategy:
         if not isinstance(raw, dict):
             raise MsinferError(f"{source}: a strategy is a mapping of keys "
                                f"({', '.join(_KEYS)}), got {type(raw).__name__}")
@@ -262,14 +303,9 @@ class Strategy:
             if key not in raw:
                 raise MsinferError(f"{source}: missing key {key!r}")
 
-        def degree(key):
-            value = raw.get(key, 1)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise MsinferError(f"{source}: {key}: must be a positive integer, got {value!r}")
-            return value
-
         world_size, tensor, data, pipeline = (
-            degree(k) for k in ("world_size", "tensor", "data", "pipeline"))
+            positive_int(raw.get(k, 1), f"{source}: {k}:")
+            for k in ("world_size", "tensor", "data", "pipeline"))
         if tensor * data * pipeline != world_size:
             raise MsinferError(
                 f"{source}: world_size: {world_size} is not tensor x data x pipeline = "
@@ -289,9 +325,12 @@ class Strategy:
             parsed[pattern] = _parse_rule(value, f"{source}: rules.{pattern}")
         return cls(world_size, tensor, data, pipeline, mode, parsed, source)
 
-    def resolve(self, config):
-        """Check this strategy against a model and return its ShardPlan."""
+    def resolve(self, config: ModelConfig, parallel_mode: str | None = None) -> ShardPlan:
+        """Check this strategy against a model, run in `parallel_mode` (None: decided by
+        decide_parallel_mode), and return its ShardPlan. PlanRefused for what the model or the
+        mode cannot run."""
         src = self.source
+        mode = decide_parallel_mode(parallel_mode, self)
         if self.pipeline > 1:
             raise PlanRefused(
                 f"{src}: pipeline: {self.pipeline}: msinfer runs tensor and data parallelism "
@@ -334,13 +373,14 @@ class Strategy:
                     f"{embedding}, lm_head must be {_TIED_SPLIT[embedding]}, "
                     f"not {styles['lm_head']}")
         _check_layers(styles, rule_of, src)
-        plan = ShardPlan(config, styles, self.tensor, self.data, self.parallel_mode, src)
-        if self.parallel_mode == "semi_auto" and plan.replicated_kv_heads:
+        plan = ShardPlan(config, styles, self.tensor, self.data, src)
+        if mode == "semi_auto" and plan.replicated_kv_heads:
             raise PlanRefused(
-                f"{src}: parallel_mode: semi_auto: tensor={self.tensor} exceeds the "
+                f"{src}: parallel mode semi_auto: tensor={self.tensor} exceeds the "
                 f"{config.num_kv_heads} KV heads of {config.source}, so ranks share replicated "
-                f"KV heads, which msinfer runs only in parallel_mode: explicit (or use tensor "
-                f"<= {config.num_kv_heads})")
+                f"KV heads, which msinfer runs only in the explicit mode (the default: drop "
+                f"--parallel-mode semi_auto / parallel_mode: semi_auto), or use tensor <= "
+                f"{config.num_kv_heads}")
         return plan
 
     def _style(self, module, pattern):
@@ -354,10 +394,10 @@ class Strategy:
                 raise MsinferError(f"{where}: {module} cannot be {rule}; msinfer runs it as "
                                    f"{' or '.join(allowed)}")
             return rule
+        if kind == "norm":
+            raise MsinferError(f"{where}: {module} is a norm weight (applied element-wise, not "
+                               f"by MatMul or Gather); give it the style replicate")
         primitive = _PRIMITIVE.get(kind, "MatMul")
-        if primitive == "Mul":
-            raise MsinferError(f"{where}: {module} is a norm weight (an element-wise Mul, not "
-                               f"MatMul or Gather); give it the style replicate")
         for style in allowed:
             if _in_strategy(kind, style, self.tensor, self.data) == rule:
                 return style
@@ -431,7 +471,7 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def load_strategy(path):
+def load_strategy(path: str | os.PathLike) -> Strategy:
     path = str(path)
     try:
         with open(path) as f:

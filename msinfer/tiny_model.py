@@ -11,15 +11,15 @@ Same arguments and seed, same bytes: every tensor draws from its own generator, 
 import argparse
 import json
 import os
-import sys
 import zlib
 
 import numpy as np
 import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
+from . import log
 from .config import ModelConfig
-from .errors import MsinferError
+from .errors import MsinferError, positive_int
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Qwen2-Instruct's ChatML template, verbatim.
@@ -293,8 +293,7 @@ def _check_arguments(*, layers, hidden, heads, kv_heads, intermediate, vocab, dt
     for key, value in (("layers", layers), ("hidden", hidden), ("heads", heads),
                        ("kv_heads", kv_heads), ("intermediate", intermediate), ("vocab", vocab),
                        ("shards", shards), ("max_position", max_position)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            bad(f"{key}={value!r} must be a positive integer")
+        positive_int(value, f"make-tiny-model: {key}={value!r}")
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         bad(f"seed={seed!r} must be a non-negative integer")
     if hidden % heads:
@@ -347,10 +346,13 @@ def cli_arguments(args):
 
 
 def _run_cli(args):
+    log.setup()
+    meters = {}
+
     def progress(done, total, name):
-        print(f"\rwriting weights: {done}/{total} tensors", end="", file=sys.stderr, flush=True)
-        if done == total:
-            print(file=sys.stderr)
+        # A logged line every few seconds and at the end: readable on a terminal, in a pipe
+        # and in a CI log alike (no carriage-return redraw per tensor).
+        meters.setdefault("weights", log.Progress("writing weights", total)).step(done)
 
     config = make_tiny_model(args.dir, progress=progress, **cli_arguments(args))
     print(f"wrote {args.dir}: {config.num_layers} layers, hidden {config.hidden_size}, "

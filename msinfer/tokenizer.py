@@ -5,6 +5,8 @@ renders chat templates the way transformers does (sandboxed jinja2, trim_blocks,
 lstrip_blocks, `raise_exception`, the special tokens as variables), so a chat prompt here is
 the same string, and the same ids, as there.
 """
+from __future__ import annotations
+
 import datetime
 import json
 import os
@@ -14,6 +16,7 @@ import jinja2.ext
 import jinja2.sandbox
 import tokenizers
 
+from .config import eos_token_ids, read_json_object
 from .errors import MsinferError
 
 # The special tokens transformers hands a chat template as variables.
@@ -24,18 +27,18 @@ _FALLBACK_EOS = ("<|endoftext|>", "<|im_end|>")
 
 
 class Tokenizer:
-    def __init__(self, tokenizer, eos_token_ids, pad_token_id, chat_template=None,
-                 special_tokens=None, source="<memory>"):
+    def __init__(self, tokenizer: tokenizers.Tokenizer, eos_token_ids: tuple[int, ...],
+                 chat_template: str | None = None, special_tokens: dict[str, str] | None = None,
+                 source: str = "<memory>"):
         self._tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
-        self.pad_token_id = pad_token_id
         self.chat_template = chat_template
         self.special_tokens = dict(special_tokens or {})  # e.g. {"eos_token": "<|endoftext|>"}
         self.source = source
         self._compiled_template = None
 
     @classmethod
-    def from_model_dir(cls, model_dir):
+    def from_model_dir(cls, model_dir: str) -> Tokenizer:
         path = os.path.join(model_dir, "tokenizer.json")
         if not os.path.isfile(path):
             raise MsinferError(
@@ -46,48 +49,30 @@ class Tokenizer:
         except Exception as e:  # the library raises a bare Exception for malformed files
             raise MsinferError(f"{path}: not a valid tokenizer file: {e}") from None
 
-        tokenizer_config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
-        generation_config = _read_json(os.path.join(model_dir, "generation_config.json"))
-        model_config = _read_json(os.path.join(model_dir, "config.json"))
+        tokenizer_config = read_json_object(os.path.join(model_dir, "tokenizer_config.json"))
         special_tokens = {}
         for key in _TEMPLATE_TOKENS:
             token = _token_content(tokenizer_config.get(key))
             if token is not None:
                 special_tokens[key] = token
 
-        eos_ids = _eos_ids(generation_config, model_dir, "generation_config.json")
-        if not eos_ids:
-            eos_ids = _eos_ids(model_config, model_dir, "config.json")
-        if not eos_ids:
-            eos_ids = tuple(i for i in map(tokenizer.token_to_id, _FALLBACK_EOS) if i is not None)
-
-        pad_id = None
-        if "pad_token" in special_tokens:
-            pad_id = tokenizer.token_to_id(special_tokens["pad_token"])
-        if pad_id is None:
-            pad_id = generation_config.get("pad_token_id")
-        if not isinstance(pad_id, int) or isinstance(pad_id, bool) or pad_id < 0:
-            pad_id = eos_ids[0] if eos_ids else 0
-        return cls(tokenizer, eos_ids, pad_id,
+        eos_ids = eos_token_ids(model_dir) or tuple(
+            i for i in map(tokenizer.token_to_id, _FALLBACK_EOS) if i is not None)
+        return cls(tokenizer, eos_ids,
                    chat_template=_chat_template(model_dir, tokenizer_config),
                    special_tokens=special_tokens, source=model_dir)
 
-    @property
-    def vocab_size(self):
-        """Ids the tokenizer can produce (the model's embedding may have more rows)."""
-        return self._tokenizer.get_vocab_size(with_added_tokens=True)
-
-    def token_to_id(self, token):
+    def token_to_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)
 
-    def encode(self, text):
+    def encode(self, text: str) -> list[int]:
         # The post-processor decides about special tokens (Qwen2's adds none).
         return self._tokenizer.encode(text).ids
 
-    def decode(self, ids, skip_special_tokens=True):
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages, add_generation_prompt=True):
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The prompt string for a list of {"role": ..., "content": ...} messages."""
         if self.chat_template is None:
             raise MsinferError(
@@ -162,38 +147,11 @@ def _jinja_environment():
     return env
 
 
-def _read_json(path):
-    """The JSON object in `path`, or {} when the file is absent."""
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except json.JSONDecodeError as e:
-        raise MsinferError(f"{path}: not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise MsinferError(f"{path}: expected a JSON object")
-    return value
-
-
 def _token_content(value):
     # tokenizer_config.json writes a special token as a string or as an AddedToken dict.
     if isinstance(value, dict):
         return value.get("content")
     return value if isinstance(value, str) else None
-
-
-def _eos_ids(config, model_dir, filename):
-    value = config.get("eos_token_id")
-    if value is None:
-        return ()
-    ids = value if isinstance(value, list) else [value]
-    for i in ids:
-        if not isinstance(i, int) or isinstance(i, bool) or i < 0:
-            raise MsinferError(
-                f"{os.path.join(model_dir, filename)}: eos_token_id must be a non-negative "
-                f"integer or a list of them, got {value!r}")
-    return tuple(ids)
 
 
 def _chat_template(model_dir, tokenizer_config):

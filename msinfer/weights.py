@@ -56,45 +56,49 @@ class Checkpoint:
         with self._open(os.path.basename(path)) as f:
             return list(f.keys())
 
-    def load_into(self, parameters, slices_of):
-        """Fill `parameters` ({name: Parameter}) with the slices `slices_of(name)` selects,
-        converted to each parameter's dtype. Checks every tensor's full shape against the parameter's
-        expected one before reading."""
-        missing = sorted(set(parameters) - set(self.file_of))
+    def load(self, names, parts_of, dtype):
+        """{name: numpy array} for each model weight in `names`: `parts_of(name)` lists the
+        (checkpoint tensor, slices, full shape) it is stacked from (rows, in order), each
+        checked against its expected full shape before reading, converted to `dtype`."""
+        parts = {name: parts_of(name) for name in names}
+        needed = sorted({tensor for plan in parts.values() for tensor, _, _ in plan})
+        missing = [t for t in needed if t not in self.file_of]
         if missing:
             raise MsinferError(
                 f"{self.model_dir}: checkpoint lacks {len(missing)} tensor(s) the model needs, "
                 f"first: {missing[0]}")
-        by_file = {}
-        for name in parameters:
-            by_file.setdefault(self.file_of[name], []).append(name)
-        progress = log.Progress("loading weights", len(parameters))
-        done = 0
-        for file in sorted(by_file):
-            with self._open(file) as f:
-                for name in by_file[file]:
-                    param = parameters[name]
-                    slices, full_shape = slices_of(name)
-                    tensor = f.get_slice(name)
-                    found = tuple(tensor.get_shape())
-                    if found != tuple(full_shape):
-                        raise MsinferError(
-                            f"{os.path.join(self.model_dir, file)}: tensor {name} has shape "
-                            f"{list(found)}, expected {list(full_shape)} from config.json")
-                    try:
-                        data = tensor[slices]
-                    except SafetensorError as e:
-                        raise MsinferError(f"{os.path.join(self.model_dir, file)}: cannot read "
-                                           f"{name} ({e}); is the file truncated?") from None
-                    param.set_data(to_parameter_data(data, param))
-                    done += 1
-                    progress.step(done, file)
+        files = {}
+        progress = log.Progress("loading weights", len(names))
+        loaded = {}
+        try:
+            for done, name in enumerate(names, 1):
+                blocks = []
+                for tensor_name, slices, full_shape in parts[name]:
+                    file = self.file_of[tensor_name]
+                    if file not in files:
+                        files[file] = self._open(file).__enter__()
+                    blocks.append(self._read(files[file], file, tensor_name, slices,
+                                             full_shape, dtype))
+                loaded[name] = blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
+                progress.step(done, self.file_of[parts[name][0][0]])
+        finally:
+            for handle in files.values():
+                handle.__exit__(None, None, None)
+        return loaded
 
-
-def to_parameter_data(array, param):
-    import mindspore as ms
-    # bfloat16 goes through float32: MindSpore takes no ml_dtypes arrays.
-    host_dtype = {ms.float32: np.float32, ms.float16: np.float16}.get(param.dtype, np.float32)
-    if array.dtype != host_dtype:
-        array = array.astype(np.float32).astype(host_dtype)
-    return ms.Tensor(np.ascontiguousarray(array), dtype=param.dtype)
+    def _read(self, handle, file, name, slices, full_shape, dtype):
+        tensor = handle.get_slice(name)
+        found = tuple(tensor.get_shape())
+        path = os.path.join(self.model_dir, file)
+        if found != tuple(full_shape):
+            raise MsinferError(f"{path}: tensor {name} has shape {list(found)}, expected "
+                               f"{list(full_shape)} from config.json")
+        try:
+            data = tensor[slices]
+        except SafetensorError as e:
+            raise MsinferError(f"{path}: cannot read {name} ({e}); is the file truncated?") \
+                from None
+        # bfloat16 goes through float32: numpy has no bfloat16 arithmetic of its own.
+        if data.dtype != dtype:
+            data = data.astype(np.float32).astype(dtype)
+        return np.ascontiguousarray(data)

@@ -30,18 +30,15 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--prompts", required=True, help="JSON list of token-id lists")
     p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--parallel-mode", default=None)
     args = p.parse_args()
     os.environ.setdefault("GLOG_v", "3")
 
-    from msinfer import LLM, MsinferError
-    from msinfer.engine import Sequence
-    from msinfer.parallel_layers import checkpoint_parameters
+    from msinfer import LLM, MsinferError, SamplingParams
 
     baseline = rss_bytes()
     try:
-        llm = LLM(args.model, strategy=args.strategy, parallel_mode=args.parallel_mode,
-                  max_batch=4, max_len=128)
+        llm = LLM(args.model, strategy=args.strategy, max_len=128, block_size=4,
+                  max_prefill_tokens=16, kv_cache_memory=1 << 20)
         rank = llm.dist.rank
         if os.environ.get("MSINFER_TEST_FAIL_RANK") == str(rank):
             raise MsinferError(f"rank {rank}: injected failure (test hook)")
@@ -53,18 +50,20 @@ def main():
         os.kill(os.getpid(), signal.SIGKILL)
 
     prompts = json.loads(args.prompts)
-    seqs = [Sequence(list(p), args.new_tokens) for p in prompts]
-    steps = []
-
-    def next_tokens(rows, logits):
-        steps.append(logits.copy())
-        return logits.argmax(-1)
-
-    llm.engine.generate(seqs, next_tokens, lambda row, seq: None)
-    param_bytes = sum(int(np.prod(p.shape)) * 4 for p in checkpoint_parameters(llm.model).values())
+    vocab = llm.config.vocab_size
+    outs = llm.generate(prompts, SamplingParams(max_tokens=args.new_tokens, temperature=0.0,
+                                                ignore_eos=True, logprobs=vocab))
+    logprobs = np.full((len(outs), 9, vocab), np.nan)
+    for row, out in enumerate(outs):
+        for step, found in enumerate(out.logprobs[:9]):
+            logprobs[row, step, list(found)] = list(found.values())
+    runner = llm.engine.runner
+    weights = [runner.embed_weight] + [w for ws in runner.layer_weights for w in ws]
+    weights += [w for w in runner.head_weights if w is not runner.embed_weight]
+    param_bytes = sum(int(np.prod(w.shape)) * 4 for w in weights)
     np.savez(os.path.join(args.out, f"rank_{rank}.npz"),
-             tokens=np.array([s.generated for s in seqs]),
-             logits=np.stack(steps[:9]),
+             tokens=np.array([out.token_ids for out in outs]),
+             logprobs=logprobs,
              world_size=llm.dist.world_size,
              launcher=llm.dist.launcher,
              rss_baseline=baseline, rss_after_load=after_load,

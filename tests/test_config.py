@@ -29,7 +29,6 @@ def test_transformers_4_and_5_spellings_read_the_same():
 def test_derived_sizes_are_computed_once_in_the_config():
     config = ModelConfig.from_dict(BASE)
     assert (config.head_dim, config.kv_groups, config.q_size, config.kv_size) == (8, 4, 64, 16)
-    assert config.eos_token_ids == (7,)
     explicit = ModelConfig.from_dict(dict(BASE, head_dim=16))
     assert explicit.q_size == 128  # a config's own head_dim wins over hidden / heads
 

@@ -1,8 +1,8 @@
 """Real multi-process jobs on CPU: tensor parallelism through MindSpore's collectives.
 
 Each test starts one job (mpirun or msrun, 2 or 4 ranks) as a subprocess and checks many
-things per start: every rank agrees, logits match transformers within 1e-4, greedy tokens are
-identical, each rank holds only its slice. Jobs run in their own process group and are killed
+things per start: every rank agrees, log-probabilities match transformers within 1e-4, greedy
+tokens are identical, each rank holds only its slice. Jobs run in their own process group and are killed
 on timeout, so no rank outlives a test.
 """
 import json
@@ -25,7 +25,8 @@ from msinfer.tiny_model import make_tiny_model  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "distributed_worker.py")
 STRATEGIES = os.path.join(ROOT, "strategies")
-PROMPTS = [[5, 17, 42, 7, 99], [8, 9], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110]]
+PROMPTS = [[5, 17, 42, 7, 99], [8, 9], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110],
+           list(range(200, 240))]  # the last spans three 16-token prefill chunks
 NEW_TOKENS = 32
 JOB_TIMEOUT = 300
 
@@ -61,7 +62,8 @@ def msrun_prefix(nproc, log_dir):
 
 
 def run_job(cmd, env=None, timeout=JOB_TIMEOUT):
-    """Runs a job in its own process group; returns (exit code, output, seconds)."""
+    """Runs a job in its own process group; returns (exit code, output, seconds). A job still
+    running after `timeout` seconds fails the test."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", GLOG_v="3", **(env or {}))
     # msrun starts the workers with the `python` on PATH: make that this interpreter.
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
@@ -91,8 +93,8 @@ def worker_args(model_dir, strategy, out_dir):
 
 def hf_reference(hf, prompt, generated):
     with torch.no_grad():
-        logits = hf(torch.tensor([prompt + generated])).logits[0].numpy()
-    return logits[len(prompt) - 1:len(prompt) - 1 + NEW_TOKENS]
+        logits = hf(torch.tensor([prompt + generated])).logits[0]
+    return torch.log_softmax(logits, -1).numpy()[len(prompt) - 1:len(prompt) - 1 + NEW_TOKENS]
 
 
 def check_ranks_against_hf(out_dir, world_size, hf, launcher):
@@ -101,13 +103,14 @@ def check_ranks_against_hf(out_dir, world_size, hf, launcher):
         assert int(rank["world_size"]) == world_size
         assert str(rank["launcher"]) == launcher
         np.testing.assert_array_equal(rank["tokens"], ranks[0]["tokens"], f"rank {r} tokens")
-        np.testing.assert_array_equal(rank["logits"], ranks[0]["logits"], f"rank {r} logits")
-    tokens, logits = ranks[0]["tokens"], ranks[0]["logits"]  # logits: (9 steps, rows, vocab)
+        np.testing.assert_array_equal(rank["logprobs"], ranks[0]["logprobs"],
+                                      f"rank {r} logprobs")
+    tokens, logprobs = ranks[0]["tokens"], ranks[0]["logprobs"]  # (rows, 9 steps, vocab)
     for row, prompt in enumerate(PROMPTS):
         expected = hf_reference(hf, prompt, tokens[row].tolist())
         assert tokens[row].tolist() == expected.argmax(-1).tolist(), f"prompt {row} tokens"
-        diff = np.abs(logits[:, row] - expected[:logits.shape[0]]).max()
-        assert diff < 1e-4, f"prompt {row}: logits differ from transformers by {diff}"
+        diff = np.abs(logprobs[row] - expected[:logprobs.shape[1]]).max()
+        assert diff < 1e-4, f"prompt {row}: log-probs differ from transformers by {diff}"
     return ranks
 
 
@@ -156,18 +159,18 @@ def test_msinfer_launch_dp2_tp2_prints_rank0_results_identical_to_hf_greedy(mode
 
 def test_a_killed_rank_brings_the_mpirun_job_down_quickly(models, tmp_path):
     model_dir, _ = models["gqa"]
-    code, out, seconds = run_job(
+    # "Quickly": run_job fails the test if the job is still up after 120 s.
+    code, out, _ = run_job(
         mpirun_prefix(4) + [sys.executable] + worker_args(model_dir, "qwen2_tp4.yaml", tmp_path),
         env={"MSINFER_TEST_KILL_RANK": "2"}, timeout=120)
     assert code != 0
-    assert seconds < 120
     assert not list(tmp_path.glob("rank_*.npz"))  # nobody finished as if nothing happened
 
 
 def test_a_failing_rank_brings_the_msrun_job_down_with_its_message(models, tmp_path):
     model_dir, _ = models["gqa"]
     cmd = msrun_prefix(4, tmp_path / "logs") + worker_args(model_dir, "qwen2_tp4.yaml", tmp_path)
-    code, out, seconds = run_job(cmd, env={"MSINFER_TEST_FAIL_RANK": "1"}, timeout=200)
+    code, out, _ = run_job(cmd, env={"MSINFER_TEST_FAIL_RANK": "1"}, timeout=200)
     logs = "".join(p.read_text() for p in sorted((tmp_path / "logs").glob("*.log")))
     assert code != 0
     assert "rank 1: injected failure" in out + logs

@@ -19,7 +19,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    return LLM(model_dir, max_batch=4, max_len=96)
+    return LLM(model_dir, max_num_seqs=4, max_len=96)
 
 
 def run_cli(capsys, *argv):
@@ -94,8 +94,8 @@ def test_stop_token_id_and_eos_end_generation(llm):
     assert out.finish_reason == "stop"
 
 
-def test_more_prompts_than_max_batch_run_in_several_batches(llm):
-    prompts = [[i + 1, i + 2] for i in range(6)]  # max_batch is 4
+def test_more_prompts_than_max_num_seqs_run_as_slots_free_up(llm):
+    prompts = [[i + 1, i + 2] for i in range(6)]  # max_num_seqs is 4
     greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     together = [o.token_ids for o in llm.generate(prompts, greedy)]
     alone = [llm.generate([p], greedy)[0].token_ids for p in prompts]
@@ -105,12 +105,13 @@ def test_more_prompts_than_max_batch_run_in_several_batches(llm):
 @pytest.mark.parametrize("argv, message", [
     (["--prompt", ""], "empty"),
     (["--prompt-ids", "1,2,3", "--max-tokens", "70", "--max-len", "64"],
-     "exceeds the KV cache of 64 positions"),
+     "prompt of 3 tokens + max_tokens 70 = 73 exceeds the longest sequence, max_len 64"),
+    (["--prompt", "hi", "--kv-cache-memory", "lots"], "--kv-cache-memory 'lots'"),
+    (["--prompt", "hi", "--max-num-seqs", "0"], "max_num_seqs must be a positive integer"),
+    (["--prompt", "hi", "--max-len", "100000"], "exceeds the model's max_position_embeddings"),
     (["--prompt-ids", "1,x"], "--prompt-ids '1,x'"),
     (["--prompt-ids", "99999"], "token id 99999 is outside the vocabulary"),
     (["--prompt", "hi", "--temperature", "-1"], "temperature=-1.0"),
-    (["--prompt", "hi", "--strategy", "strategies/qwen2_tp4.yaml", "--parallel-mode",
-      "semi_auto"], "semi_auto needs Ascend or GPU"),
     (["--prompt", "hi", "--strategy", "strategies/qwen2_tp4.yaml"],
      "needs 4 processes but this one was started alone"),
 ])
@@ -121,6 +122,29 @@ def test_bad_request_is_refused_with_a_clear_message(model_dir, capsys, argv, me
     assert code == 2
     assert message in err
     assert "Traceback" not in err
+
+
+def test_semi_auto_on_cpu_is_refused_by_the_plan_check_before_any_rank_starts(model_dir,
+                                                                            capsys):
+    tp4 = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                       "strategies", "qwen2_tp4.yaml")
+    code, _, err = run_cli(capsys, "generate", "--model", model_dir, "--prompt", "hi",
+                           "--strategy", tp4, "--parallel-mode", "semi_auto")
+    assert code == 1  # refused by the planner, as `msinfer plan` refuses it
+    assert "parallel mode semi_auto needs Ascend or GPU" in err
+    assert "started alone" not in err  # refused before init_distributed looked for ranks
+
+
+def test_a_kv_cache_smaller_than_one_max_len_sequence_is_refused_by_the_plan(model_dir,
+                                                                            capsys):
+    code, _, err = run_cli(capsys, "generate", "--model", model_dir, "--prompt-ids", "1,2",
+                           "--max-len", "64", "--block-size", "4", "--kv-cache-memory", "8KiB")
+    assert code == 1  # a legal request the memory cannot hold, as `msinfer plan` says
+    assert ("kv_cache_memory 8192 bytes holds a KV cache of 12 tokens per rank, less than one "
+            "sequence of max-len 64") in err
+    code, _, err = run_cli(capsys, "generate", "--model", model_dir, "--prompt", "hi",
+                           "--kv-cache-memory", "100")
+    assert code == 1 and "holds a KV cache of 0 tokens" in err
 
 
 def test_missing_config_json_names_the_file(tmp_path, capsys):

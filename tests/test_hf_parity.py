@@ -1,10 +1,15 @@
 """Single-device parity with Hugging Face transformers' Qwen2 (torch, CPU, float32).
 
-Each case makes a tiny random checkpoint, runs msinfer's compiled prefill/decode graphs on a
-batch of three prompts of different lengths, and compares against transformers run on the
-same files: logits after prefill and after each of 8 decode steps within 1e-4, and 32 greedy
-tokens identical (transformers' argmax at every position, teacher-forced on msinfer's tokens,
-which is exactly greedy decoding by induction; one case also calls `generate`).
+Each case makes a tiny random checkpoint and runs msinfer's engine (paged KV cache, chunked
+prefill, continuous batching) on it; transformers runs the same files. The engine reports the
+log-probabilities of the whole vocabulary at every generated token (SamplingParams.logprobs),
+which must match transformers' log_softmax within 1e-4, and greedy tokens must be identical
+(transformers' argmax at every position, teacher-forced on msinfer's tokens, which is exactly
+greedy decoding by induction; one case also calls `generate`).
+
+The engine's settings make every mechanism run inside these short prompts: KV blocks of 4
+tokens, prefill chunks of 16 tokens (so a 37-token prompt takes three chunks, and short prompts
+share a chunk), and a KV pool small enough to preempt in one test.
 """
 import numpy as np
 import pytest
@@ -13,13 +18,13 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from msinfer import LLM, SamplingParams  # noqa: E402
-from msinfer.engine import Sequence  # noqa: E402
 from msinfer.tiny_model import make_tiny_model  # noqa: E402
 
-PROMPT_LENGTHS = (5, 11, 23)
+PROMPT_LENGTHS = (5, 11, 37, 1)
 NEW_TOKENS = 32
-CHECKED_DECODE_STEPS = 8
 TOLERANCE = 1e-4
+ENGINE = dict(max_len=128, block_size=4, max_prefill_tokens=16, max_num_seqs=4,
+              kv_cache_memory=1 << 20)
 
 CASES = {
     # GQA (8 query heads over 2 KV heads), separate lm_head, transformers 4.x config keys.
@@ -32,9 +37,37 @@ CASES = {
 }
 
 
-def prompts_for(vocab, seed=0):
+def prompts_for(vocab, seed=0, lengths=PROMPT_LENGTHS):
     rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab, size=n).tolist() for n in PROMPT_LENGTHS]
+    return [rng.integers(0, vocab, size=n).tolist() for n in lengths]
+
+
+def greedy(vocab, max_tokens=NEW_TOKENS):
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                          logprobs=vocab)
+
+
+def logprob_rows(out, vocab):
+    """(generated tokens, vocab) array of the engine's reported log-probabilities."""
+    rows = np.full((len(out.logprobs), vocab), np.nan)
+    for i, step in enumerate(out.logprobs):
+        rows[i, list(step)] = list(step.values())
+    return rows
+
+
+def hf_logprobs(hf, ids):
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([ids])).logits[0], -1).numpy()
+
+
+def assert_matches_hf(hf, prompt, out, vocab, name=""):
+    """Tokens identical to transformers' greedy choice; log-probs within TOLERANCE."""
+    reference = hf_logprobs(hf, prompt + out.token_ids)
+    # Position len(prompt)-1+k predicts generated token k.
+    expected = reference[len(prompt) - 1:len(prompt) - 1 + len(out.token_ids)]
+    assert out.token_ids == expected.argmax(-1).tolist(), name
+    diff = np.abs(logprob_rows(out, vocab) - expected).max()
+    assert diff < TOLERANCE, f"{name}: log-probs differ by {diff}"
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -43,42 +76,20 @@ def case(request, tmp_path_factory):
     spec.update(CASES[request.param])
     model_dir = tmp_path_factory.mktemp(request.param)
     config = make_tiny_model(str(model_dir), **spec)
-    llm = LLM(str(model_dir), max_batch=4, max_len=128)
+    llm = LLM(str(model_dir), **ENGINE)
     hf = transformers.Qwen2ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     return request.param, config, llm, hf.eval()
 
 
-def run_greedy_capturing_logits(engine, prompts):
-    seqs = [Sequence(list(p), NEW_TOKENS) for p in prompts]
-    steps = []
-
-    def next_tokens(rows, logits):
-        steps.append((list(rows), logits.copy()))
-        return logits.argmax(-1)
-
-    engine.generate(seqs, next_tokens, lambda row, seq: None)
-    return seqs, steps
-
-
-def hf_logits(hf, ids):
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].numpy()
-
-
-def test_logits_and_32_greedy_tokens_match_transformers(case):
+def test_logprobs_and_32_greedy_tokens_match_transformers(case):
+    """Prompts of 5, 11, 37 (three chunks, ten blocks) and 1 token (straight to decode)."""
     name, config, llm, hf = case
     prompts = prompts_for(config.vocab_size)
-    seqs, steps = run_greedy_capturing_logits(llm.engine, prompts)
-    for row, (prompt, seq) in enumerate(zip(prompts, seqs)):
-        assert len(seq.generated) == NEW_TOKENS
-        reference = hf_logits(hf, prompt + seq.generated)
-        # Position len(prompt)-1+k predicts generated token k.
-        expected = reference[len(prompt) - 1:len(prompt) - 1 + NEW_TOKENS]
-        ours = np.stack([logits[rows.index(row)] for rows, logits in steps])
-        checked = 1 + CHECKED_DECODE_STEPS
-        diff = np.abs(ours[:checked] - expected[:checked]).max()
-        assert diff < TOLERANCE, f"{name} prompt {row}: logits differ by {diff}"
-        assert seq.generated == expected.argmax(-1).tolist(), f"{name} prompt {row}"
+    outs = llm.generate(prompts, greedy(config.vocab_size))
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        assert len(out.token_ids) == NEW_TOKENS and out.finish_reason == "length"
+        assert_matches_hf(hf, prompt, out, config.vocab_size, f"{name} prompt {i}")
+    assert llm.engine.stats().num_blocks_used == 0  # every block back once all finished
 
 
 def test_transformers_generate_gives_the_same_tokens(case):
@@ -92,30 +103,73 @@ def test_transformers_generate_gives_the_same_tokens(case):
     assert out.finish_reason == "length"
 
 
-def test_prompts_of_five_lengths_in_one_bucket_compile_no_new_graph(case):
+def test_request_added_while_others_decode_and_an_abort_frees_its_blocks(case):
+    name, config, llm, hf = case
+    engine, vocab = llm.engine, config.vocab_size
+    first, second, dropped = prompts_for(vocab, seed=7, lengths=(9, 30, 6))
+    engine.add_request("first", first, greedy(vocab, 20))
+    engine.add_request("dropped", dropped, greedy(vocab, 20))
+    finished = {}
+    for _ in range(4):
+        for out in engine.step():
+            assert not out.finished
+    assert engine.stats().num_running == 2
+    used = engine.stats().num_blocks_used
+    engine.abort_request("dropped")
+    assert engine.stats().num_blocks_used < used  # freed at once
+    engine.abort_request("never-added")  # a warning, not an error
+    engine.add_request("second", second, greedy(vocab, 20))  # arrives mid-decode
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert finished["dropped"].finish_reason == "abort"
+    assert 0 < len(finished["dropped"].token_ids) < 20
+    assert_matches_hf(hf, first, finished["first"], vocab, "first")
+    assert_matches_hf(hf, second, finished["second"], vocab, "second")
+    assert engine.stats().num_blocks_used == 0
+
+
+def test_prompts_of_other_lengths_in_the_same_buckets_compile_no_new_graph(case):
     name, config, llm, hf = case
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     llm.generate([[7, 8, 9]], params)
     compiled = llm.compilations
-    assert compiled >= 2  # at least one prefill and one decode graph
-    for length in (4, 6, 9, 12, 16):
+    for length in (4, 6, 9, 12, 16):  # one 16-token chunk, contexts below 64
         llm.generate([list(range(1, length + 1))], params)
     assert llm.compilations == compiled
-    # A longer prompt lands in the next bucket: exactly one more prefill graph.
-    llm.generate([list(range(1, 30))], params)
-    assert llm.compilations == compiled + 1
+
+
+def test_preempted_requests_are_recomputed_exactly(tmp_path):
+    """A KV pool of 12 blocks of 4 tokens (48 tokens) for three requests that grow to 40
+    tokens each: the scheduler preempts and later recomputes, and every token is still
+    transformers' greedy token."""
+    config = make_tiny_model(str(tmp_path), layers=2, hidden=64, heads=8, kv_heads=2,
+                             vocab=384, seed=2)
+    per_block = 2 * 2 * 4 * 2 * 8 * 4  # K and V x layers x block x KV heads x head_dim x fp32
+    llm = LLM(str(tmp_path), **dict(ENGINE, kv_cache_memory=13 * per_block, max_len=48))
+    assert llm.engine.layout.num_blocks == 13  # one reserved
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(str(tmp_path),
+                                                       dtype=torch.float32).eval()
+    prompts = prompts_for(config.vocab_size, seed=3, lengths=(10, 14, 8))
+    outs = llm.generate(prompts, greedy(config.vocab_size, 26))
+    assert llm.engine.stats().num_preemptions > 0
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        assert_matches_hf(hf, prompt, out, config.vocab_size, f"prompt {i}")
 
 
 def test_semi_auto_model_with_tp4_shard_annotations_matches_hf_standalone(tmp_path):
-    """The semi_auto model (full-shape parameters, shard() on every primitive from the tp4
-    plan) runs stand-alone, where MindSpore ignores shard(): it must still be Qwen2."""
+    """The semi_auto model (one graph, full-shape Parameters, shard() from the tp4 plan) runs
+    stand-alone, where MindSpore ignores shard(): it must still be Qwen2."""
     import mindspore as ms
 
     from msinfer.distributed import set_graph_mode
-    from msinfer.engine import Engine
-    from msinfer.parallel_layers import ParallelContext, checkpoint_parameters
-    from msinfer.model import Qwen2ForCausalLM
-    from msinfer.strategy import Strategy
+    from msinfer.engine import LLMEngine
+    from msinfer.engine.kv_cache import CacheLayout
+    from msinfer.engine.runner import ModelRunner
+    from msinfer.model import Qwen2Model, layer_weight_names
+    from msinfer.parallel_layers import ParallelContext
+    from msinfer.strategy import Strategy, checkpoint_parts
     from msinfer.weights import Checkpoint
 
     config = make_tiny_model(str(tmp_path), layers=2, hidden=64, heads=4, kv_heads=4,
@@ -123,52 +177,54 @@ def test_semi_auto_model_with_tp4_shard_annotations_matches_hf_standalone(tmp_pa
     plan = Strategy.default(tensor=4, parallel_mode="semi_auto").resolve(config)
     set_graph_mode("CPU")
     ctx = ParallelContext(config=config, plan=plan, mode="semi_auto", dtype=ms.float32)
-    model = Qwen2ForCausalLM(config, ctx, max_batch=4, max_len=128)
-    assert model.lm_head.matmul.in_strategy == ((1, 1), (4, 1))
-    assert model.layers[0].self_attn.o_proj.matmul.in_strategy == ((1, 4), (1, 4))
+    layout = CacheLayout(config.num_layers, config.num_kv_heads, config.head_dim,
+                         block_size=4, num_blocks=64, dtype_bytes=4)
     shapes = config.parameter_shapes()
-    Checkpoint(str(tmp_path)).load_into(
-        checkpoint_parameters(model),
-        lambda name: (tuple(slice(0, n) for n in shapes[name]), shapes[name]))
-    hf = transformers.Qwen2ForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+
+    def full_shape(name):
+        parts = checkpoint_parts(name)
+        return (sum(shapes[p][0] for p in parts),) + shapes[parts[0]][1:]
+
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    for layer in range(config.num_layers):
+        names += layer_weight_names(layer)
+    model = Qwen2Model(ctx, layout, {n: full_shape(n) for n in names})
+    assert model.head.lm_head.matmul.in_strategy == ((1, 1), (4, 1))
+    assert model.layer.o_proj.matmul.in_strategy == ((1, 4), (1, 4))
+    loaded = Checkpoint(str(tmp_path)).load(
+        names, lambda n: [(p, tuple(slice(0, s) for s in shapes[p]), shapes[p])
+                          for p in checkpoint_parts(n)], np.float32)
+    for name, array in loaded.items():
+        model.weights[name].set_data(ms.Tensor(array))
+    runner = ModelRunner(ctx, layout, max_num_seqs=4, max_prefill_tokens=16, max_model_len=128,
+                         model=model)
+    engine = LLMEngine(runner, layout, vocab_size=config.vocab_size, max_model_len=128,
+                       eos_token_ids=(), max_num_seqs=4, max_prefill_tokens=16, seed=0)
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(str(tmp_path),
+                                                       dtype=torch.float32).eval()
     prompts = prompts_for(config.vocab_size, seed=9)
-    seqs, steps = run_greedy_capturing_logits(Engine(model, 4, 128), prompts)
-    for row, (prompt, seq) in enumerate(zip(prompts, seqs)):
-        expected = hf_logits(hf.eval(), prompt + seq.generated)[len(prompt) - 1:][:NEW_TOKENS]
-        assert seq.generated == expected.argmax(-1).tolist()
-        assert np.abs(steps[0][1][row] - expected[0]).max() < TOLERANCE
-
-
-def test_prefill_split_into_single_row_calls_gives_the_same_logits(case):
-    """A token budget of one padded prompt per call: each row is prefilled alone into its own
-    cache row, and decoding the batch together still matches transformers."""
-    name, config, llm, hf = case
-    prompts = prompts_for(config.vocab_size, seed=11)
-    budget = llm.engine.max_prefill_tokens
-    llm.engine.max_prefill_tokens = 32  # the 23-token prompt pads to 32: one row per call
-    try:
-        seqs, steps = run_greedy_capturing_logits(llm.engine, prompts)
-    finally:
-        llm.engine.max_prefill_tokens = budget
-    for row, (prompt, seq) in enumerate(zip(prompts, seqs)):
-        expected = hf_logits(hf, prompt + seq.generated)[len(prompt) - 1:][:NEW_TOKENS]
-        assert seq.generated == expected.argmax(-1).tolist()
-        ours = np.stack([logits[rows.index(row)] for rows, logits in steps[:3]])
-        assert np.abs(ours - expected[:3]).max() < TOLERANCE
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, greedy(config.vocab_size, 12))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    for i, prompt in enumerate(prompts):
+        assert_matches_hf(hf, prompt, finished[str(i)], config.vocab_size, f"prompt {i}")
 
 
 def test_float16_compute_the_310p_path_stays_close_to_float32_transformers(tmp_path):
     """310P runs float16: the same model in float16 (on CPU here) keeps transformers'
-    float32 logits within float16's precision, and the argmax of each step."""
+    float32 distribution within float16's precision, and the argmax of each step."""
     config = make_tiny_model(str(tmp_path), layers=2, hidden=64, heads=8, kv_heads=2,
                              vocab=384, seed=6, dtype="bfloat16")
-    llm = LLM(str(tmp_path), max_batch=4, max_len=64, dtype="float16")
-    assert llm.model.lm_head.weight.dtype == __import__("mindspore").float16
-    hf = transformers.Qwen2ForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    llm = LLM(str(tmp_path), dtype="float16", **ENGINE)
+    assert llm.engine.runner.head_weights[1].dtype == __import__("mindspore").float16
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(str(tmp_path),
+                                                       dtype=torch.float32).eval()
     prompts = prompts_for(config.vocab_size, seed=13)
-    seqs, steps = run_greedy_capturing_logits(llm.engine, prompts)
-    for row, (prompt, seq) in enumerate(zip(prompts, seqs)):
-        expected = hf_logits(hf.eval(), prompt + seq.generated)[len(prompt) - 1:][:NEW_TOKENS]
-        ours = np.stack([logits[rows.index(row)] for rows, logits in steps[:4]])
-        assert np.abs(ours - expected[:4]).max() < 0.05
-        assert (ours.argmax(-1) == expected[:4].argmax(-1)).all()
+    outs = llm.generate(prompts, greedy(config.vocab_size, 4))
+    for prompt, out in zip(prompts, outs):
+        expected = hf_logprobs(hf, prompt + out.token_ids)[len(prompt) - 1:][:4]
+        ours = logprob_rows(out, config.vocab_size)
+        assert np.abs(ours - expected).max() < 0.05
+        assert (ours.argmax(-1) == expected.argmax(-1)).all()

@@ -24,7 +24,7 @@ def test_dry_run_prints_the_mpirun_command_after_the_plan(model_dir, capsys):
     out, err = capsys.readouterr()
     assert code == 0
     assert "FITS" in err  # the planner ran
-    command = out.strip().split()
+    command = out.splitlines()[0].split()
     assert command[command.index("-n") + 1] == "4"
     # every rank runs `python -m msinfer generate ...` with the launch's strategy and hardware
     rank_command = command[command.index("-m"):]
@@ -55,3 +55,180 @@ def test_msrun_launcher_runs_the_package_entry_point(model_dir, capsys):
     out, _ = capsys.readouterr()
     assert code == 0
     assert "--worker_num=4" in out and os.path.join("msinfer", "__main__.py") in out
+
+
+# ---- every launcher on Atlas 300I Duo: the environment each rank gets ----
+
+TP8 = os.path.join(ROOT, "strategies", "qwen2_tp8.yaml")
+
+
+def dry_run(capsys, *launch, rank=("generate", "--prompt", "hi")):
+    """(exit code, launch command, {rank: (launcher, {variable: value})}, stderr)."""
+    code = main(["launch", *launch, "--dry-run", "--", *rank])
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    ranks = {}
+    for line in lines[1:]:
+        head, _, words = line.partition(": ")
+        number, launcher = head.split()[1], head.split()[2].strip("()")
+        ranks[int(number)] = (launcher, dict(w.split("=", 1) for w in words.split()))
+    return code, (lines[0].split() if lines else []), ranks, err
+
+
+@pytest.fixture
+def table_4567(tmp_path):
+    from msinfer import ranktable
+    path = str(tmp_path / "hccl_4p_4567.json")
+    ranktable.write(ranktable.build([4, 5, 6, 7], "192.0.2.10"), path)
+    return path
+
+
+def test_mpirun_on_atlas_without_a_table_gives_each_rank_its_local_device(model_dir, capsys):
+    code, command, ranks, err = dry_run(
+        capsys, "--nproc", "4", "--strategy", TP4, "--hardware", "atlas-300i-duo",
+        rank=("generate", "--model", model_dir, "--prompt", "hi"))
+    assert code == 0 and "FITS" in err and "explicit mode" in err
+    assert "--rank-table" not in command
+    for r in range(4):
+        launcher, env = ranks[r]
+        assert launcher == "mpirun-native"
+        assert env["DEVICE_ID"] == env["RANK_ID"] == env["OMPI_COMM_WORLD_RANK"] == str(r)
+        assert "RANK_TABLE_FILE" not in env
+
+
+@pytest.mark.parametrize("how", ["--rank-table", "exported RANK_TABLE_FILE",
+                                 "the rank command's --rank-table"])
+def test_mpirun_on_atlas_with_a_rank_table_puts_each_rank_on_the_table_device(
+        model_dir, table_4567, capsys, monkeypatch, how):
+    launch = ["--nproc", "4", "--strategy", TP4, "--hardware", "atlas-300i-duo"]
+    rank = ("generate", "--model", model_dir, "--prompt", "hi")
+    if how == "--rank-table":
+        launch += ["--rank-table", table_4567]
+    elif how == "exported RANK_TABLE_FILE":
+        monkeypatch.setenv("RANK_TABLE_FILE", table_4567)
+    else:
+        rank += ("--rank-table", table_4567)
+    code, command, ranks, err = dry_run(capsys, *launch, rank=rank)
+    assert code == 0
+    # The ranks are told the table explicitly, so hosts that do not inherit the shell get it.
+    given = command[command.index("--rank-table") + 1]
+    assert os.path.abspath(given) == os.path.abspath(table_4567)
+    for r in range(4):
+        launcher, env = ranks[r]
+        assert launcher == "mpirun-ranktable"
+        assert env["DEVICE_ID"] == str(4 + r)  # the table's device, not the local rank r
+        assert env["RANK_ID"] == str(r) and env["RANK_SIZE"] == "4"
+        assert env["RANK_TABLE_FILE"] == os.path.abspath(table_4567)
+        assert env["OMPI_*"] == "(removed)"
+
+
+def test_msrun_on_atlas_gives_worker_i_device_i(model_dir, capsys):
+    code, command, ranks, _ = dry_run(
+        capsys, "--launcher", "msrun", "--nproc", "4", "--strategy", TP4,
+        "--hardware", "atlas-300i-duo", rank=("generate", "--model", model_dir, "--prompt", "hi"))
+    assert code == 0
+    port = next(w.split("=")[1] for w in command if w.startswith("--master_port="))
+    for r in range(4):
+        launcher, env = ranks[r]
+        assert launcher == "msrun"
+        assert env["DEVICE_ID"] == env["MS_NODE_ID"] == str(r)
+        assert (env["MS_ROLE"], env["MS_WORKER_NUM"], env["MS_SCHED_PORT"]) == (
+            "MS_WORKER", "4", port)
+
+
+def test_a_rank_table_under_msrun_is_refused_not_ignored(model_dir, table_4567, capsys):
+    code, command, _, err = dry_run(
+        capsys, "--launcher", "msrun", "--nproc", "4", "--strategy", TP4, "--hardware",
+        "atlas-300i-duo", "--rank-table", table_4567,
+        rank=("generate", "--model", model_dir, "--prompt", "hi"))
+    assert code == 2 and command == []
+    assert "msrun builds the job itself" in err
+
+
+def test_a_rank_table_that_does_not_match_the_job_is_refused_before_launch(model_dir, tmp_path,
+                                                                           capsys):
+    from msinfer import ranktable
+    path = str(tmp_path / "two.json")
+    ranktable.write(ranktable.build([0, 1], "192.0.2.10"), path)
+    code, command, _, err = dry_run(
+        capsys, "--nproc", "4", "--strategy", TP4, "--hardware", "atlas-300i-duo",
+        "--rank-table", path, rank=("generate", "--model", model_dir, "--prompt", "hi"))
+    assert code == 2 and command == []
+    assert "the table has 2 devices but the strategy's world_size is 4" in err
+
+
+def test_hostfile_spreads_ranks_and_exports_the_multi_host_flag(model_dir, tmp_path, capsys):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# two servers\n192.0.2.10 slots=4\n192.0.2.11 slots=4\n")
+    launch = ["--nproc", "8", "--strategy", TP8, "--hostfile", str(hostfile)]
+    rank = ("generate", "--model", model_dir, "--prompt", "hi")
+    # 300I Duo runs collectives within one server only: refused before anything starts.
+    code, command, _, err = dry_run(capsys, *launch, "--hardware", "atlas-300i-duo", rank=rank)
+    assert code == 1 and command == []
+    assert "on 2 hosts" in err and "within one server only" in err
+    code, command, ranks, _ = dry_run(capsys, *launch, "--hardware", "atlas-800i-a2", rank=rank)
+    assert code == 0
+    assert "MSINFER_MULTI_HOST=1" in command
+    for r in range(8):
+        launcher, env = ranks[r]
+        assert launcher == "mpirun-native"
+        assert env["DEVICE_ID"] == env["OMPI_COMM_WORLD_LOCAL_RANK"] == str(r % 4)
+        assert env["MSINFER_MULTI_HOST"] == "1"
+    # On CPU the bridge's scheduler then listens on rank 0's address, not on loopback.
+    code, _, ranks, _ = dry_run(capsys, *launch, "--hardware", "cpu", rank=rank)
+    assert code == 0
+    assert {ranks[r][1]["MS_SCHED_HOST"] for r in range(8)} == {"(rank-0-address)"}
+    assert [ranks[r][1]["MS_NODE_ID"] for r in range(8)] == [str(r) for r in range(8)]
+
+
+def test_mpirun_on_cpu_bridges_every_rank_to_a_loopback_scheduler(model_dir, capsys):
+    code, _, ranks, _ = dry_run(capsys, "--nproc", "4", "--strategy", TP4,
+                                rank=("generate", "--model", model_dir, "--prompt", "hi"))
+    assert code == 0
+    for r in range(4):
+        launcher, env = ranks[r]
+        assert launcher == "mpirun-bridge"
+        assert (env["MS_ROLE"], env["MS_NODE_ID"], env["MS_SCHED_HOST"]) == (
+            "MS_WORKER", str(r), "127.0.0.1")
+        assert env["OMPI_*"] == "(removed)"
+
+
+# ---- the parallel mode is known before anything starts ----
+
+def test_semi_auto_with_replicated_kv_heads_is_refused_before_spawning(model_dir, tmp_path,
+                                                                      capsys):
+    """The README's tp4 example on 300I Duo: 2 KV heads at tensor 4 are replicated, which only
+    the explicit mode runs. Explicit is the default; semi_auto, asked for by the rank command
+    or by the strategy, is refused by the launcher's planner, not by every rank after init."""
+    launch = ["--nproc", "4", "--hardware", "atlas-300i-duo"]
+    rank = ("generate", "--model", model_dir, "--prompt", "hi")
+    code, _, _, err = dry_run(capsys, *launch, "--strategy", TP4, rank=rank)
+    assert code == 0 and "explicit mode" in err
+    code, command, _, err = dry_run(capsys, *launch, "--strategy", TP4,
+                                    rank=rank + ("--parallel-mode", "semi_auto"))
+    assert code == 1 and command == []
+    assert "parallel mode semi_auto: tensor=4 exceeds the 2 KV heads" in err
+    semi_auto = tmp_path / "tp4_semi_auto.yaml"
+    semi_auto.write_text(open(TP4).read() + "parallel_mode: semi_auto\n")
+    code, command, _, err = dry_run(capsys, *launch, "--strategy", str(semi_auto), rank=rank)
+    assert code == 1 and command == [] and "only in the explicit mode" in err
+
+
+def test_the_rank_command_is_any_msinfer_subcommand_and_only_model_commands_are_planned(
+        tmp_path, capsys):
+    from msinfer import ranktable
+    path = str(tmp_path / "t.json")
+    ranktable.write(ranktable.build([0, 1, 2, 3], "192.0.2.10"), path)
+    code, command, ranks, err = dry_run(capsys, "--nproc", "4", "--strategy", TP4,
+                                        rank=("ranktable", "check", path))
+    assert code == 0 and "FITS" not in err  # nothing to plan
+    assert command[command.index("-m"):] == ["-m", "msinfer", "ranktable", "check", path]
+    assert len(ranks) == 4
+    code, _, _, err = dry_run(capsys, "--nproc", "4", "--strategy", TP4, rank=("launch",))
+    assert code == 2 and "give the rank command after --, one of" in err
+
+
+def test_a_rank_table_is_refused_for_cpu(model_dir, table_4567, capsys):
+    code, _, _, err = dry_run(capsys, "--nproc", "4", "--strategy", TP4, "--rank-table",
+                              table_4567, rank=("generate", "--model", model_dir, "--prompt", "hi"))
+    assert code == 2 and "rank tables set up HCCL on Ascend" in err

@@ -8,7 +8,7 @@ from msinfer import cli
 from msinfer.config import PRESETS, load_config
 from msinfer.errors import MsinferError, PlanRefused
 from msinfer.hardware import GiB, compute_dtype, get_profile
-from msinfer.plan import check_plan_or_raise, format_plan, make_plan
+from msinfer.plan import EngineLimits, check_plan_or_raise, format_plan, make_plan
 from msinfer.strategy import Strategy, load_strategy
 
 STRATEGIES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "strategies")
@@ -28,8 +28,16 @@ def strategy(name):
     return load_strategy(os.path.join(STRATEGIES, name))
 
 
-def plan_for(model, name, hardware="atlas-300i-duo", **kwargs):
-    return make_plan(load_config(model), strategy(name), get_profile(hardware), **kwargs)
+def plan_for(model, name, hardware="atlas-300i-duo", dtype=None, parallel_mode=None,
+             **limits):
+    config = load_config(model)
+    return make_plan(config, strategy(name), get_profile(hardware),
+                     EngineLimits.for_model(config, **limits), dtype, parallel_mode)
+
+
+def block_bytes(layers, kv_heads, block_size=16, dtype_bytes=2, head_dim=128):
+    """K and V x layers x block x local KV heads x head_dim x bytes."""
+    return 2 * layers * block_size * kv_heads * head_dim * dtype_bytes
 
 
 @pytest.mark.parametrize("model,count", [
@@ -50,40 +58,68 @@ def test_72b_float16_weight_bytes_per_device_on_tp4_and_tp8():
     assert tp8.devices[0].weights_bytes == 18_178_859_008
 
 
-def test_kv_cache_bytes_for_batch_and_length():
-    # layers x (K and V) x batch x length x local KV heads x head_dim x 2 bytes
-    tp4 = plan_for("qwen2-72b", "qwen2_tp4.yaml", batch=4, max_len=2048)
-    assert tp4.devices[0].kv_cache_bytes == 80 * 2 * 4 * 2048 * 2 * 128 * 2 == 671_088_640
-    tp8 = plan_for("qwen2-72b", "qwen2_tp8.yaml", batch=4, max_len=2048)
-    assert tp8.devices[7].kv_cache_bytes == 80 * 2 * 4 * 2048 * 1 * 128 * 2
+def test_kv_cache_is_a_pool_of_blocks_sized_from_the_budget():
+    per_block = block_bytes(80, 2)  # Qwen2-72B at tp4: 2 of 8 KV heads per rank, fp16
+    assert per_block == 1_310_720
+    plan = plan_for("qwen2-72b", "qwen2_tp4.yaml", kv_cache_memory=GiB)
+    blocks = GiB // per_block  # 819, one of them reserved
+    assert plan.kv_blocks == blocks - 1 and plan.kv_tokens == (blocks - 1) * 16
+    assert plan.devices[0].kv_cache_bytes == blocks * per_block
+    assert plan.concurrent_max_len_sequences == (blocks - 1) * 16 // 4096
+    tp8 = plan_for("qwen2-72b", "qwen2_tp8.yaml", kv_cache_memory=GiB)
+    assert tp8.kv_blocks == GiB // block_bytes(80, 1) - 1  # half the heads: twice the blocks
+
+
+def test_default_pool_fills_what_is_left_but_never_more_than_max_num_seqs_can_use():
+    capped = plan_for("qwen2-72b", "qwen2_tp8.yaml", max_num_seqs=2, max_len=4096)
+    assert capped.kv_blocks == 2 * 4096 // 16
+    free = plan_for("qwen2-72b", "qwen2_tp4.yaml", max_num_seqs=16, max_len=32768)
+    d = free.devices[0]
+    left = d.capacity_bytes - d.weights_bytes - d.workspace_bytes
+    assert d.kv_cache_bytes <= 0.9 * left < d.kv_cache_bytes + block_bytes(80, 2)
+
+
+def test_72b_on_four_300i_duo_devices_holds_a_32k_context():
+    plan = plan_for("qwen2-72b", "qwen2_tp4.yaml", max_len=32768)
+    assert plan.fits, plan.errors
+    assert plan.concurrent_max_len_sequences >= 1
+    assert all(d.margin_bytes >= 0 for d in plan.devices)
 
 
 def test_replicated_kv_heads_are_counted_and_said():
     # Qwen2-1.5B: 2 KV heads over 4 ranks, so every rank keeps one whole KV head.
-    plan = plan_for("qwen2-1.5b", "qwen2_tp4.yaml")
-    assert plan.devices[0].kv_cache_bytes == 28 * 2 * 1 * 4096 * 1 * 128 * 2
+    plan = plan_for("qwen2-1.5b", "qwen2_tp4.yaml", kv_cache_memory=GiB, max_num_seqs=64)
+    assert plan.kv_blocks == GiB // block_bytes(28, 1) - 1
     assert any("each KV head is replicated on 2 consecutive ranks" in n for n in plan.notes)
 
 
-def test_data_replicas_each_hold_a_tensor_parallel_copy_and_half_the_batch():
-    plan = plan_for("qwen2-7b", "qwen2_dp2_tp2.yaml", batch=4)
-    tp2 = plan_for("qwen2-7b", "qwen2_tp2.yaml", batch=2)
+def test_data_replicas_each_hold_a_tensor_parallel_copy_and_their_own_cache():
+    plan = plan_for("qwen2-7b", "qwen2_dp2_tp2.yaml", max_num_seqs=4)
+    tp2 = plan_for("qwen2-7b", "qwen2_tp2.yaml", max_num_seqs=4)
     assert [d.weights_bytes for d in plan.devices] == [tp2.devices[0].weights_bytes] * 4
     assert plan.devices[3].kv_cache_bytes == tp2.devices[0].kv_cache_bytes
     assert [(d.data_rank, d.tensor_rank) for d in plan.devices] == [(0, 0), (0, 1), (1, 0),
                                                                     (1, 1)]
 
 
-def test_workspace_is_the_stated_estimate():
-    plan = plan_for("qwen2-72b", "qwen2_tp4.yaml", max_len=4096)
-    tokens = 4096
-    activations = tokens * 2 * (4 * 8192 + (16 + 2 * 2) * 128 + 3 * 29568 // 4)
-    scores = 16 * 4096 * 4096 * 4
-    logits = 152064 * 4
-    assert plan.devices[0].workspace_bytes == 2 * GiB + activations + scores + logits
+def test_workspace_is_one_layer_of_the_largest_call():
+    plan = plan_for("qwen2-72b", "qwen2_tp4.yaml", max_len=4096, max_prefill_tokens=256,
+                    max_num_seqs=16)
+    per_token = 2 * (6 * 8192 + 2 * (16 + 2 * 2) * 128 + 4 * 29568 // 4)
+
+    def call(tokens, contexts):
+        gathered = 2 * contexts * 4096 * 2 * 128 * 2
+        return tokens * per_token + gathered + 3 * tokens * 16 * 4096 * 4 + tokens * 4096 * 4
+
+    logits = 16 * 152064 * 4
+    expected = 2 * GiB + max(call(256, 1), call(16, 16)) + logits
+    assert plan.devices[0].workspace_bytes == expected
     assert plan.devices[0].total_bytes == sum(
         getattr(plan.devices[0], k) for k in ("weights_bytes", "kv_cache_bytes",
                                               "workspace_bytes"))
+    # Bounded by the chunk, not the prompt: a longer chunk costs more, the same max-len.
+    longer = plan_for("qwen2-72b", "qwen2_tp4.yaml", max_len=4096, max_prefill_tokens=1024)
+    assert longer.devices[0].workspace_bytes > plan.devices[0].workspace_bytes
 
 
 def test_72b_fits_four_and_eight_300i_duo_devices():
@@ -95,7 +131,7 @@ def test_72b_fits_four_and_eight_300i_duo_devices():
 
 
 def test_collectives_per_decoded_token():
-    plan = plan_for("qwen2-72b", "qwen2_tp4.yaml", batch=2)
+    plan = plan_for("qwen2-72b", "qwen2_tp4.yaml", max_num_seqs=2)
     reduce, gather = plan.collectives_per_token
     assert (reduce.kind, reduce.count, reduce.payload_bytes) == ("AllReduce", 1 + 80 + 80,
                                                                  2 * 8192 * 2)
@@ -104,32 +140,34 @@ def test_collectives_per_decoded_token():
 
 
 def test_decode_bound_is_bandwidth_over_bytes_each_device_reads():
-    plan = plan_for("qwen2-72b", "qwen2_tp8.yaml", batch=1, max_len=4096)
+    plan = plan_for("qwen2-72b", "qwen2_tp8.yaml", max_num_seqs=1, max_len=4096)
     embedding = 152064 * 8192 // 8 * 2  # looked up by row, not read whole
-    kv = 80 * 2 * 4096 * 1 * 128 * 2
+    kv = 80 * 2 * 4096 * 1 * 128 * 2  # one full context
     read = 18_178_859_008 - embedding + kv
     assert plan.decode_bytes_per_step == read
     assert plan.decode_tokens_per_s_bound == pytest.approx(204e9 / read)
     assert plan.decode_tokens_per_s_bound_short_context == pytest.approx(
         204e9 / (read - kv))
-    batch4 = plan_for("qwen2-72b", "qwen2_tp8.yaml", batch=4, max_len=4096)
+    batch4 = plan_for("qwen2-72b", "qwen2_tp8.yaml", max_num_seqs=4, max_len=4096)
     assert batch4.decode_tokens_per_s_bound == pytest.approx(4 * 204e9 / (read + 3 * kv))
 
 
 def test_72b_on_two_devices_is_refused_naming_the_smallest_degree_that_fits():
     plan = plan_for("qwen2-72b", "qwen2_tp2.yaml")
     assert not plan.fits
-    assert plan.errors[0].startswith("does not fit: rank 0 needs 72.97 GiB of 42.67 GiB")
+    # weights 66.43 GiB + workspace; no room for any KV cache
+    assert plan.errors[0].startswith("does not fit: rank 0 needs 70.17 GiB of 42.67 GiB")
     assert "with tensor: 4 (world_size 4) it fits" in plan.errors[0]
 
 
-def test_kv_cache_that_does_not_fit_names_the_longest_max_len_that_does():
-    plan = plan_for("qwen2-72b", "qwen2_tp8.yaml", max_len=32768)
+def test_a_chunk_too_big_for_a_32k_context_names_the_longest_max_len_that_fits():
+    limits = dict(max_len=32768, max_prefill_tokens=8192)
+    plan = plan_for("qwen2-72b", "qwen2_tp4.yaml", **limits)
     message = plan.errors[0]
-    assert "no tensor degree up to 8 fits" in message
-    longest = int(re.search(r"with --max-len (\d+) it fits at tensor 8", message).group(1))
-    assert plan_for("qwen2-72b", "qwen2_tp8.yaml", max_len=longest).fits
-    assert not plan_for("qwen2-72b", "qwen2_tp8.yaml", max_len=longest + 1).fits
+    assert "no tensor degree up to 8 fits max-len 32768" in message
+    longest = int(re.search(r"with --max-len (\d+) it fits at tensor 4", message).group(1))
+    assert plan_for("qwen2-72b", "qwen2_tp4.yaml", **dict(limits, max_len=longest)).fits
+    assert not plan_for("qwen2-72b", "qwen2_tp4.yaml", **dict(limits, max_len=longest + 1)).fits
 
 
 def test_pipeline_on_300i_duo_is_refused_with_sdma_reason_and_the_tensor_fix(tmp_path):
@@ -168,12 +206,6 @@ def test_tp4_refuses_0_5b_because_14_heads_in_the_plan():
     plan = plan_for("qwen2-0.5b", "qwen2_tp4.yaml")
     assert not plan.fits
     assert "14 / 4 = 3.5 heads per rank" in plan.errors[0]
-
-
-def test_batch_must_divide_over_data_replicas():
-    plan = plan_for("qwen2-7b", "qwen2_dp2_tp2.yaml", batch=3)
-    assert plan.errors == ["--batch 3 does not divide over data: 2 replicas (3 / 2 = 1.5); use "
-                           "a batch that is a multiple of 2"]
 
 
 def test_check_plan_or_raise_raises_the_first_error():
@@ -268,3 +300,49 @@ def test_docs_show_the_real_plan_output_for_72b(name):
     plan = plan_for("qwen2-72b", name)
     plan.strategy = f"strategies/{name}"  # as run from the repository root
     assert format_plan(plan) in text
+
+
+# ---- the parallel mode: explicit unless asked, and semi_auto's limits refused up front ----
+
+def test_the_planner_plans_the_explicit_mode_unless_asked_and_says_so():
+    plan = plan_for("qwen2-1.5b", "qwen2_tp4.yaml")
+    assert plan.fits and plan.parallel_mode == "explicit"  # on Ascend too
+    assert "4 devices, explicit mode" in format_plan(plan)
+    assert plan_for("qwen2-7b", "qwen2_tp4.yaml", parallel_mode="semi_auto").fits
+
+
+def test_semi_auto_with_replicated_kv_heads_is_refused_by_the_planner():
+    plan = plan_for("qwen2-1.5b", "qwen2_tp4.yaml", parallel_mode="semi_auto")
+    assert not plan.fits and plan.parallel_mode == "semi_auto"
+    assert "tensor=4 exceeds the 2 KV heads" in plan.errors[0]
+    with pytest.raises(PlanRefused, match="only in the explicit mode"):
+        check_plan_or_raise(load_config("qwen2-1.5b"), strategy("qwen2_tp4.yaml"), DUO,
+                            parallel_mode="semi_auto")
+
+
+def test_semi_auto_on_cpu_is_refused_for_several_ranks_only():
+    plan = plan_for("qwen2-0.5b", "qwen2_tp2.yaml", hardware="cpu", parallel_mode="semi_auto")
+    assert not plan.fits and "semi_auto needs Ascend or GPU" in plan.errors[0]
+    # One rank is MindSpore's stand-alone mode, where shard() is ignored: it runs on CPU.
+    assert plan_for("qwen2-0.5b", "qwen2_tp1.yaml", hardware="cpu", max_len=256,
+                    parallel_mode="semi_auto").fits
+
+
+def test_cli_takes_the_parallel_mode(monkeypatch, capsys):
+    args = ("--model", "qwen2-1.5b", "--strategy", os.path.join(STRATEGIES, "qwen2_tp4.yaml"),
+            "--hardware", "atlas-300i-duo")
+    assert run_cli(monkeypatch, capsys, *args)[0] == 0
+    code, out, _ = run_cli(monkeypatch, capsys, *args, "--parallel-mode", "semi_auto")
+    assert code == 1 and "REFUSED" in out and "parallel mode semi_auto" in out
+
+
+def test_llm_runs_the_plan_check_itself_before_touching_a_device(tmp_path):
+    """Every entry point is checked, not only `msinfer launch`: an LLM whose KV cache cannot
+    fit is refused with the planner's message, before any graph or collective exists."""
+    pytest.importorskip("mindspore")
+    from msinfer import LLM
+    from msinfer.tiny_model import make_tiny_model
+
+    make_tiny_model(str(tmp_path), layers=1, hidden=64, heads=4, kv_heads=2, vocab=512)
+    with pytest.raises(PlanRefused, match="does not fit: rank 0 needs"):
+        LLM(str(tmp_path), max_num_seqs=100_000, max_len=4096)

@@ -5,7 +5,7 @@ import pytest
 
 from msinfer.config import PRESETS, ModelConfig
 from msinfer.errors import MsinferError, PlanRefused
-from msinfer.strategy import TENSOR_PARALLEL_RULES, Strategy, load_strategy
+from msinfer.strategy import TENSOR_PARALLEL_RULES, Strategy, decide_parallel_mode, load_strategy
 
 STRATEGIES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "strategies")
 SHIPPED = ["qwen2_tp1.yaml", "qwen2_tp2.yaml", "qwen2_tp4.yaml", "qwen2_tp8.yaml",
@@ -219,7 +219,8 @@ def test_in_strategy_of_each_style_for_shard():
     assert plan.in_strategy(layer + "mlp.down_proj.weight") == ((2, 4), (1, 4))
     assert plan.in_strategy("model.embed_tokens.weight") == ((4, 1), (2, 1))
     assert plan.in_strategy("lm_head.weight") == ((2, 1), (4, 1))
-    assert plan.in_strategy(layer + "input_layernorm.weight") == ((2, 1), (1,))
+    with pytest.raises(MsinferError, match="norm weight is replicated and applied element-wise"):
+        plan.in_strategy(layer + "input_layernorm.weight")
 
 
 def test_replicated_styles_keep_only_the_data_split_in_in_strategy():
@@ -240,7 +241,8 @@ def test_raw_in_strategy_resolves_to_the_same_plan_as_the_style(tmp_path):
     plan = load_strategy(strategy_file(tmp_path, tensor=4, **raw)).resolve(config)
     for name in config.parameter_shapes():
         assert plan.style(name) == styled.style(name)
-        assert plan.in_strategy(name) == styled.in_strategy(name)
+        if "norm" not in name:  # norms have no in_strategy
+            assert plan.in_strategy(name) == styled.in_strategy(name)
         assert plan.slices(name, 3) == styled.slices(name, 3)
 
 
@@ -310,9 +312,23 @@ def test_untied_model_needs_an_lm_head_rule():
 
 def test_semi_auto_refuses_replicated_kv_heads_and_says_use_explicit(tmp_path):
     path = strategy_file(tmp_path, tensor=4, extra="parallel_mode: semi_auto\n")
-    with pytest.raises(PlanRefused, match=r"parallel_mode: semi_auto: tensor=4 exceeds the 2 KV "
-                                          r"heads.*parallel_mode: explicit"):
+    with pytest.raises(PlanRefused, match=r"parallel mode semi_auto: tensor=4 exceeds the 2 KV "
+                                          r"heads.*only in the explicit mode"):
         load_strategy(path).resolve(PRESETS["qwen2-1.5b"])
+    # The mode decided by the caller counts, not only the strategy file's.
+    with pytest.raises(PlanRefused, match="parallel mode semi_auto"):
+        Strategy.default(tensor=4).resolve(PRESETS["qwen2-1.5b"], "semi_auto")
+    assert load_strategy(path).resolve(PRESETS["qwen2-1.5b"], "explicit").replicated_kv_heads
+
+
+def test_parallel_mode_is_explicit_unless_the_caller_or_the_strategy_asks():
+    assert decide_parallel_mode(None, Strategy.default()) == "explicit"
+    assert decide_parallel_mode(None, Strategy.default(parallel_mode="semi_auto")) == "semi_auto"
+    semi_auto = Strategy.default(parallel_mode="semi_auto")
+    assert decide_parallel_mode("explicit", semi_auto) == "explicit"
+    assert decide_parallel_mode("semi_auto", Strategy.default()) == "semi_auto"
+    with pytest.raises(MsinferError, match="parallel mode 'auto': use explicit or semi_auto"):
+        decide_parallel_mode("auto", Strategy.default())
 
 
 def test_replicated_kv_heads_have_no_shard_in_strategy():

@@ -2,6 +2,8 @@ import argparse
 import filecmp
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -198,14 +200,45 @@ def test_cli_flags_override_the_preset_and_tie_can_be_switched_off():
     assert kwargs["config_style"] == "5"
 
 
-def test_cli_writes_a_model_and_reports_progress(tmp_path, capsys):
-    args = parse_cli(["make-tiny-model", str(tmp_path / "m"), "--layers", "1", "--hidden", "16",
-                      "--heads", "2", "--kv-heads", "1", "--vocab", "300", "--tie",
-                      "--shards", "2"])
-    assert args.func(args) == 0
-    out, err = capsys.readouterr()
-    assert "wrote" in out and "writing weights: 14/14 tensors" in err
+def test_cli_progress_through_a_pipe_is_a_line_now_and_then_not_a_redraw(tmp_path):
+    """`make-tiny-model | tail` or a CI log: whole lines, the last one saying it is done."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(
+        [sys.executable, "-m", "msinfer", "make-tiny-model", str(tmp_path / "m"), "--layers", "4",
+         "--hidden", "16", "--heads", "2", "--kv-heads", "1", "--vocab", "300", "--tie",
+         "--shards", "2"],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=root))
+    assert done.returncode == 0, done.stderr
+    assert "\r" not in done.stderr and "wrote" in done.stdout
+    progress = [line for line in done.stderr.splitlines() if "writing weights" in line]
+    assert progress[-1].split("] ")[1].startswith("writing weights: 50/50, ")
+    assert len(progress) < 50  # not one per tensor
     assert os.path.exists(tmp_path / "m" / "model-00002-of-00002.safetensors")
+
+
+def test_progress_logs_every_few_seconds_and_the_last_step(monkeypatch):
+    import logging
+
+    from msinfer import log
+    clock = iter([0.0] + [0.5 * i for i in range(1, 101)])  # 100 steps over 50 s
+    monkeypatch.setattr(log.time, "monotonic", lambda: next(clock))
+    records = []
+    catch = logging.Handler()
+    catch.emit = records.append
+    logger, level = log.get(), log.get().level
+    logger.addHandler(catch)
+    logger.setLevel("INFO")
+    try:
+        progress = log.Progress("writing", 100, every=10.0)
+        for i in range(1, 101):
+            progress.step(i)
+    finally:
+        logger.removeHandler(catch)
+        logger.setLevel(level)
+    lines = [r.getMessage() for r in records]
+    assert [line.split(",")[0] for line in lines] == [
+        "writing: 20/100", "writing: 40/100", "writing: 60/100", "writing: 80/100",
+        "writing: 100/100"]
 
 
 @pytest.mark.parametrize("style", ["4", "5"])

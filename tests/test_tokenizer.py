@@ -4,6 +4,7 @@ import shutil
 
 import pytest
 
+from msinfer.config import ModelConfig, eos_token_ids
 from msinfer.errors import MsinferError
 from msinfer.tiny_model import CHAT_TEMPLATE, make_tiny_model
 from msinfer.tokenizer import IncrementalDecoder, Tokenizer, find_stop
@@ -41,7 +42,7 @@ def test_text_round_trips_through_ids_including_non_ascii(model_dir):
     tok = Tokenizer.from_model_dir(model_dir)
     text = "The cat sees 42 apples!\nnaïve 東京 🙂"
     ids = tok.encode(text)
-    assert all(0 <= i < tok.vocab_size for i in ids)
+    assert all(0 <= i < ModelConfig.from_model_dir(model_dir).vocab_size for i in ids)
     assert tok.decode(ids) == text
 
 
@@ -74,12 +75,14 @@ def test_bad_eos_id_is_refused_naming_file_and_value(copy_dir):
         Tokenizer.from_model_dir(copy_dir)
 
 
-def test_pad_id_is_the_configured_pad_token_or_an_eos(copy_dir):
-    tok = Tokenizer.from_model_dir(copy_dir)
-    assert tok.pad_token_id == tok.token_to_id("<|endoftext|>")
-    rewrite_json(os.path.join(copy_dir, "tokenizer_config.json"), pad_token=None)
-    rewrite_json(os.path.join(copy_dir, "generation_config.json"), pad_token_id=None)
-    assert Tokenizer.from_model_dir(copy_dir).pad_token_id == tok.eos_token_ids[0]
+def test_eos_ids_are_the_same_without_a_tokenizer(copy_dir):
+    """One source: a checkpoint without tokenizer.json stops on the same ids."""
+    with_tokenizer = Tokenizer.from_model_dir(copy_dir).eos_token_ids
+    os.remove(os.path.join(copy_dir, "tokenizer.json"))
+    assert eos_token_ids(copy_dir) == with_tokenizer
+    os.remove(os.path.join(copy_dir, "generation_config.json"))
+    end_of_text = with_tokenizer[1]
+    assert eos_token_ids(copy_dir) == (end_of_text,)  # config.json's
 
 
 def test_chat_template_renders_chatml_with_generation_prompt(model_dir):

@@ -1,0 +1,122 @@
+"""The paged KV cache: its layout, its size, and the block manager that hands out its blocks.
+
+Layout. One K and one V tensor for the whole model, each (layers x num_slots, kv_heads,
+head_dim). A slot is one token position of one sequence; slots come in blocks of
+`block_size` consecutive slots, and a sequence's block table lists the blocks holding its
+positions in order, so position p of a sequence lives in slot
+`table[p // block_size] * block_size + p % block_size`, and its layer-l row is
+`l * num_slots + slot`. Slots are on axis 0 because MindSpore's ScatterUpdate writes rows of
+axis 0 in place (and cannot split that axis); the KV heads have their own axis, which a
+tensor-parallel plan splits (each rank holds its local heads), as in vLLM's
+blocks x block_size x kv_heads x head_dim.
+
+Block 0 is never handed out: padded tokens of a compiled call write there, and padded context
+positions read from there (their attention weight is masked to zero).
+
+This module owns all of that arithmetic; the runner and the planner call it.
+"""
+import collections
+import dataclasses
+
+import numpy as np
+
+from ..errors import MsinferError
+
+TRASH_BLOCK = 0
+DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    """Shape and bytes of one rank's KV cache."""
+
+    num_layers: int
+    kv_heads: int  # held by this rank
+    head_dim: int
+    block_size: int
+    num_blocks: int  # including the trash block
+    dtype_bytes: int
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def shape(self) -> tuple:
+        """Shape of the K tensor (and of the V tensor)."""
+        return (self.num_layers * self.num_slots, self.kv_heads, self.head_dim)
+
+    @property
+    def usable_tokens(self) -> int:
+        """Token positions sequences can hold (the trash block excluded)."""
+        return (self.num_blocks - 1) * self.block_size
+
+    @property
+    def total_bytes(self) -> int:
+        return 2 * self.num_layers * self.num_slots * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @staticmethod
+    def bytes_per_block(num_layers, kv_heads, head_dim, block_size, dtype_bytes) -> int:
+        return 2 * num_layers * block_size * kv_heads * head_dim * dtype_bytes
+
+    @classmethod
+    def from_budget(cls, budget_bytes, num_layers, kv_heads, head_dim, block_size, dtype_bytes,
+                    max_blocks=None):
+        """As many blocks as `budget_bytes` holds (at most `max_blocks` usable ones); a budget
+        without room for one usable block besides the trash block is an error."""
+        per_block = cls.bytes_per_block(num_layers, kv_heads, head_dim, block_size, dtype_bytes)
+        blocks = int(budget_bytes // per_block)
+        if blocks < 2:
+            raise MsinferError(
+                f"KV cache budget {budget_bytes} bytes holds {blocks} block(s) of "
+                f"{per_block} bytes ({block_size} tokens x {num_layers} layers x K and V x "
+                f"{kv_heads} KV heads x {head_dim} x {dtype_bytes} bytes); it needs at least 2 "
+                f"(one is reserved): raise kv_cache_memory to at least {2 * per_block}")
+        if max_blocks is not None:
+            blocks = min(blocks, max_blocks + 1)
+        return cls(num_layers, kv_heads, head_dim, block_size, blocks, dtype_bytes)
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def slots(self, block_table, positions) -> np.ndarray:
+        """Slot of each position (an int array) of a sequence with this block table."""
+        table = np.asarray(block_table, np.int64)
+        positions = np.asarray(positions, np.int64)
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def layer_offset(self, layer: int) -> int:
+        """Add to a slot to get its row in layer `layer`."""
+        return layer * self.num_slots
+
+
+class BlockManager:
+    """Free list of cache blocks; a sequence holds `seq.block_table` and gives it back whole."""
+
+    def __init__(self, layout: CacheLayout):
+        self.layout = layout
+        self.free = collections.deque(b for b in range(layout.num_blocks) if b != TRASH_BLOCK)
+
+    @property
+    def num_usable(self) -> int:
+        return self.layout.num_blocks - 1
+
+    @property
+    def num_used(self) -> int:
+        return self.num_usable - len(self.free)
+
+    def can_hold(self, seq, tokens: int) -> bool:
+        """Whether `seq` can grow to `tokens` positions with the free blocks."""
+        return self.layout.blocks_for(tokens) - len(seq.block_table) <= len(self.free)
+
+    def grow(self, seq, tokens: int) -> None:
+        """Give `seq` blocks for positions 0..tokens-1 (check `can_hold` first)."""
+        need = self.layout.blocks_for(tokens) - len(seq.block_table)
+        if need > len(self.free):
+            raise RuntimeError(f"{need} blocks asked, {len(self.free)} free")
+        for _ in range(need):
+            seq.block_table.append(self.free.popleft())
+
+    def release(self, seq) -> None:
+        self.free.extend(seq.block_table)
+        seq.block_table = []

@@ -1,0 +1,230 @@
+"""The incremental engine: add requests, step, stream their tokens, abort them.
+
+    engine.add_request("a", prompt_ids, SamplingParams(max_tokens=64))
+    while engine.has_unfinished_requests():
+        for out in engine.step():   # RequestOutput of each request that moved this step
+            ...
+
+One step = the scheduler's decisions (decodes + prefill chunks, preemptions), the runner's
+graphs, then sampling and stop checks on the host. Every rank of a sharded job runs the same
+engine; given the same add/abort calls in the same order, every rank schedules, samples and
+stops identically (requests without a seed draw from a job-wide seed).
+"""
+import dataclasses
+
+import numpy as np
+
+from .. import log
+from ..errors import MsinferError
+from ..sampling import Sampler, SamplingParams
+from ..tokenizer import IncrementalDecoder, find_stop
+from .kv_cache import BlockManager
+from .scheduler import Scheduler
+from .sequence import Sequence, Status
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str  # None when the prompt was given as token ids
+    prompt_token_ids: list
+    token_ids: list  # everything generated so far
+    text: str  # decoded so far, complete characters only, cut before a stop string
+    finished: bool = False
+    finish_reason: str = None  # "stop" (eos, stop token or stop string), "length", "abort"
+    logprobs: list = None  # per generated token {token id: logprob}, when asked
+
+
+@dataclasses.dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_blocks_total: int
+    num_blocks_used: int
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+class LLMEngine:
+    def __init__(self, runner, layout, vocab_size: int, max_model_len: int, eos_token_ids,
+                 max_num_seqs: int, max_prefill_tokens: int, seed: int, tokenizer=None):
+        """tokenizer: a callable returning the Tokenizer (loaded when first needed), or None
+        for checkpoints without tokenizer.json (token-id prompts, no text, no stop strings)."""
+        self.runner = runner
+        self.layout = layout
+        self.blocks = BlockManager(layout)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_prefill_tokens)
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = set(eos_token_ids)
+        self.seed = seed
+        self._tokenizer = tokenizer
+        self._sampler = Sampler()
+        self._requests = {}  # unfinished requests by id
+        self._arrivals = 0
+        self._aborted = []  # outputs of aborted requests, returned by the next step
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.step_count = 0
+
+    # ---- requests ----
+
+    def add_request(self, request_id: str, prompt_token_ids, params: SamplingParams = None,
+                    prompt: str = None) -> None:
+        params = params or SamplingParams()
+        ids = [int(t) for t in prompt_token_ids]
+        self.check_request(ids, params, name=f"request {request_id!r}")
+        if request_id in self._requests:
+            raise MsinferError(f"request id {request_id!r} is already running")
+        self._arrivals += 1
+        generator = (params.new_generator() if params.seed is not None
+                     else np.random.default_rng((self.seed, self._arrivals)))
+        seq = Sequence(request_id, ids, params, generator=generator, prompt=prompt,
+                       arrival=self._arrivals)
+        if params.logprobs is not None:
+            seq.logprobs = []
+        if self._tokenizer is not None:
+            seq.decoder = IncrementalDecoder(self._tokenizer())
+        self._requests[request_id] = seq
+        self.prompt_tokens_total += len(ids)
+        self.scheduler.add(seq)
+
+    def check_request(self, ids, params, name="prompt"):
+        """Refuse what could never run, with the numbers, before anything is queued."""
+        if not ids:
+            raise MsinferError(f"{name}: empty prompt: give at least one token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise MsinferError(f"{name}: token id {bad[0]} is outside the vocabulary "
+                               f"(0..{self.vocab_size - 1})")
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise MsinferError(
+                f"{name}: prompt of {len(ids)} tokens + max_tokens {params.max_tokens} = "
+                f"{total} exceeds the longest sequence, max_len {self.max_model_len}; "
+                f"shorten the prompt, lower max_tokens or raise max_len")
+        pool = self.layout.usable_tokens
+        if total > pool:
+            raise MsinferError(
+                f"{name}: prompt of {len(ids)} tokens + max_tokens {params.max_tokens} = "
+                f"{total} exceeds the whole KV cache of {pool} tokens "
+                f"({self.layout.num_blocks - 1} blocks of {self.layout.block_size}); "
+                f"raise kv_cache_memory or lower max_tokens")
+        if params.stop and self._tokenizer is None:
+            raise MsinferError(f"{name}: stop strings need the checkpoint's tokenizer.json")
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self._requests.get(request_id)
+        if seq is None:
+            log.get().warning("abort of unknown or finished request %r: nothing to do",
+                              request_id)
+            return
+        self._finish(seq, "abort")
+        self._aborted.append(self._output(seq))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_blocks_total=self.blocks.num_usable, num_blocks_used=self.blocks.num_used,
+            num_preemptions=self.scheduler.preemptions,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total)
+
+    # ---- the step ----
+
+    def step(self) -> list:
+        """Run one step; returns a RequestOutput for each request that got a token, finished or
+        was aborted since the last step."""
+        outputs, self._aborted = self._aborted, []
+        schedule = self.scheduler.schedule()
+        if schedule.empty:
+            return outputs
+        self.step_count += 1
+        sampled_seqs, logits = [], []
+        if schedule.chunks:
+            chunk_logits = self.runner.prefill(schedule.chunks)
+            for chunk in schedule.chunks:
+                chunk.seq.computed += chunk.count
+            sampled_seqs += [c.seq for c in schedule.chunks if c.completes]
+            logits.append(chunk_logits)
+        if schedule.decodes:
+            logits.append(self.runner.decode(schedule.decodes))
+            for seq in schedule.decodes:
+                seq.computed += 1
+            sampled_seqs += schedule.decodes
+        if not sampled_seqs:
+            return outputs
+        logits = np.concatenate(logits)
+        tokens = self._sampler(logits, [s.params for s in sampled_seqs],
+                               [s.generator for s in sampled_seqs])
+        for row, (seq, token) in enumerate(zip(sampled_seqs, tokens)):
+            self._append(seq, int(token), logits[row])
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _append(self, seq, token, logits):
+        seq.generated.append(token)
+        self.generation_tokens_total += 1
+        if seq.logprobs is not None:
+            seq.logprobs.append(_logprobs(logits, token, seq.params.logprobs))
+        decoder = getattr(seq, "decoder", None)
+        if decoder is not None:
+            decoder.push(token)
+        p = seq.params
+        reason = None
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            reason = "stop"
+        elif p.stop and find_stop(decoder.text, p.stop) is not None:
+            reason = "stop"
+        elif len(seq.generated) >= p.max_tokens or seq.length >= self.max_model_len:
+            reason = "length"
+        if reason:
+            self._finish(seq, reason)
+
+    def _finish(self, seq, reason):
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        del self._requests[seq.request_id]
+
+    def _output(self, seq) -> RequestOutput:
+        decoder = getattr(seq, "decoder", None)
+        text = decoder.text if decoder is not None else ""
+        if seq.params.stop:
+            cut = find_stop(text, seq.params.stop)
+            text = text[:cut] if cut is not None else text
+        return RequestOutput(request_id=seq.request_id, prompt=seq.prompt,
+                             prompt_token_ids=list(seq.prompt_token_ids),
+                             token_ids=list(seq.generated), text=text, finished=seq.finished,
+                             finish_reason=seq.finish_reason,
+                             logprobs=list(seq.logprobs) if seq.logprobs is not None else None)
+
+    # ---- compile ahead ----
+
+    def warmup(self) -> int:
+        """Compile every graph the engine can use (shapes from `runner.shapes()`); returns how
+        many were compiled. Writes and reads only the cache's reserved block."""
+        before = self.runner.compilations
+        shapes = self.runner.shapes()
+        progress = log.Progress("compiling graphs", len(shapes))
+        for done, shape in enumerate(shapes, 1):
+            self.runner.compile_shape(*shape)
+            progress.step(done, f"{shape[0]} {shape[1]} x {shape[2]}")
+        return self.runner.compilations - before
+
+
+def _logprobs(logits, token, top):
+    """{token: logprob} for the sampled token and the `top` most likely ones, from the model's
+    distribution (before temperature and truncation, as vLLM reports them)."""
+    row = logits.astype(np.float64)
+    shifted = row - row.max()
+    logprobs = shifted - np.log(np.exp(shifted).sum())
+    picked = {token: float(logprobs[token])}
+    if top:
+        for t in np.argsort(-logprobs, kind="stable")[:top]:
+            picked.setdefault(int(t), float(logprobs[t]))
+    return picked

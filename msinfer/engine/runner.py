@@ -1,0 +1,201 @@
+"""Turns one step's scheduled sequences into the tensors the compiled graphs take, runs them,
+and returns logits.
+
+Every call is padded to a shape bucket so that the set of compiled graphs is small and fixed,
+whatever the mix of prompt lengths:
+- decode: batch B (powers of two up to max_num_seqs) x context T (powers of two from 64 up to
+  max_model_len): B sequences, one token each, each over its own T gathered cache slots;
+- prefill: chunk C tokens (16, 64, 256, ... up to max_prefill_tokens) x context T: the chunk's
+  tokens (of one or several sequences) over their concatenated contexts, and the lm_head on
+  R rows (the last token of each sequence whose prompt the chunk completes; powers of two).
+In explicit mode a step is one embedding call, one call per decoder layer (one compiled
+graph shared by all layers, weights passed in) and one lm_head call; in semi_auto mode one
+whole-model call.
+"""
+import time
+
+import numpy as np
+from mindspore import Tensor, nn
+
+from ..model import (Embedding, DecoderLayer, LMHead, head_weight_names, layer_weight_names,
+                     new_cache, rotary_tables)
+from .kv_cache import TRASH_BLOCK
+
+MASKED = -1e30  # added to the float32 scores of context positions a query must not see
+
+
+def power_buckets(smallest, largest, factor=2):
+    """smallest, smallest*factor, ... capped by and always including `largest`."""
+    buckets, size = [], smallest
+    while size < largest:
+        buckets.append(size)
+        size *= factor
+    buckets.append(largest)
+    return tuple(buckets)
+
+
+def bucket_for(size, buckets):
+    for bucket in buckets:
+        if size <= bucket:
+            return bucket
+    raise ValueError(f"{size} exceeds the largest bucket {buckets[-1]}")
+
+
+class _LayerStep(nn.Cell):
+    """One decoder layer as its own graph, its cache rows offset to the layer's."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def construct(self, x, cos, sin, k_cache, v_cache, write_slots, context_slots, mask,
+                  offset, *weights):
+        return self.layer(x, cos, sin, k_cache, v_cache, write_slots + offset,
+                          context_slots + offset, mask, *weights)
+
+
+class ModelRunner:
+    def __init__(self, ctx, layout, max_num_seqs, max_prefill_tokens, max_model_len,
+                 weights=None, model=None):
+        """Explicit mode: `weights` {name: Tensor} of this rank's slices. semi_auto: `model`, a
+        Qwen2Model owning its Parameters and cache."""
+        config = ctx.config
+        self.layout = layout
+        self.dtype = ctx.dtype
+        self.num_layers = config.num_layers
+        self.model = model
+        cos, sin = rotary_tables(config.head_dim, config.rope_theta, max_model_len)
+        host = np.float16 if str(ctx.dtype) == "Float16" else np.float32
+        self.cos, self.sin = cos.astype(host), sin.astype(host)
+        self.batch_buckets = power_buckets(1, max_num_seqs)
+        self.context_buckets = power_buckets(min(64, max_model_len), max_model_len)
+        self.chunk_buckets = power_buckets(min(16, max_prefill_tokens), max_prefill_tokens, 4)
+        self.row_buckets = self.batch_buckets
+        if model is None:
+            self.embedding = Embedding(ctx)
+            self.layer = _LayerStep(DecoderLayer(ctx))
+            self.head = LMHead(ctx)
+            self.k_cache = new_cache(layout, ctx.dtype, "k_cache")
+            self.v_cache = new_cache(layout, ctx.dtype, "v_cache")
+            self.embed_weight = weights["model.embed_tokens.weight"]
+            self.layer_weights = [[weights[n] for n in layer_weight_names(i)]
+                                  for i in range(config.num_layers)]
+            self.head_weights = [weights[n] for n in head_weight_names(config)]
+            self.offsets = [Tensor(np.int32(layout.layer_offset(i)))
+                            for i in range(config.num_layers)]
+        self.graphs = [model] if model is not None else [self.embedding, self.layer, self.head]
+        # Wall time inside the graphs (inputs built, logits back on the host), by kind.
+        self.timings = {"prefill_s": 0.0, "prefill_calls": 0, "prefill_tokens": 0,
+                        "decode_s": 0.0, "decode_steps": 0, "decode_tokens": 0}
+
+    @property
+    def compilations(self) -> int:
+        return sum(len(g.compile_cache) for g in self.graphs)
+
+    # ---- one step's inputs ----
+
+    def decode(self, seqs):
+        """Logits (len(seqs), vocab) of the next token of each sequence (one pending token
+        each: the last, at position length - 1)."""
+        count = len(seqs)
+        batch = bucket_for(count, self.batch_buckets)
+        context = bucket_for(max(s.length for s in seqs), self.context_buckets)
+        ids = np.zeros(batch, np.int32)
+        positions = np.zeros(batch, np.int64)
+        write = np.full(batch, TRASH_BLOCK * self.layout.block_size, np.int64)
+        slots = np.full((batch, context), TRASH_BLOCK * self.layout.block_size, np.int64)
+        mask = np.full((batch, 1, context), MASKED, np.float32)
+        for i, seq in enumerate(seqs):
+            n = seq.length
+            ids[i] = seq.tokens[-1]
+            positions[i] = n - 1
+            row_slots = self.layout.slots(seq.block_table, np.arange(n))
+            write[i] = row_slots[-1]
+            slots[i, :n] = row_slots
+            mask[i, 0, :n] = 0.0
+        rows = np.arange(batch, dtype=np.int32)
+        start = time.perf_counter()
+        logits = self._run(ids, positions, write, slots.reshape(-1), mask, rows)[:count]
+        self._time("decode", start, count)
+        return logits
+
+    def prefill(self, chunks):
+        """Runs the chunks (each writes its tokens' K/V); returns logits (k, vocab) for the k
+        chunks that complete their sequence's pending tokens, in chunk order."""
+        total = sum(c.count for c in chunks)
+        size = bucket_for(total, self.chunk_buckets)
+        context = bucket_for(sum(c.start + c.count for c in chunks), self.context_buckets)
+        trash = TRASH_BLOCK * self.layout.block_size
+        ids = np.zeros(size, np.int32)
+        positions = np.zeros(size, np.int64)
+        write = np.full(size, trash, np.int64)
+        owner = np.full(size, -1, np.int64)  # which chunk each token belongs to
+        slots = np.full(context, trash, np.int64)
+        context_owner = np.full(context, -2, np.int64)
+        context_position = np.zeros(context, np.int64)
+        rows = []
+        token, filled = 0, 0
+        for i, c in enumerate(chunks):
+            end = c.start + c.count
+            span = np.arange(c.start, end)
+            seq_slots = self.layout.slots(c.seq.block_table, np.arange(end))
+            ids[token:token + c.count] = c.seq.tokens[c.start:end]
+            positions[token:token + c.count] = span
+            write[token:token + c.count] = seq_slots[c.start:]
+            owner[token:token + c.count] = i
+            slots[filled:filled + end] = seq_slots
+            context_owner[filled:filled + end] = i
+            context_position[filled:filled + end] = np.arange(end)
+            token += c.count
+            filled += end
+            if c.completes:
+                rows.append(token - 1)
+        visible = ((owner[:, None] == context_owner[None, :])
+                   & (context_position[None, :] <= positions[:, None]))
+        mask = np.where(visible, 0.0, MASKED).astype(np.float32)[None]
+        row_count = max(len(rows), 1)
+        padded_rows = np.zeros(bucket_for(row_count, self.row_buckets), np.int32)
+        padded_rows[:len(rows)] = rows
+        start = time.perf_counter()
+        logits = self._run(ids, positions, write, slots, mask, padded_rows)[:len(rows)]
+        self._time("prefill", start, total)
+        return logits
+
+    def _time(self, kind, start, tokens):
+        t = self.timings
+        t[f"{kind}_s"] += time.perf_counter() - start
+        t["prefill_calls" if kind == "prefill" else "decode_steps"] += 1
+        t[f"{kind}_tokens"] += tokens
+
+    def _run(self, ids, positions, write, context_slots, mask, rows):
+        cos = Tensor(self.cos[positions][:, None, :])
+        sin = Tensor(self.sin[positions][:, None, :])
+        args = (Tensor(write.astype(np.int32)), Tensor(context_slots.astype(np.int32)),
+                Tensor(mask))
+        if self.model is not None:
+            return self.model(Tensor(ids), cos, sin, *args, Tensor(rows)).asnumpy()
+        x = self.embedding(Tensor(ids), self.embed_weight)
+        for weights, offset in zip(self.layer_weights, self.offsets):
+            x = self.layer(x, cos, sin, self.k_cache, self.v_cache, *args, offset, *weights)
+        return self.head(x, Tensor(rows), *self.head_weights).asnumpy()
+
+    # ---- compile ahead ----
+
+    def shapes(self):
+        """Every (kind, tokens-or-batch, context) this runner may compile."""
+        decode = [("decode", b, t) for b in self.batch_buckets for t in self.context_buckets]
+        prefill = [("prefill", c, t) for c in self.chunk_buckets for t in self.context_buckets
+                   if t >= c]
+        return decode + prefill
+
+    def compile_shape(self, kind, size, context, rows=1):
+        """Runs one padded call of that shape that writes and reads only the trash block."""
+        trash = TRASH_BLOCK * self.layout.block_size
+        tokens = size
+        mask = np.zeros((size, 1, context) if kind == "decode" else (1, size, context),
+                        np.float32)
+        slots = np.full(size * context if kind == "decode" else context, trash, np.int64)
+        rows = np.zeros(bucket_for(size if kind == "decode" else rows, self.row_buckets),
+                        np.int32)
+        self._run(np.zeros(tokens, np.int32), np.zeros(tokens, np.int64),
+                  np.full(tokens, trash, np.int64), slots, mask, rows)

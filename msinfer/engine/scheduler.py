@@ -1,0 +1,117 @@
+"""Which sequences run in the next engine step: continuous batching with chunked prefill.
+
+Pure Python over `Sequence`s and a `BlockManager`: no model, no clock, no randomness, so every
+rank of a sharded job that sees the same requests in the same order makes the same decisions.
+
+Each step:
+1. decode every admitted sequence with exactly one pending token. One that needs a new block
+   when none is free preempts the latest-admitted running sequence (its blocks are freed and it
+   goes back to the front of the queue, to be recomputed later; possibly itself);
+2. fill the prefill budget (`max_prefill_tokens`) with chunks: first of sequences already
+   prefilling, then of waiting ones admitted in arrival order while there is a sequence slot
+   (`max_num_seqs`) and free blocks for the whole prompt (so an admitted prefill never stalls
+   for blocks). A queue head that does not fit waits; nothing overtakes it.
+"""
+import collections
+import dataclasses
+
+from .kv_cache import BlockManager
+from .sequence import Sequence, Status
+
+
+@dataclasses.dataclass
+class Chunk:
+    """Prefill of positions start .. start + count - 1 of `seq`."""
+
+    seq: Sequence
+    start: int
+    count: int
+
+    @property
+    def completes(self) -> bool:
+        """Reaches the sequence's last token: its logits give the next token."""
+        return self.start + self.count == self.seq.length
+
+
+@dataclasses.dataclass
+class Schedule:
+    decodes: list
+    chunks: list
+    preempted: list
+
+    @property
+    def empty(self) -> bool:
+        return not self.decodes and not self.chunks
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_prefill_tokens: int):
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting = collections.deque()
+        self.running = []  # admitted, in admission order
+        self.preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a finished or aborted sequence out and free its blocks at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.release(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def schedule(self) -> Schedule:
+        preempted = []
+        decodes = []
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING or seq.prefilling:
+                continue
+            while not self.blocks.can_hold(seq, seq.length):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is Status.RUNNING:
+                self.blocks.grow(seq, seq.length)
+                decodes.append(seq)
+        decodes = [s for s in decodes if s.status is Status.RUNNING]
+
+        chunks = []
+        budget = self.max_prefill_tokens
+        for seq in self.running:
+            if budget and seq.prefilling:
+                chunks.append(self._chunk(seq, budget))
+                budget -= chunks[-1].count
+        while budget and self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.blocks.can_hold(seq, seq.length):
+                break
+            self.waiting.popleft()
+            self.blocks.grow(seq, seq.length)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            if seq.prefilling:
+                chunks.append(self._chunk(seq, budget))
+                budget -= chunks[-1].count
+            # else: a one-token prompt, decoded from the next step on
+        return Schedule(decodes, chunks, preempted)
+
+    def _chunk(self, seq, budget):
+        return Chunk(seq, seq.computed, min(seq.pending, budget))
+
+    def _preempt(self, seq):
+        self.running.remove(seq)
+        self.blocks.release(seq)
+        seq.computed = 0
+        seq.status = Status.WAITING
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)

@@ -1,0 +1,152 @@
+"""The KV cache's block arithmetic and the scheduler's decisions, without a model.
+
+A fake forward pass moves `computed` and appends a token, as the engine does after sampling,
+so whole runs of the scheduler can be checked for what a serving engine promises: FCFS
+admission within the chunk budget and the sequence slots, decodes every step, blocks freed
+at once, preemption of the latest arrival when blocks run out, and identical decisions when
+replayed (what keeps the ranks of a sharded job in lockstep).
+"""
+import numpy as np
+import pytest
+
+from msinfer.engine.kv_cache import TRASH_BLOCK, BlockManager, CacheLayout
+from msinfer.engine.scheduler import Scheduler
+from msinfer.engine.sequence import Sequence, Status
+from msinfer.errors import MsinferError
+from msinfer.sampling import SamplingParams
+
+
+def layout(blocks, block_size=4):
+    return CacheLayout(num_layers=2, kv_heads=2, head_dim=8, block_size=block_size,
+                       num_blocks=blocks, dtype_bytes=4)
+
+
+def seq(name, prompt_len, max_tokens=8, arrival=0):
+    return Sequence(name, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens),
+                    arrival=arrival)
+
+
+def run_step(scheduler, done=()):
+    """One engine step with a fake model: every chunk and decode is computed, sequences that
+    finish their pending tokens get a token; those in `done` then finish."""
+    schedule = scheduler.schedule()
+    for chunk in schedule.chunks:
+        chunk.seq.computed += chunk.count
+        if chunk.completes:
+            chunk.seq.generated.append(7)
+    for s in schedule.decodes:
+        s.computed += 1
+        s.generated.append(7)
+    for s in list(scheduler.running):
+        if s.request_id in done or len(s.generated) >= s.params.max_tokens:
+            s.status = Status.FINISHED
+            scheduler.remove(s)
+    return schedule
+
+
+def test_slots_follow_the_block_table_and_layers_are_offset():
+    cache = layout(blocks=10, block_size=4)
+    assert cache.shape == (2 * 40, 2, 8)
+    assert cache.slots([3, 7], [0, 3, 4, 6]).tolist() == [12, 15, 28, 30]
+    assert cache.layer_offset(1) == 40
+    assert cache.usable_tokens == 36  # the trash block is never handed out
+    assert cache.total_bytes == 2 * 2 * 40 * 2 * 8 * 4
+
+
+def test_budget_sizes_the_pool_and_too_small_a_budget_is_a_clear_error():
+    per_block = CacheLayout.bytes_per_block(2, 2, 8, 4, 4)
+    assert CacheLayout.from_budget(10 * per_block + 5, 2, 2, 8, 4, 4).num_blocks == 10
+    assert CacheLayout.from_budget(10 * per_block, 2, 2, 8, 4, 4, max_blocks=3).num_blocks == 4
+    with pytest.raises(MsinferError, match="at least 2"):
+        CacheLayout.from_budget(per_block + 1, 2, 2, 8, 4, 4)
+
+
+def test_block_manager_never_hands_out_the_trash_block_and_takes_blocks_back():
+    blocks = BlockManager(layout(blocks=4))
+    s = seq("a", 9)
+    assert blocks.can_hold(s, 12) and not blocks.can_hold(s, 13)
+    blocks.grow(s, 9)
+    assert len(s.block_table) == 3 and TRASH_BLOCK not in s.block_table
+    assert blocks.num_used == 3
+    blocks.release(s)
+    assert blocks.num_used == 0 and s.block_table == []
+
+
+def test_chunks_fill_the_budget_in_arrival_order_and_long_prompts_continue():
+    scheduler = Scheduler(BlockManager(layout(blocks=64)), max_num_seqs=8,
+                          max_prefill_tokens=16)
+    for i, n in enumerate((10, 30, 3)):
+        scheduler.add(seq(f"s{i}", n, arrival=i))
+    first = scheduler.schedule()
+    assert [(c.seq.request_id, c.start, c.count) for c in first.chunks] == [("s0", 0, 10),
+                                                                            ("s1", 0, 6)]
+    assert [c.completes for c in first.chunks] == [True, False]
+    for c in first.chunks:
+        c.seq.computed += c.count
+    first.chunks[0].seq.generated.append(7)
+    second = scheduler.schedule()
+    assert [s.request_id for s in second.decodes] == ["s0"]
+    assert [(c.seq.request_id, c.start, c.count) for c in second.chunks] == [("s1", 6, 16)]
+    assert list(scheduler.waiting)[0].request_id == "s2"  # budget spent: it waits
+
+
+def test_max_num_seqs_and_free_blocks_gate_admission_and_nothing_overtakes_the_head():
+    scheduler = Scheduler(BlockManager(layout(blocks=5)), max_num_seqs=2,
+                          max_prefill_tokens=64)
+    scheduler.add(seq("big", 12, arrival=0))  # 3 of the 4 usable blocks
+    scheduler.add(seq("too-big-now", 8, arrival=1))  # 2 blocks: does not fit yet
+    scheduler.add(seq("small", 2, arrival=2))  # would fit, but must not overtake
+    schedule = scheduler.schedule()
+    assert [c.seq.request_id for c in schedule.chunks] == ["big"]
+    assert [s.request_id for s in scheduler.waiting] == ["too-big-now", "small"]
+
+
+def test_a_sequence_out_of_blocks_preempts_the_latest_arrival_which_resumes_first():
+    scheduler = Scheduler(BlockManager(layout(blocks=5)), max_num_seqs=4,
+                          max_prefill_tokens=64)
+    a, b = seq("a", 4, max_tokens=10, arrival=0), seq("b", 4, max_tokens=10, arrival=1)
+    scheduler.add(a)
+    scheduler.add(b)
+    run_step(scheduler)  # both prefilled: 1 block each, 5 tokens each
+    assert scheduler.blocks.num_used == 2
+    preempted = []
+    for _ in range(6):
+        preempted += run_step(scheduler).preempted
+    assert preempted and preempted[0] is b  # the latest arrival goes
+    assert b.preemptions >= 1 and scheduler.preemptions >= 1
+    assert b.computed == 0 or b.status is Status.RUNNING  # recomputed from scratch
+    while scheduler.has_work():
+        run_step(scheduler)
+    assert len(a.generated) == len(b.generated) == 10
+    assert scheduler.blocks.num_used == 0
+
+
+def test_finished_sequences_free_their_blocks_at_once():
+    scheduler = Scheduler(BlockManager(layout(blocks=16)), max_num_seqs=4,
+                          max_prefill_tokens=64)
+    scheduler.add(seq("a", 6))
+    run_step(scheduler)
+    used = scheduler.blocks.num_used
+    assert used == 2
+    run_step(scheduler, done=("a",))
+    assert scheduler.blocks.num_used == 0 and not scheduler.has_work()
+
+
+def test_same_requests_same_order_give_the_same_decisions():
+    """Every rank replays the same add calls: the schedules must be identical."""
+    def replay():
+        rng = np.random.default_rng(0)
+        scheduler = Scheduler(BlockManager(layout(blocks=12)), max_num_seqs=3,
+                              max_prefill_tokens=8)
+        trace = []
+        for step in range(60):
+            if step % 3 == 0:
+                scheduler.add(seq(f"r{step}", int(rng.integers(1, 14)),
+                                  max_tokens=int(rng.integers(1, 9)), arrival=step))
+            s = run_step(scheduler)
+            trace.append(([x.request_id for x in s.decodes],
+                          [(c.seq.request_id, c.start, c.count) for c in s.chunks],
+                          [x.request_id for x in s.preempted]))
+        return trace
+
+    assert replay() == replay()
