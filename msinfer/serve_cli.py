@@ -17,6 +17,7 @@ import time
 
 from . import log
 from .errors import MsinferError
+from .plan import add_engine_arguments
 
 _DEAD_RANK_GRACE = 2.0  # seconds /health reports the failure before rank 0 exits
 
@@ -43,15 +44,7 @@ def register_cli(subparsers):
     p.add_argument("--strategy", default=None, help="strategy YAML (default: one device)")
     p.add_argument("--hardware", default="cpu", help="hardware profile (default: cpu)")
     p.add_argument("--parallel-mode", choices=("explicit", "semi_auto"), default=None)
-    p.add_argument("--max-len", type=int, default=None,
-                   help="longest prompt + output, as vLLM's --max-model-len")
-    p.add_argument("--kv-cache-memory", default=None,
-                   help="memory for the paged KV cache per device")
-    p.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
-    p.add_argument("--max-prefill-tokens", type=int, default=None,
-                   help="prompt tokens per step (the prefill chunk)")
-    p.add_argument("--max-num-seqs", type=int, default=None,
-                   help="requests in the running batch at most")
+    add_engine_arguments(p)
     p.add_argument("--dtype", default=None, help="compute dtype override")
     p.add_argument("--rank-table", default=None, help="HCCL rank table (Ascend rank-table mode)")
     p.set_defaults(func=run)
@@ -64,10 +57,6 @@ def _check_args(args):
         raise MsinferError(f"--max-queue {args.max_queue}: must be at least 1")
     if args.shutdown_timeout < 0:
         raise MsinferError(f"--shutdown-timeout {args.shutdown_timeout}: must be >= 0")
-    for name in ("max_len", "block_size", "max_prefill_tokens", "max_num_seqs"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise MsinferError(f"--{name.replace('_', '-')} {value}: must be at least 1")
 
 
 def run(args):
@@ -76,12 +65,11 @@ def run(args):
     from .server.lockstep import follow
 
     _check_args(args)
-    engine_options = {k: getattr(args, k) for k in (
-        "max_len", "kv_cache_memory", "block_size", "max_prefill_tokens", "max_num_seqs")
-        if getattr(args, k) is not None}
     llm = LLM(args.model, strategy=args.strategy, hardware=args.hardware,
-              parallel_mode=args.parallel_mode, dtype=args.dtype, rank_table=args.rank_table,
-              **engine_options)
+              parallel_mode=args.parallel_mode, max_len=args.max_len, dtype=args.dtype,
+              rank_table=args.rank_table, kv_cache_memory=args.kv_cache_memory,
+              block_size=args.block_size, max_prefill_tokens=args.max_prefill_tokens,
+              max_num_seqs=args.max_num_seqs)
     logger = log.get()
     logger.info("serve: rank %d is process %d", llm.dist.rank, os.getpid())
     channel = open_channel(llm.dist)
