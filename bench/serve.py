@@ -363,7 +363,8 @@ def main(argv=None):
     p.add_argument("--range-ratio", type=float, default=0.5)
     p.add_argument("--warmup", type=int, default=4, help="requests before measuring")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--soak", type=int, default=0, help="after the rates: this many requests")
+    p.add_argument("--soak", type=int, default=0, help="after the rates: this many requests "
+                   "(on --url, or the msinfer tp1 server)")
     p.add_argument("--soak-rate", type=float, default=4.0)
     p.add_argument("--disconnect-fraction", type=float, default=0.1,
                    help="share of soak clients that leave after 1-3 chunks")
@@ -412,7 +413,7 @@ def main(argv=None):
                     "msinfer_handoff_seconds_sum", "msinfer_handoff_seconds_count",
                     "msinfer_engine_step_seconds_sum", "msinfer_engine_step_seconds_count",
                     "msinfer_num_preemptions_total", "msinfer_kv_blocks_total"))
-            if args.soak and side.startswith("msinfer"):
+            if args.soak and side == "msinfer":
                 report.setdefault("soak", {})[side] = soak(url, model, args)
         finally:
             report.setdefault("exit_codes", {})[side] = stop_server(process)
