@@ -175,7 +175,7 @@ def start_server(side, args, port):
         else:
             command = [sys.executable, "-m", "msinfer"] + serve
         model = "bench"
-    log = open(os.path.join(args.out_dir, f"serve_{side}.log"), "w")
+    log = open(os.path.join(args.log_dir, f"serve_{side}.log"), "w")
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
                                start_new_session=True)
     return process, model
@@ -377,11 +377,12 @@ def main(argv=None):
     if args.start and not args.model_dir:
         p.error("--start needs --model-dir")
     args.out_dir = os.path.dirname(os.path.abspath(args.out))
+    args.log_dir = os.path.join(args.out_dir, "logs")  # the servers' output, not committed
+    os.makedirs(args.log_dir, exist_ok=True)
     if args.start and not args.keep_tokenizer:
         args.model_dir = with_visible_vocabulary(args.model_dir)
         if args.tp4_model_dir:
             args.tp4_model_dir = with_visible_vocabulary(args.tp4_model_dir)
-    os.makedirs(args.out_dir, exist_ok=True)
 
     requests = make_requests(args, load_tokenizer(args))
     report = {"workload": {k: getattr(args, k) for k in (
