@@ -31,6 +31,9 @@ class ByteTokenizer:
         return bytes(i for i in ids if i < 256 and i != EOS).decode(errors="replace")
 
     def apply_chat_template(self, messages):
+        roles = [m["role"] for m in messages]
+        if any(a == b for a, b in zip(roles, roles[1:])):  # as many templates' raise_exception
+            raise MsinferError("chat_template: roles must alternate")
         return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
 
 

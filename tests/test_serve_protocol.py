@@ -188,6 +188,7 @@ def test_bad_completion_requests_get_an_openai_error_and_the_server_keeps_servin
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{}]}, "tools"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
      "top_logprobs"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}] * 2}, "alternate"),
 ])
 def test_bad_chat_requests_get_400(server, body, needle):
     response = raw(server, "/v1/chat/completions", body)

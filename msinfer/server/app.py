@@ -117,7 +117,7 @@ def build_app(engine_loop, tokenizer, config, metrics):
         prompts = []
         for prompt in body.prompts():
             if isinstance(prompt, str):
-                prompts.append((prompt, tokenizer.encode(prompt) if prompt else []))
+                prompts.append((prompt, _tokenize(tokenizer.encode, prompt) if prompt else []))
             else:
                 prompts.append((None, list(prompt)))
         return await _serve(CompletionsFormat(body, config.model_names[0], tokenizer),
@@ -126,8 +126,9 @@ def build_app(engine_loop, tokenizer, config, metrics):
     @app.post("/v1/chat/completions")
     async def chat(body: p.ChatCompletionRequest, request: Request):
         _check(body)
-        text = tokenizer.apply_chat_template([m.as_template_message() for m in body.messages])
-        ids = tokenizer.encode(text)
+        text = _tokenize(tokenizer.apply_chat_template,
+                         [m.as_template_message() for m in body.messages])
+        ids = _tokenize(tokenizer.encode, text)
         max_tokens = body.token_budget() or max(1, config.max_model_len - len(ids))
         return await _serve(ChatFormat(body, config.model_names[0], tokenizer),
                             [(text, ids)], max_tokens, body.logprobs_count(), request)
@@ -244,6 +245,15 @@ def build_app(engine_loop, tokenizer, config, metrics):
         return fmt.response(tracks, _usage(tracks))
 
     return app
+
+
+def _tokenize(step, value):
+    """A tokenizer step; its refusals (no tokenizer.json, a template's raise_exception) are
+    the request's fault: 400."""
+    try:
+        return step(value)
+    except MsinferError as e:
+        raise ApiError(400, str(e)) from None
 
 
 async def _client_left(request):
