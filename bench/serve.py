@@ -160,8 +160,12 @@ def start_server(side, args, port):
     if side == "hf":
         exe = shutil.which("transformers") or os.path.join(os.path.dirname(sys.executable),
                                                            "transformers")
+        # The same KV budget and prefill chunk as msinfer's defaults (1024 blocks of 16
+        # tokens, 256 tokens per batch): HF otherwise sizes its cache by the host's memory.
         command = [exe, "serve", args.model_dir, "--continuous-batching", "--device", "cpu",
-                   "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port)]
+                   "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
+                   "--cb-block-size", "16", "--cb-num-blocks", "1024",
+                   "--cb-max-batch-tokens", "256"]
         model = args.model_dir
     else:
         serve = ["serve", "--model", args.model_dir, "--port", str(port),
@@ -337,6 +341,16 @@ def load_tokenizer(args):
     return tokenizers.Tokenizer.from_file(os.path.join(directory, "tokenizer.json"))
 
 
+def _earlier_report(path, report):
+    """--append: the earlier run's servers stay unless measured again (same workload only)."""
+    with open(path) as f:
+        earlier = json.load(f)
+    if earlier["workload"] != report["workload"]:
+        raise SystemExit(f"--append: {path} measured another workload: {earlier['workload']}")
+    earlier.setdefault("appended", []).append(report["started"])
+    return earlier
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--url", help="benchmark this running server")
@@ -369,6 +383,8 @@ def main(argv=None):
     p.add_argument("--disconnect-fraction", type=float, default=0.1,
                    help="share of soak clients that leave after 1-3 chunks")
     p.add_argument("--ready-timeout", type=int, default=1200)
+    p.add_argument("--append", action="store_true",
+                   help="add this run's servers to an existing OUT.json of the same workload")
     p.add_argument("--out", default=os.path.join(BENCH, "results", "serve"),
                    help="writes OUT.json, OUT.png, OUT.md")
     args = p.parse_args(argv)
@@ -393,6 +409,8 @@ def main(argv=None):
     report["workload"]["model"] = args.model_dir or args.url
     report["workload"]["prompt_tokens_mean"] = statistics.fmean(n for _, n, _ in requests)
     report["workload"]["max_tokens_mean"] = statistics.fmean(o for _, _, o in requests)
+    if args.append and os.path.exists(args.out + ".json"):
+        report = _earlier_report(args.out + ".json", report)
     if args.url:
         model = args.model or httpx.get(args.url + "/v1/models").json()["data"][0]["id"]
         report["servers"][args.url] = bench_url(args.url, model, args, requests)
@@ -404,6 +422,7 @@ def main(argv=None):
         url = f"http://127.0.0.1:{port}"
         print(f"{side}: starting on {url} ...", file=sys.stderr, flush=True)
         process, model = start_server(side, args, port)
+        report.setdefault("commands", {})[side] = " ".join(process.args)
         try:
             started = time.monotonic()
             wait_healthy(url, process, args.ready_timeout)
