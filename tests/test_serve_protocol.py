@@ -3,7 +3,6 @@ protocol, streaming, errors, back-pressure, disconnects and metrics, in seconds.
 
 The same routes over the real engine, as a `msinfer serve` process: tests/test_serve.py."""
 import asyncio
-import contextlib
 import json
 import socket
 import threading
@@ -19,7 +18,7 @@ from msinfer.server.handoff import Leader
 from msinfer.server.lockstep import EngineLoop
 from msinfer.server.metrics import ServerMetrics
 
-from fake_engine import EOS, expected_ids, fake_llm
+from fake_engine import expected_ids, fake_llm
 
 MODEL = "fake-model"
 
