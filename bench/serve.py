@@ -300,7 +300,7 @@ def chart(report, path):
         ax.grid(alpha=0.3)
     axes[0].legend()
     w = report["workload"]
-    fig.suptitle(f"{w['model']}: {w['num_prompts']} requests per rate, prompt ~{w['input_len']} "
+    fig.suptitle(f"{os.path.relpath(w['model'], ROOT)}: {w['num_prompts']} requests per rate, prompt ~{w['input_len']} "
                  f"and output ~{w['output_len']} tokens (+-{int(100 * w['range_ratio'])}%)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
