@@ -53,12 +53,16 @@ def open_channel(dist):
 
 
 def _leader_host():
-    """Where rank 0 listens: loopback when the whole job is on this host (the default)."""
+    """Where rank 0 listens: loopback when the whole job is on this host, else this host's
+    address as the others reach it (as the mpirun bridge's scheduler does);
+    MSINFER_HANDOFF_HOST overrides."""
+    from ..distributed import spans_hosts
+    from ..ranktable import host_ip
+
     if os.environ.get("MSINFER_HANDOFF_HOST"):
         return socket.gethostbyname(os.environ["MSINFER_HANDOFF_HOST"])
-    sched = os.environ.get("MS_SCHED_HOST", "127.0.0.1")
-    if os.environ.get("MSINFER_MULTI_HOST") or not sched.startswith("127."):
-        return socket.gethostbyname(socket.gethostname())
+    if spans_hosts() or not os.environ.get("MS_SCHED_HOST", "127.0.0.1").startswith("127."):
+        return host_ip()
     return "127.0.0.1"
 
 
