@@ -17,6 +17,7 @@ import time
 import numpy as np
 from mindspore import Tensor, nn
 
+from .. import log
 from ..model import (Embedding, DecoderLayer, LMHead, head_weight_names, layer_weight_names,
                      new_cache, rotary_tables)
 from .kv_cache import TRASH_BLOCK
@@ -114,9 +115,9 @@ class ModelRunner:
             slots[i, :n] = row_slots
             mask[i, 0, :n] = 0.0
         rows = np.arange(batch, dtype=np.int32)
-        start = time.perf_counter()
+        start, compiled = time.perf_counter(), self.compilations
         logits = self._run(ids, positions, write, slots.reshape(-1), mask, rows)[:count]
-        self._time("decode", start, count)
+        self._time("decode", start, count, compiled, f"batch {batch} x context {context}")
         return logits
 
     def prefill(self, chunks):
@@ -156,14 +157,18 @@ class ModelRunner:
         row_count = max(len(rows), 1)
         padded_rows = np.zeros(bucket_for(row_count, self.row_buckets), np.int32)
         padded_rows[:len(rows)] = rows
-        start = time.perf_counter()
+        start, compiled = time.perf_counter(), self.compilations
         logits = self._run(ids, positions, write, slots, mask, padded_rows)[:len(rows)]
-        self._time("prefill", start, total)
+        self._time("prefill", start, total, compiled, f"chunk {size} x context {context}")
         return logits
 
-    def _time(self, kind, start, tokens):
+    def _time(self, kind, start, tokens, compiled_before, shape):
         t = self.timings
-        t[f"{kind}_s"] += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        if self.compilations > compiled_before:  # a first call of this shape: say why it was slow
+            log.get().info("compiled %s graphs for %s in %.1fs (%d graphs so far)", kind, shape,
+                           seconds, self.compilations)
+        t[f"{kind}_s"] += seconds
         t["prefill_calls" if kind == "prefill" else "decode_steps"] += 1
         t[f"{kind}_tokens"] += tokens
 
