@@ -1,6 +1,7 @@
 """`msinfer launch`: check the plan, then start one process per device under mpirun or msrun.
 
     msinfer launch --nproc 4 --strategy strategies/qwen2_tp4.yaml -- generate --model DIR ...
+    msinfer launch --nproc 4 --strategy strategies/qwen2_tp4.yaml -- commtest
 
 The planner runs first, on this machine, so a plan that cannot work on the hardware (too big,
 bf16 on 310P, pipeline stages on cards without P2P copy) is refused before any process
@@ -20,6 +21,9 @@ import threading
 from .distributed import free_port
 from .errors import MsinferError
 
+# The msinfer commands every rank runs, and whether each runs a model (planned first).
+RANK_COMMANDS = {"generate": True, "commtest": False}
+
 
 def register_cli(subparsers):
     p = subparsers.add_parser(
@@ -35,7 +39,7 @@ def register_cli(subparsers):
                    help="stop the whole job after this many seconds")
     p.add_argument("--log-dir", default="msrun_log", help="msrun's worker logs")
     p.add_argument("--dry-run", action="store_true", help="print the command, do not run it")
-    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- generate ...",
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- generate|commtest ...",
                    help="the msinfer command every rank runs")
     p.set_defaults(func=run)
 
@@ -44,15 +48,18 @@ def run(args):
     rank_args = list(args.command)
     if rank_args and rank_args[0] == "--":
         rank_args = rank_args[1:]
-    if not rank_args or rank_args[0] != "generate":
-        raise MsinferError("give the rank command after --, e.g. "
+    if not rank_args or rank_args[0] not in RANK_COMMANDS:
+        raise MsinferError(f"give the rank command ({', '.join(RANK_COMMANDS)}) after --, e.g. "
                            "`msinfer launch --nproc 4 --strategy S -- generate --model DIR ...`")
     rank_args = _with_option(rank_args, "--strategy", args.strategy)
     rank_args = _with_option(rank_args, "--hardware", args.hardware)
     if args.rank_table:
         rank_args = _with_option(rank_args, "--rank-table", args.rank_table)
-    generate = _parse_generate(rank_args)
-    _check_plan(args, generate)
+    rank_command = _parse_rank_command(rank_args)
+    if RANK_COMMANDS[rank_args[0]]:
+        _check_plan(args, rank_command)
+    else:
+        _check_world_size(args, rank_command)
     command = (_mpirun_command(args, rank_args) if args.launcher == "mpirun"
                else _msrun_command(args, rank_args))
     print("msinfer launch: " + shlex.join(command), file=sys.stderr, flush=True)
@@ -68,21 +75,27 @@ def _with_option(argv, option, value):
     return argv + [option, value]
 
 
-def _parse_generate(rank_args):
+def _parse_rank_command(rank_args):
     from .cli import build_parser
     return build_parser().parse_args(rank_args)
+
+
+def _check_world_size(args, rank_command):
+    from .strategy import load_strategy
+
+    strategy = load_strategy(rank_command.strategy)
+    if args.nproc != strategy.world_size:
+        raise MsinferError(f"--nproc {args.nproc} but {strategy.source} has world_size "
+                           f"{strategy.world_size}")
+    return strategy
 
 
 def _check_plan(args, generate):
     from .config import load_config
     from .hardware import get_profile
     from .plan import DEFAULT_MAX_LEN, check_plan_or_raise, format_plan
-    from .strategy import load_strategy
 
-    strategy = load_strategy(generate.strategy)
-    if args.nproc != strategy.world_size:
-        raise MsinferError(f"--nproc {args.nproc} but {strategy.source} has world_size "
-                           f"{strategy.world_size}")
+    strategy = _check_world_size(args, generate)
     config = load_config(generate.model)
     max_len = generate.max_len or min(config.max_position_embeddings, DEFAULT_MAX_LEN)
     plan = check_plan_or_raise(config, strategy, get_profile(generate.hardware),
