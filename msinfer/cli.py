@@ -14,6 +14,7 @@ from .errors import MsinferError
 
 _SUBCOMMAND_MODULES = (
     "msinfer.commtest",
+    "msinfer.doctor",
     "msinfer.generate_cli",
     "msinfer.launch_cli",
     "msinfer.plan",
