@@ -55,9 +55,9 @@ def register_cli(subparsers):
                    help="strategy YAML: its tensor groups are measured too (default: the "
                         "world only)")
     p.add_argument("--hardware", default="cpu", help="hardware profile (default: cpu)")
-    p.add_argument("--model", default="qwen2-72b",
-                   help="model directory or preset the strategy is resolved against; only "
-                        "its groups matter here (default: qwen2-72b, which splits 1-16 ways)")
+    p.add_argument("--model", default=None,
+                   help="model directory or preset: also estimate the time its collectives "
+                        "take per decoded token from the measured sizes")
     p.add_argument("--rank-table", default=None, help="HCCL rank table (rank-table mode)")
     p.add_argument("--min-bytes", default="8", help="smallest message (default 8, as hccl_test)")
     p.add_argument("--max-bytes", default=None,
@@ -188,6 +188,9 @@ def run(args):
     table = all_gather_rows(local.reshape(1, -1)).reshape(info.world_size, len(results), 3)
     report = _report(info, profile, dtype, args, groups, skipped, results, table, chips,
                      chips_note)
+    if args.model:
+        report["model_estimate"] = model_estimate(args.model, strategy, profile, dtype,
+                                                  report["results"])
     if info.rank == 0:
         text = json.dumps(report, indent=2)
         if args.output:
@@ -209,7 +212,8 @@ def _strategy_and_plan(args):
         strategy = load_strategy(args.strategy)
     else:
         strategy = Strategy.default(tensor=_job_size())  # the world is the tensor group
-    return strategy, strategy.resolve(load_config(args.model))
+    # Only the strategy's groups matter here; qwen2-72b splits any tensor degree up to 16.
+    return strategy, strategy.resolve(load_config(args.model or "qwen2-72b"))
 
 
 def _job_size():
@@ -359,7 +363,7 @@ def _report(info, profile, dtype, args, groups, skipped, results, table, chips, 
         rows.append({"group": r["scope"], "op": r["op"], "ranks_per_group": r["ranks"],
                      "groups": len(groups[r["scope"]]), "size_bytes": r["size"],
                      "count": r["count"], "time_us": round(seconds * 1e6, 3),
-                     "algbw_gbps": round(algbw, 6), "busbw_gbps": round(busbw, 6),
+                     "algbw_gbps": algbw, "busbw_gbps": busbw,
                      "check": "success" if bool(np.all(oks[ran] == 1)) else "failed",
                      "failed_ranks": [int(k) for k in np.nonzero(ran & (oks != 1))[0]],
                      "wrong_senders": sorted({int(k) for k in sources[~np.isnan(sources)]})})
@@ -397,6 +401,7 @@ def format_report(report):
             f"{row['size_bytes']:>10} {row['count']:>9} {row['time_us']:>11.2f} "
             f"{row['algbw_gbps']:>12.4g} {row['busbw_gbps']:>12.4g}  {row['check']}")
     lines += _pair_summary(report["results"])
+    lines += _estimate_lines(report.get("model_estimate"))
     failed = [r for r in report["results"] if r["check"] == "failed"]
     if failed:
         ranks = sorted({k for r in failed for k in r["failed_ranks"]})
@@ -408,6 +413,60 @@ def format_report(report):
     else:
         lines.append(f"all {len(report['results'])} checks: success")
     return "\n".join(lines)
+
+
+def model_estimate(model, strategy, profile, dtype, rows):
+    """The collectives one decoded token of `model` costs (batch 1 per replica, from the
+    planner), each timed at the measured size nearest above its payload, in the tensor group
+    (or the world when that is the tensor group)."""
+    from .config import load_config
+    from .plan import make_plan
+
+    # One sequence per data replica: replicas decode side by side, each in its own group.
+    plan = make_plan(load_config(model), strategy, profile, batch=strategy.data, dtype=dtype)
+    estimate = {"model": model, "batch": 1, "dtype": dtype, "collectives": [],
+                "total_us": 0.0, "note": None}
+    if not plan.collectives_per_token:
+        estimate["note"] = (plan.errors[0] if plan.errors
+                            else "tensor = 1: no collective per token")
+        return estimate
+    scope = "tensor groups" if any(r["group"] == "tensor groups" for r in rows) else "world"
+    for c in plan.collectives_per_token:
+        measured = sorted((r for r in rows if r["group"] == scope and r["op"] == c.kind),
+                          key=lambda r: r["size_bytes"])
+        entry = {"op": c.kind, "count": c.count, "payload_bytes": c.payload_bytes,
+                 "where": c.where, "group": scope, "each_us": None, "measured_at_bytes": None}
+        if measured:
+            above = next((r for r in measured if r["size_bytes"] >= c.payload_bytes), None)
+            if above is None:  # beyond the sweep: scale the largest by size (bandwidth-bound)
+                above = measured[-1]
+                each = above["time_us"] * c.payload_bytes / above["size_bytes"]
+            else:
+                each = above["time_us"]
+            entry.update(each_us=each, measured_at_bytes=above["size_bytes"])
+            estimate["total_us"] += c.count * each
+        estimate["collectives"].append(entry)
+    return estimate
+
+
+def _estimate_lines(estimate):
+    if estimate is None:
+        return []
+    if estimate["note"]:
+        return [f"# {estimate['model']}: no estimate: {estimate['note']}"]
+    parts = []
+    for c in estimate["collectives"]:
+        if c["each_us"] is None:
+            parts.append(f"{c['op']} x{c['count']} of {c['payload_bytes']} B: not measured on "
+                         f"{c['group']}")
+        else:
+            parts.append(f"{c['op']} x{c['count']} of {c['payload_bytes']} B ~ "
+                         f"{c['count']} x {c['each_us']:.1f} us (measured at "
+                         f"{c['measured_at_bytes']} B)")
+    return [f"# per decoded token of {estimate['model']} (batch 1 per replica, "
+            f"{estimate['dtype']}, "
+            f"{estimate['collectives'][0]['group']}): " + "; ".join(parts)
+            + f"; collectives ~ {estimate['total_us'] / 1000:.2f} ms per token"]
 
 
 def _pair_summary(rows):

@@ -12,7 +12,9 @@ import pytest
 
 from msinfer.cli import main
 from msinfer.commtest import (bandwidths, contribution, elements, expected, format_report,
-                              message_sizes, pair_groups, parse_size)
+                              message_sizes, model_estimate, pair_groups, parse_size)
+from msinfer.hardware import get_profile
+from msinfer.strategy import Strategy
 from msinfer.errors import MsinferError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,6 +72,27 @@ def test_chips_2k_and_2k1_share_a_card():
     assert pair_groups([0, 1, 2])["same-card pairs"] == [[0, 1]]
 
 
+def test_the_model_estimate_times_each_collective_at_the_next_measured_size():
+    rows = [{"group": "world", "op": op, "size_bytes": size, "time_us": float(size) / 100}
+            for op in ("AllReduce", "AllGather") for size in (1024, 4096, 65536)]
+    estimate = model_estimate("qwen2-0.5b", Strategy.default(tensor=2), get_profile("cpu"),
+                              "float32", rows)
+    reduce, gather = estimate["collectives"]
+    # 24 layers x (o_proj + down_proj) + the vocab-split embedding, 896 float32 each
+    assert (reduce["op"], reduce["count"], reduce["payload_bytes"]) == ("AllReduce", 49, 3584)
+    assert (reduce["measured_at_bytes"], reduce["each_us"]) == (4096, 40.96)
+    # the gathered logits (151936 float32) lie beyond the sweep: scaled from the largest size
+    assert (gather["payload_bytes"], gather["measured_at_bytes"]) == (607744, 65536)
+    assert gather["each_us"] == pytest.approx(6077.44)
+    assert estimate["total_us"] == pytest.approx(49 * 40.96 + 6077.44)
+    alone = model_estimate("qwen2-0.5b", Strategy.default(tensor=1), get_profile("cpu"),
+                           "float32", rows)
+    assert alone["collectives"] == [] and "no collective" in alone["note"]
+    refused = model_estimate("qwen2-0.5b", Strategy.default(tensor=4), get_profile("cpu"),
+                             "float32", rows)
+    assert "14 attention heads do not split into 4" in refused["note"]
+
+
 def test_launch_passes_commtest_to_every_rank_without_a_model_plan(capsys):
     code = main(["launch", "--nproc", "4", "--strategy", TP4, "--dry-run", "--",
                  "commtest", "--max-bytes", "1K"])
@@ -117,7 +140,8 @@ def launch(*rank_args, strategy=DP2_TP2):
 
 def test_four_cpu_ranks_measure_world_tensor_groups_and_pairs_correctly(tmp_path):
     saved = tmp_path / "commtest.json"
-    code, out, err = run_job(launch(*SMALL, "--pairs", "--output", str(saved)))
+    code, out, err = run_job(launch(*SMALL, "--pairs", "--model", "qwen2-0.5b",
+                                    "--output", str(saved)))
     assert code == 0, (out + err)[-3000:]
     # rank 0 alone prints the table: one header, one line per measurement
     assert out.count("# msinfer commtest: 4 ranks (mpirun-bridge)") == 1
@@ -146,6 +170,13 @@ def test_four_cpu_ranks_measure_world_tensor_groups_and_pairs_correctly(tmp_path
         assert r["algbw_gbps"] == pytest.approx(algbw, rel=1e-3, abs=1e-6)
         assert r["busbw_gbps"] == pytest.approx(algbw * factor, rel=1e-3, abs=1e-6)
     assert out.rstrip().endswith(f"all {len(rows)} checks: success")
+    estimate = report["model_estimate"]
+    assert [c["op"] for c in estimate["collectives"]] == ["AllReduce", "AllGather"]
+    assert estimate["collectives"][0]["group"] == "tensor groups"
+    assert estimate["collectives"][0]["measured_at_bytes"] == 2048  # 896 float32 = 3584 B
+    assert estimate["collectives"][1]["each_us"] is None  # no sub-group AllGather on CPU
+    assert "# per decoded token of qwen2-0.5b (batch 1 per replica, float32, tensor groups)" \
+        in out
     assert format_report(report) == out.strip()  # the table is the JSON, formatted
 
 
