@@ -180,8 +180,8 @@ def device_checks(smi, profile, strategy):
                                f"matches them"))
     for npu, on_card in sorted(cards.items()):
         if len(on_card) < profile.devices_per_card:
-            seen = ", ".join(f"chip {c.chip} (device {c.device})" for c in on_card)
-            problems.append((FAIL, f"NPU {npu} shows {len(on_card)} chip ({seen}) but a "
+            seen = ", ".join(f"chip {c.chip} as device {c.device}" for c in on_card)
+            problems.append((FAIL, f"NPU {npu} shows {len(on_card)} chip ({seen}) but each "
                                    f"{profile.title.split(' (')[0]} card has "
                                    f"{profile.devices_per_card}: a chip is lost; check "
                                    f"`npu-smi info -t board -i {npu}` and dmesg, reload the "

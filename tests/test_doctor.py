@@ -178,7 +178,7 @@ def test_a_missing_chip_fails_the_count_and_the_rank_table(box, tmp_path, capsys
     assert code == 1
     count = checks["devices.count"]
     assert count["status"] == "fail"
-    assert "NPU 4 shows 1 chip (chip 0 (device 6)) but a Atlas 300I Duo card has 2" in \
+    assert "NPU 4 shows 1 chip (chip 0 as device 6) but each Atlas 300I Duo card has 2" in \
         count["detail"]
     assert "needs 8 devices but npu-smi shows 7" in count["detail"]
     assert checks["launch.rank-table"]["status"] == "fail"
