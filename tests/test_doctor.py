@@ -335,3 +335,28 @@ def test_npu_smi_of_a_910b_box_numbers_devices_in_order():
     assert doctor.detect_hardware(smi) == "atlas-800i-a2"
     with pytest.raises(MsinferError, match="no chip table"):
         parse_npu_smi("dcmi module initialize failed. ret is -8005\n")
+
+
+def test_multi_server_device_ips_are_checked_against_hccn_conf(box, tmp_path, capsys,
+                                                               monkeypatch):
+    # An A2 profile, where collectives cross servers: this host's devices must have the
+    # device IPs the table gives them.
+    ascend = box("duo_4cards.txt")
+    monkeypatch.setattr("msinfer.ranktable.host_ip", lambda: "10.0.0.2")
+    table = rank_table(tmp_path, range(8), servers=("10.0.0.1", "10.0.0.2"))
+    hccn = tmp_path / "hccn.conf"
+    common = ["--hardware", "atlas-800i-a2", "--rank-table", table, "--ascend-root", str(ascend),
+              "--hccn-conf", str(hccn)]
+    _, checks = doctor_json(capsys, *common)
+    assert checks["launch.rank-table"]["status"] == "warn"
+    assert f"no {hccn}" in checks["launch.rank-table"]["detail"]
+    hccn.write_text("".join(f"address_{d}=192.168.1.{d}\nnetmask_{d}=255.255.255.0\n"
+                            for d in range(8)))
+    _, checks = doctor_json(capsys, *common)
+    assert checks["launch.rank-table"]["status"] == "pass"
+    assert "16 ranks on 2 server(s)" in checks["launch.rank-table"]["detail"]
+    hccn.write_text(hccn.read_text().replace("address_3=192.168.1.3", "address_3=192.168.9.3"))
+    _, checks = doctor_json(capsys, *common)
+    assert checks["launch.rank-table"]["status"] == "fail"
+    assert checks["launch.rank-table"]["detail"].startswith(
+        f"device 3: table 192.168.1.3, {hccn} 192.168.9.3")
