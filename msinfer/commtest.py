@@ -22,7 +22,6 @@ import json
 import math
 import os
 import re
-import sys
 import time
 
 import numpy as np
@@ -173,15 +172,19 @@ def run(args):
     groups, skipped, names = _groups(info, plan, chips, profile, args.pairs)
 
     runner = _Runner(info, _DTYPES[dtype], args.iters, args.warmup, corrupt, names)
+    itemsize = np.dtype(_DTYPES[dtype]).itemsize
     results = []
     for scope, members in groups.items():
         mine = next((g for g in members if info.rank in g), None)
+        n = len(members[0])
         for op in OPS:
             if op == "AllGather" and scope != "world" and profile.device_target == "CPU":
                 continue  # listed in `skipped` by _groups
-            for size in sizes:
-                results.append(runner.measure(scope, op, size, members, mine))
-    results = _dedup(results)
+            # Small sizes can round to one message (AllGather sends at least one element
+            # per rank): measure each once.
+            messages = dict.fromkeys(elements(op, size, itemsize, n) for size in sizes)
+            for count, nbytes in messages:
+                results.append(runner.measure(scope, op, count, nbytes, n, mine))
 
     # One gather carries every rank's time and verdict to every rank.
     local = np.array([[r["time_s"], r["ok"], r["bad_source"]] for r in results], np.float32)
@@ -200,8 +203,12 @@ def run(args):
             except OSError as e:
                 raise MsinferError(f"--output {args.output}: {e.strerror}") from None
         print(text if args.json else format_report(report), flush=True)
-    sys.stdout.flush()
-    return 0 if report["ok"] else 1
+        return 0 if report["ok"] else 1
+    # Rank 0 alone fails the job: a launcher aborts every rank as soon as one exits non-zero,
+    # and rank 0 must have printed the report by then.
+    if not report["ok"]:
+        log.get().error("checks failed; rank 0 prints which")
+    return 0
 
 
 def _strategy_and_plan(args):
@@ -212,8 +219,9 @@ def _strategy_and_plan(args):
         strategy = load_strategy(args.strategy)
     else:
         strategy = Strategy.default(tensor=_job_size())  # the world is the tensor group
-    # Only the strategy's groups matter here; qwen2-72b splits any tensor degree up to 16.
-    return strategy, strategy.resolve(load_config(args.model or "qwen2-72b"))
+    # Only the strategy's groups matter here, whatever --model is (a model the strategy
+    # cannot split is said in the estimate): qwen2-72b splits any tensor degree up to 16.
+    return strategy, strategy.resolve(load_config("qwen2-72b"))
 
 
 def _job_size():
@@ -270,9 +278,7 @@ class _Runner:
         self.group_names = dict(group_names)  # (ranks,) -> communication group, made once
         self.cells = {}
 
-    def measure(self, scope, op, size, members, mine):
-        n = len(members[0])
-        count, nbytes = elements(op, size, np.dtype(self.dtype).itemsize, n)
+    def measure(self, scope, op, count, nbytes, n, mine):
         entry = {"scope": scope, "op": op, "size": nbytes, "count": count, "ranks": n,
                  "time_s": math.nan, "ok": math.nan, "bad_source": math.nan}
         self._barrier(None)  # every group starts together, as in a sharded model's step
@@ -317,14 +323,14 @@ class _Runner:
                          else ops.AllGather(**_group_kw(group)))
 
             class Collective(nn.Cell):
-                def __init__(self):
+                def __init__(self, op):
                     super().__init__()
-                    self.op = primitive
+                    self.op = op
 
                 def construct(self, x):
                     return self.op(x)
 
-            self.cells[key] = Collective()
+            self.cells[key] = Collective(primitive)
         return self.cells[key]
 
     def _barrier(self, group):
@@ -339,18 +345,6 @@ class _Runner:
 
 def _group_kw(group):
     return {"group": group} if group else {}
-
-
-def _dedup(results):
-    """Small sizes round to the same message (AllGather needs one element per rank): keep
-    the first of each."""
-    seen, kept = set(), []
-    for r in results:
-        key = (r["scope"], r["op"], r["size"])
-        if key not in seen:
-            seen.add(key)
-            kept.append(r)
-    return kept
 
 
 def _report(info, profile, dtype, args, groups, skipped, results, table, chips, chips_note):
