@@ -13,7 +13,8 @@ follow nccl-tests / hccl_test:
 - algbw = size / time; busbw = algbw x 2(n-1)/n for AllReduce, algbw x (n-1)/n for
   AllGather, n = ranks in the group: the figure to hold against the link's bandwidth;
 - check: every rank compares its last result with the exact expected values
-  ("success"/"failed", as hccl_test prints).
+  ("success"/"failed", as hccl_test prints). Rank 0 prints the report and exits 1 if a check
+  failed; the other ranks exit 0, so that the launcher does not abort rank 0 before it printed.
 
 Test hook: MSINFER_TEST_CORRUPT_RANK=r makes rank r contribute a wrong value, so every
 measurement it takes part in must read "failed".
