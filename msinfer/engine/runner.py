@@ -73,8 +73,8 @@ class ModelRunner:
             self.embedding = Embedding(ctx)
             self.layer = _LayerStep(DecoderLayer(ctx))
             self.head = LMHead(ctx)
-            self.k_cache = new_cache(layout, ctx.dtype, "k_cache")
-            self.v_cache = new_cache(layout, ctx.dtype, "v_cache")
+            self.k_cache = new_cache(layout.shape, ctx.dtype, "k_cache")
+            self.v_cache = new_cache(layout.shape, ctx.dtype, "v_cache")
             self.embed_weight = weights["model.embed_tokens.weight"]
             self.layer_weights = [[weights[n] for n in layer_weight_names(i)]
                                   for i in range(config.num_layers)]
