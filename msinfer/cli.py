@@ -14,6 +14,7 @@ from .errors import MsinferError
 _SUBCOMMAND_MODULES = (
     "msinfer.generate_cli",
     "msinfer.launch_cli",
+    "msinfer.layouts",
     "msinfer.plan",
     "msinfer.ranktable",
     "msinfer.tiny_model",

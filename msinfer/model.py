@@ -150,7 +150,7 @@ class DecoderLayer(nn.Cell):
         self.softmax = shard(ctx, ops.Softmax(-1), heads(4))
         self.probs_to_dtype = shard(ctx, ops.Cast(), heads(4))
         self.weighted_values = shard(ctx, ops.BatchMatMul(), heads(4), heads(4))
-        self.tokens_first = shard(ctx, ops.Transpose(), heads(5, 2))
+        self.tokens_first = shard(ctx, ops.Transpose(), heads(5, 1))
         self.residual = shard(ctx, ops.Add(), rows, rows)
         self.split_gate_up = shard(ctx, ops.StridedSlice(), mlp)
         self.silu = shard(ctx, SiLU(), mlp)
