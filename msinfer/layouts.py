@@ -21,8 +21,8 @@ indices + input[1:]), ArithmeticBase (equal splits where neither input broadcast
 (its axis unsplit), StridedSlice (sliced axes unsplit), Concat (its axis unsplit, inputs alike).
 
 The model is built small: each size a split could divide (vocabulary, intermediate size,
-head_dim) becomes its gcd with lcm(1..world_size), so every split of at most world_size ranks
-divides it exactly when it divides the real size; the head and KV-head counts are the real
+head_dim) becomes its gcd with L = lcm(1..max(8, world_size)), so every split of at most
+world_size ranks divides it exactly when it divides the real size; the head and KV-head counts are the real
 ones, and two decoder layers stand for all (one compiled Cell; the second shows the per-layer
 offset of the cache rows).
 """
@@ -353,9 +353,9 @@ def _tensor_shape(item):
 
 def small_config(config, world_size):
     """`config` with two layers and every splittable size reduced to its gcd with
-    lcm(1..world_size): a split of up to world_size ranks divides the reduced size exactly
-    when it divides the real one. Head and KV-head counts stay."""
-    keep = math.lcm(*range(1, world_size + 1))
+    lcm(1..max(8, world_size)): a split of up to world_size ranks divides the reduced size
+    exactly when it divides the real one. Head and KV-head counts stay."""
+    keep = math.lcm(*range(1, max(8, world_size) + 1))
     head_dim = math.gcd(config.head_dim, keep)
     if head_dim % 2:  # rotary halves the head
         head_dim *= 2
@@ -501,7 +501,7 @@ def format_report(report):
                    f"{b['num_kv_heads']} KV heads, head_dim {b['head_dim']}, hidden "
                    f"{b['hidden_size']}, intermediate {b['intermediate_size']}, vocab "
                    f"{b['vocab_size']} (sizes reduced to their gcd with lcm(1.."
-                   f"{report['world_size']}): the same splits divide them)", ""]
+                   f"{max(8, report['world_size'])}): the same splits divide them)", ""]
     rows = [("graph", "op (source)", "input shapes", "in_strategy", "per-rank shapes")]
     seen = set()
     for c in report["calls"]:
@@ -547,8 +547,6 @@ def to_json(report):
 
 
 def _run(args):
-    if not os.path.isfile(args.strategy):
-        raise MsinferError(f"{args.strategy}: no such strategy file")
     report = run(args.model, args.strategy, args.hardware)
     print(to_json(report) if args.json else format_report(report))
     sys.stdout.flush()

@@ -170,7 +170,7 @@ def test_the_reduced_model_divides_by_the_same_splits_as_the_real_one(preset):
                          (real.intermediate_size, small.intermediate_size),
                          (real.num_heads * real.head_dim, small.num_heads * small.head_dim)):
                 assert (a % split == 0) == (b % split == 0), (preset, world, split, a, b)
-        assert small.vocab_size <= math.lcm(*range(1, world + 1))
+        assert small.vocab_size <= math.lcm(*range(1, 9))
 
 
 # ---- the command: every shipped strategy on Qwen2-1.5B/7B/72B shapes ----
@@ -248,7 +248,7 @@ def test_a_split_that_does_not_divide_is_reported(tmp_path, capsys):
 def test_bad_input_exits_2(tmp_path, capsys):
     assert main(["layouts", "--model", "qwen2-7b", "--strategy",
                  str(tmp_path / "missing.yaml")]) == 2
-    assert "no such strategy file" in capsys.readouterr().err
+    assert "missing.yaml: cannot read strategy file" in capsys.readouterr().err
     assert main(["layouts", "--model", "qwen3-9b", "--strategy", TP4]) == 2
     assert "not a built-in model" in capsys.readouterr().err
 
