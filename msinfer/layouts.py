@@ -18,7 +18,8 @@ divide), MatMul/BatchMatMul (contracted axes split alike, batch axes alike), Gat
 split on the gathered axis takes unsplit ids, except its 2-D "batch and axis" mode),
 ScatterUpdateInfo (axis 0 of the input and the indices unsplit, the updates split as
 indices + input[1:]), ArithmeticBase (equal splits where neither input broadcasts), Softmax
-(its axis unsplit), StridedSlice (sliced axes unsplit), Concat (its axis unsplit, inputs alike).
+(its axis unsplit), StridedSlice (sliced axes unsplit), Concat (its axis unsplit, inputs alike);
+and one of msinfer's own: what the graph returns (the logits) is whole on every rank.
 
 The model is built small: each size a split could divide (vocabulary, intermediate size,
 head_dim) becomes its gcd with L = lcm(1..max(8, world_size)), so every split of at most
@@ -58,6 +59,7 @@ class Call:
     output: tuple
     strategy: tuple = None  # in_strategy, None when not set
     args: str = ""  # the call's non-tensor arguments, as the IR writes them
+    returned: bool = False  # its output leaves the graph
 
     def per_rank(self):
         if self.strategy is None or len(self.strategy) != len(self.inputs):
@@ -92,7 +94,12 @@ def check(call: Call, device_num: int) -> list:
     rule = _OP_RULES.get(call.op)
     if rule is None and call.op in ELEMENTWISE:
         rule = _broadcast
-    return rule(call, device_num) if rule else []
+    found = rule(call, device_num) if rule else []
+    if call.returned and any(s != 1 for split in call.strategy for s in split):
+        found.append(Violation(call, None, f"its output leaves the graph, split "
+                                           f"{_fmt(call.strategy)}: each rank would return "
+                                           f"only its slice"))
+    return found
 
 
 def _check_values(call, device_num):
@@ -242,18 +249,22 @@ def _fmt(values):
 
 # ---- reading the IR ----
 
-_CALL = re.compile(r"^  %\d+\([^)]*\) = (?:PrimFunc_)?(\w+)\((.*)$")
+_CALL = re.compile(r"^  %(\d+)\([^)]*\) = (?:PrimFunc_)?(\w+)\((.*)$")
+_RETURN = re.compile(r"^  Return\(%(\d+)\)")
 
 
 def parse_ir(text: str, graph: str) -> list:
     """The primitive calls of one dumped graph."""
-    calls = []
+    calls, ids = [], {}
     lines = text.splitlines()
     for n, line in enumerate(lines):
+        returned = _RETURN.match(line)
+        if returned and returned.group(1) in ids:
+            ids[returned.group(1)].returned = True
         found = _CALL.match(line)
         if not found or n + 1 >= len(lines) or not lines[n + 1].lstrip().startswith(": ("):
             continue
-        op, rest = found.groups()
+        node, op, rest = found.groups()
         arguments, attributes = _split_call(rest)
         inputs, output = _abstracts(lines[n + 1])
         strategy = None
@@ -269,6 +280,7 @@ def parse_ir(text: str, graph: str) -> list:
                 code = where.group(3).split("/<~~")[0].strip()  # drop MindSpore's remark
                 source = f"{where.group(1).split('/', 1)[1]}:{where.group(2)} {code}"
         calls.append(Call(graph, op, source, inputs, output, strategy, arguments))
+        ids[node] = calls[-1]
     return calls
 
 

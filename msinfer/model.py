@@ -227,8 +227,10 @@ class Embedding(nn.Cell):
 
 
 class LMHead(nn.Cell):
-    """Final norm and lm_head over the rows that need logits; float32 logits (under
-    semi_auto, whole on every rank: the cast's layout gathers them)."""
+    """Final norm and lm_head over the rows that need logits; float32 logits, under semi_auto
+    whole on every rank (a graph returns each rank's slice of what it computes: the last
+    primitive's strategy gathers them; an Identity, which MindSpore's optimizer keeps where it
+    drops a float32-to-float32 Cast)."""
 
     def __init__(self, ctx):
         super().__init__()
@@ -238,10 +240,14 @@ class LMHead(nn.Cell):
         self.lm_head = ParallelLinear(ctx, "lm_head")
         self.pick_rows = shard(ctx, ops.Gather(), (1, 1), (data,))
         self.to_float = shard(ctx, ops.Cast(), (1, 1))
+        self.whole = shard(ctx, ops.Identity(), (1, 1)) if semi_auto else None
 
     def construct(self, x, rows, norm_weight, lm_weight):
         x = self.pick_rows(x, rows, 0)
-        return self.to_float(self.lm_head(self.norm(x, norm_weight), lm_weight), ms.float32)
+        logits = self.to_float(self.lm_head(self.norm(x, norm_weight), lm_weight), ms.float32)
+        if self.whole is not None:
+            logits = self.whole(logits)
+        return logits
 
 
 def new_cache(shape, dtype, name):

@@ -155,6 +155,18 @@ def test_parse_ir_reads_ops_shapes_strategies_and_the_msinfer_source_line():
     assert (load.op, load.inputs, check(load, 4)) == ("Load", [(224,)], [])
 
 
+def test_what_the_graph_returns_must_be_whole_on_every_rank():
+    ir = """\
+  %7(y) = PrimFunc_MatMul(%5, %6, Bool(0), Bool(1)) {instance name: matmul} primitive_attrs: {in_strategy: ((1, 1), (4, 1))}
+      : (<Tensor[Float32], (2, 64)>, <Tensor[Float32], (24, 64)>, <Bool, NoShape>, <Bool, NoShape>) -> (<Tensor[Float32], (2, 24)>)
+  Return(%7)
+"""
+    (matmul,) = parse_ir(ir, "decode")
+    assert matmul.returned
+    assert rules(matmul) == ["its output leaves the graph, split ((1, 1), (4, 1)): each rank "
+                             "would return only its slice"]
+
+
 # ---- the reduced model ----
 
 @pytest.mark.parametrize("preset", ["qwen2-0.5b", "qwen2-1.5b", "qwen2-7b", "qwen2-72b"])
