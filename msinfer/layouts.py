@@ -259,8 +259,8 @@ def parse_ir(text: str, graph: str) -> list:
     lines = text.splitlines()
     for n, line in enumerate(lines):
         returned = _RETURN.match(line)
-        if returned and returned.group(1) in ids:
-            ids[returned.group(1)].returned = True
+        if returned:
+            _mark_returned(returned.group(1), ids)
         found = _CALL.match(line)
         if not found or n + 1 >= len(lines) or not lines[n + 1].lstrip().startswith(": ("):
             continue
@@ -282,6 +282,22 @@ def parse_ir(text: str, graph: str) -> list:
         calls.append(Call(graph, op, source, inputs, output, strategy, arguments))
         ids[node] = calls[-1]
     return calls
+
+
+def _mark_returned(node, ids):
+    """Marks the calls whose outputs leave the graph: through a Depend (the logits wait for
+    the cache writes) to its first input, through a MakeTuple to each."""
+    call = ids.get(node)
+    if call is None:
+        return
+    arguments = re.findall(r"%(\d+)", call.args)
+    if call.op == "Depend" and arguments:
+        _mark_returned(arguments[0], ids)
+    elif call.op == "MakeTuple":
+        for argument in arguments:
+            _mark_returned(argument, ids)
+    else:
+        call.returned = True
 
 
 def _split_call(rest):

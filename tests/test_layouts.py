@@ -159,10 +159,12 @@ def test_what_the_graph_returns_must_be_whole_on_every_rank():
     ir = """\
   %7(y) = PrimFunc_MatMul(%5, %6, Bool(0), Bool(1)) {instance name: matmul} primitive_attrs: {in_strategy: ((1, 1), (4, 1))}
       : (<Tensor[Float32], (2, 64)>, <Tensor[Float32], (24, 64)>, <Bool, NoShape>, <Bool, NoShape>) -> (<Tensor[Float32], (2, 24)>)
-  Return(%7)
+  %8(CNode_1) = Depend(%7, %3)
+      : (<Tensor[Float32], (2, 24)>, <UMonad, NoShape>) -> (<Tensor[Float32], (2, 24)>)
+  Return(%8)
 """
-    (matmul,) = parse_ir(ir, "decode")
-    assert matmul.returned
+    matmul, depend = parse_ir(ir, "decode")
+    assert matmul.returned and not depend.returned
     assert rules(matmul) == ["its output leaves the graph, split ((1, 1), (4, 1)): each rank "
                              "would return only its slice"]
 
@@ -221,6 +223,14 @@ def test_json_shows_the_cache_split_by_kv_head_and_the_embedding_ids_1d(capsys):
                  and c["op"] == "Gather"]
     assert {tuple(map(tuple, c["in_strategy"])) for c in embedding} == {((4, 1), (1,))}
     assert any(c["op"] == "Cast" for c in report["calls"])  # float16: softmax casts checked
+
+
+def test_the_logits_leave_the_real_graph_whole():
+    from msinfer.layouts import run
+
+    report = run("qwen2-7b", TP4)
+    returned = [(c.graph, c.op, c.strategy) for c in report["calls"] if c.returned]
+    assert returned == [("decode", "Identity", ((1, 1),)), ("prefill", "Identity", ((1, 1),))]
 
 
 # ---- planted violations ----
