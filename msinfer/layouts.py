@@ -32,7 +32,6 @@ import json
 import math
 import os
 import re
-import sys
 import tempfile
 
 from .config import load_config
@@ -525,7 +524,8 @@ def format_report(report):
     if "refused" in report:
         return f"{head}\nREFUSED: {report['refused']}"
     b = report["built"]
-    lines = [head, f"built stand-alone on CPU: {b['num_layers']} layers, {b['num_heads']} heads, "
+    lines = [head, f"built stand-alone on CPU in {b['dtype']}: {b['num_layers']} layers, "
+                   f"{b['num_heads']} heads, "
                    f"{b['num_kv_heads']} KV heads, head_dim {b['head_dim']}, hidden "
                    f"{b['hidden_size']}, intermediate {b['intermediate_size']}, vocab "
                    f"{b['vocab_size']} (sizes reduced to their gcd with lcm(1.."
@@ -577,7 +577,6 @@ def to_json(report):
 def _run(args):
     report = run(args.model, args.strategy, args.hardware)
     print(to_json(report) if args.json else format_report(report))
-    sys.stdout.flush()
     return 1 if "refused" in report or report["violations"] else 0
 
 
