@@ -91,7 +91,8 @@ class LLM:
         ctx = ParallelContext(config=self.config, plan=self.plan, mode=self.parallel_mode,
                               tensor_rank=self.tensor_rank, group=group,
                               dtype=getattr(ms, dtype_name))
-        self.memory = engine_memory(self.plan, self.profile, dtype_name, self.limits)
+        self.memory = engine_memory(self.plan, self.profile, dtype_name, self.limits,
+                                    self.tensor_rank)
         layout = self.memory.layout
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB per rank); "
                     "chunks of %d tokens; up to %d sequences of up to %d tokens",
@@ -126,11 +127,11 @@ class LLM:
                 # plan's layouts; load the slices after that, from the same function.
                 runner.compile_shape("decode", runner.batch_buckets[0],
                                      runner.context_buckets[0])
-            for name, array in checkpoint.load(names, parts_of, host_dtype).items():
+            for name, array in checkpoint.load(names, parts_of, host_dtype):
                 model.weights[name].set_data(ms.Tensor(array, dtype=compute))
         else:
             weights = {name: ms.Tensor(array, dtype=compute)
-                       for name, array in checkpoint.load(names, parts_of, host_dtype).items()}
+                       for name, array in checkpoint.load(names, parts_of, host_dtype)}
             runner = ModelRunner(weights=weights, **runner_args)
         self._tokenizer = None
         self.engine = LLMEngine(

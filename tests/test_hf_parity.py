@@ -191,10 +191,11 @@ def test_semi_auto_model_with_tp4_shard_annotations_matches_hf_standalone(tmp_pa
     def rank_parts(rank):
         return lambda n: [(p, plan.slices(p, rank), shapes[p]) for p in checkpoint_parts(n)]
 
-    ranks = [checkpoint.load(names, rank_parts(r), np.float32) for r in range(tensor)]
-    whole = checkpoint.load(names, lambda n: [(p, tuple(slice(0, s) for s in shapes[p]),
-                                               shapes[p]) for p in checkpoint_parts(n)],
-                            np.float32)
+    ranks = [dict(checkpoint.load(names, rank_parts(r), np.float32))
+             for r in range(tensor)]
+    whole = dict(checkpoint.load(names, lambda n: [(p, tuple(slice(0, s) for s in shapes[p]),
+                                                    shapes[p]) for p in checkpoint_parts(n)],
+                                 np.float32))
     full = {}
     for name in names:
         fused = len(checkpoint_parts(name)) > 1
@@ -238,3 +239,19 @@ def test_float16_compute_the_310p_path_stays_close_to_float32_transformers(tmp_p
         ours = logprob_rows(out, config.vocab_size)
         assert np.abs(ours - expected).max() < 0.05
         assert (ours.argmax(-1) == expected.argmax(-1)).all()
+
+
+def test_the_planner_counts_the_bytes_the_engine_allocates(case):
+    """Planner = engine: the weights and KV cache the plan reports for this rank are the bytes
+    of the tensors the engine holds; the engine's pool has the plan's block count."""
+    from msinfer.plan import make_plan
+
+    name, config, llm, hf = case
+    report = make_plan(config, llm.strategy, llm.profile, llm.limits)
+    runner = llm.engine.runner
+    weights = {id(w): w for w in [runner.embed_weight, *runner.head_weights]
+               + [w for layer in runner.layer_weights for w in layer]}
+    held = sum(w.nbytes for w in weights.values())
+    assert report.devices[0].weights_bytes == held
+    assert report.devices[0].kv_cache_bytes == runner.k_cache.nbytes + runner.v_cache.nbytes
+    assert report.kv_blocks == llm.engine.blocks.num_usable

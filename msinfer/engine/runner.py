@@ -12,9 +12,12 @@ In explicit mode a step is one embedding call, one call per decoder layer (one c
 graph shared by all layers, weights passed in) and one lm_head call; in semi_auto mode one
 whole-model call.
 """
+import time
+
 import numpy as np
 from mindspore import Tensor, nn
 
+from .. import log
 from ..model import (Embedding, DecoderLayer, LMHead, head_weight_names, layer_weight_names,
                      new_cache, rotary_tables)
 from .kv_cache import TRASH_BLOCK
@@ -91,6 +94,9 @@ class ModelRunner:
             self.offsets = [Tensor(np.int32(layout.layer_offset(i)))
                             for i in range(config.num_layers)]
         self.graphs = [model] if model is not None else [self.embedding, self.layer, self.head]
+        # Wall time inside the graphs (inputs built, logits back on the host), by kind.
+        self.timings = {"prefill_s": 0.0, "prefill_calls": 0, "prefill_tokens": 0,
+                        "decode_s": 0.0, "decode_steps": 0, "decode_tokens": 0}
 
     @property
     def compilations(self) -> int:
@@ -118,7 +124,10 @@ class ModelRunner:
             slots[i, :n] = row_slots
             mask[i, 0, :n] = 0.0
         rows = np.arange(batch, dtype=np.int32)
-        return self._run(ids, positions, write, slots.reshape(-1), mask, rows)[:count]
+        start, compiled = time.perf_counter(), self.compilations
+        logits = self._run(ids, positions, write, slots.reshape(-1), mask, rows)[:count]
+        self._time("decode", start, count, compiled, f"batch {batch} x context {context}")
+        return logits
 
     def prefill(self, chunks):
         """Runs the chunks (each writes its tokens' K/V); returns logits (k, vocab) for the k
@@ -157,8 +166,20 @@ class ModelRunner:
         row_count = max(len(rows), 1)
         padded_rows = np.zeros(bucket_for(row_count, self.row_buckets), np.int32)
         padded_rows[:len(rows)] = rows
-        logits = self._run(ids, positions, write, slots, mask, padded_rows)
-        return logits[:len(rows)]
+        start, compiled = time.perf_counter(), self.compilations
+        logits = self._run(ids, positions, write, slots, mask, padded_rows)[:len(rows)]
+        self._time("prefill", start, total, compiled, f"chunk {size} x context {context}")
+        return logits
+
+    def _time(self, kind, start, tokens, compiled_before, shape):
+        t = self.timings
+        seconds = time.perf_counter() - start
+        if self.compilations > compiled_before:  # a first call of this shape: say why it was slow
+            log.get().info("compiled %s graphs for %s in %.1fs (%d graphs so far)", kind, shape,
+                           seconds, self.compilations)
+        t[f"{kind}_s"] += seconds
+        t["prefill_calls" if kind == "prefill" else "decode_steps"] += 1
+        t[f"{kind}_tokens"] += tokens
 
     def _run(self, ids, positions, write, context_slots, mask, rows):
         cos = Tensor(self.cos[positions][:, None, :])
