@@ -17,6 +17,7 @@ _SUBCOMMAND_MODULES = (
     "msinfer.doctor",
     "msinfer.generate_cli",
     "msinfer.launch_cli",
+    "msinfer.layouts",
     "msinfer.plan",
     "msinfer.ranktable",
     "msinfer.tiny_model",
