@@ -67,8 +67,8 @@ class LLM:
                                      rank_table)
         if self.dist.world_size == 1:
             log.setup()
-        # Agree on the job's seed before any parallel context: semi_auto_parallel refuses a
-        # graph that already holds a communication op.
+        # The job's seed, agreed by a stand-alone AllReduce graph; the semi_auto context is set
+        # only while the model compiles (semi_auto_cell), so the two never meet.
         seed = job_seed(self.dist)
         self.tensor_rank = self.plan.tensor_rank(self.dist.rank)
         logger = log.get()
@@ -77,11 +77,8 @@ class LLM:
                     self.config.num_heads, self.config.num_kv_heads, _describe(self.plan),
                     self.parallel_mode, dtype_name, self.dtype_reason)
         semi_auto_job = self.parallel_mode == "semi_auto" and self.dist.world_size > 1
-        if semi_auto_job:
-            ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel", full_batch=True,
-                                         device_num=self.dist.world_size)
 
-        from .engine.runner import ModelRunner
+        from .engine.runner import ModelRunner, semi_auto_cell
         from .model import Qwen2Model, head_weight_names, layer_weight_names
         from .parallel_layers import ParallelContext
         from .strategy import checkpoint_parts
@@ -94,7 +91,8 @@ class LLM:
         ctx = ParallelContext(config=self.config, plan=self.plan, mode=self.parallel_mode,
                               tensor_rank=self.tensor_rank, group=group,
                               dtype=getattr(ms, dtype_name))
-        self.memory = engine_memory(self.plan, self.profile, dtype_name, self.limits)
+        self.memory = engine_memory(self.plan, self.profile, dtype_name, self.limits,
+                                    self.tensor_rank)
         layout = self.memory.layout
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB per rank); "
                     "chunks of %d tokens; up to %d sequences of up to %d tokens",
@@ -122,16 +120,18 @@ class LLM:
             full = {n: (sum(shapes[p][0] for p in checkpoint_parts(n)),)
                     + tuple(shapes[checkpoint_parts(n)[0]][1:]) for n in names}
             model = Qwen2Model(ctx, layout, full)
-            runner = ModelRunner(model=model, **runner_args)
+            runner = ModelRunner(model=semi_auto_cell(model, self.dist.world_size),
+                                 **runner_args)
             if semi_auto_job:
                 # Parameters become this rank's slices once a graph is compiled with the
                 # plan's layouts; load the slices after that, from the same function.
-                runner.compile_shape("decode", 1, runner.context_buckets[0])
-            for name, array in checkpoint.load(names, parts_of, host_dtype).items():
+                runner.compile_shape("decode", runner.batch_buckets[0],
+                                     runner.context_buckets[0])
+            for name, array in checkpoint.load(names, parts_of, host_dtype):
                 model.weights[name].set_data(ms.Tensor(array, dtype=compute))
         else:
             weights = {name: ms.Tensor(array, dtype=compute)
-                       for name, array in checkpoint.load(names, parts_of, host_dtype).items()}
+                       for name, array in checkpoint.load(names, parts_of, host_dtype)}
             runner = ModelRunner(weights=weights, **runner_args)
         self._tokenizer = None
         self.engine = LLMEngine(

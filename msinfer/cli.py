@@ -1,4 +1,5 @@
-"""The `msinfer` command line: generate, serve, make-tiny-model, plan, ranktable, launch.
+"""The `msinfer` command line: generate, serve, make-tiny-model, plan, ranktable, launch,
+doctor, commtest.
 
 Each feature module registers its own subcommand (`register_cli(subparsers)`), so this file
 only assembles them. Modules that need MindSpore import it inside their handlers: `plan` and
@@ -12,8 +13,11 @@ import sys
 from .errors import MsinferError
 
 _SUBCOMMAND_MODULES = (
+    "msinfer.commtest",
+    "msinfer.doctor",
     "msinfer.generate_cli",
     "msinfer.launch_cli",
+    "msinfer.layouts",
     "msinfer.plan",
     "msinfer.ranktable",
     "msinfer.serve_cli",

@@ -31,12 +31,14 @@ class HardwareProfile:
     p2p_copy: bool                  # device-to-device copy (what pipeline stages need)
     runtime_reserve_bytes: int      # runtime, communication buffers, compiled graphs
     multi_server: bool = True       # collectives across servers work
+    devices_per_card: int = 1       # chips npu-smi lists per card (doctor, commtest's pairs)
     shared_host_memory: bool = False  # all ranks of a server share one memory (CPU)
 
 
 _ATLAS_300I_DUO_COMMON = dict(
     device_target="Ascend",
     # One card holds two 310P chips; each chip is its own device (npu-smi lists each 310P3).
+    devices_per_card=2,
     # An Atlas 800 inference server (model 3000) takes at most 4 Duo cards = 8 chips
     # (hiascend.com mindcluster dl_affinity_0009).
     devices_per_server=8,

@@ -1,6 +1,7 @@
 """`msinfer launch`: check the plan, then start one process per device under mpirun or msrun.
 
     msinfer launch --nproc 4 --strategy strategies/qwen2_tp4.yaml -- generate --model DIR ...
+    msinfer launch --nproc 4 --strategy strategies/qwen2_tp4.yaml -- commtest
 
 The rank command after `--` is any msinfer subcommand; for the ones that build a model
 (MODEL_COMMANDS) the planner runs first, on this machine, in the parallel mode the rank command
@@ -27,7 +28,9 @@ from .distributed import (bridge_environment, detect_launcher, free_port, rank_e
                           spans_hosts)
 from .errors import MsinferError, PlanRefused
 
-# Rank commands that build a model: the planner checks them before anything starts.
+# The msinfer commands that run inside every rank of a job; those that build a model
+# (MODEL_COMMANDS) are planned before anything starts.
+RANK_COMMANDS = ("generate", "serve", "commtest")
 MODEL_COMMANDS = ("generate", "serve")
 # What the dry run shows of each rank's environment (MPI variables are summarised).
 _SHOWN = ("RANK_TABLE_FILE", "RANK_ID", "RANK_SIZE", "DEVICE_ID", "MS_ROLE", "MS_WORKER_NUM",
@@ -64,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     rank_args = list(args.command)
     if rank_args and rank_args[0] == "--":
         rank_args = rank_args[1:]
-    commands = [c for c in args.rank_parsers if c != "launch"]
+    commands = [c for c in RANK_COMMANDS if c in args.rank_parsers]
     if not rank_args or rank_args[0] not in commands:
         raise MsinferError(f"give the rank command after --, one of {', '.join(commands)}; "
                            f"e.g. `msinfer launch --nproc 4 --strategy S -- generate --model "

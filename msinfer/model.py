@@ -22,8 +22,9 @@ import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Zero
+from mindspore.ops.auto_generate import SiLU  # the primitive behind ops.silu (not in ops)
 
-from .parallel_layers import ParallelEmbedding, ParallelLinear
+from .parallel_layers import ParallelEmbedding, ParallelLinear, SemiAutoLayout, shard
 
 # One decoder layer's weights, in the order DecoderLayer takes them.
 LAYER_WEIGHTS = ("input_layernorm.weight", "self_attn.qkv_proj.weight",
@@ -51,17 +52,51 @@ def rotary_tables(head_dim, theta, max_len):
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
-def apply_rotary(x, cos, sin):
-    """x: (tokens, heads, head_dim); cos/sin: (tokens, 1, head_dim)."""
-    half = x.shape[-1] // 2
-    rotated = ops.concat((-x[..., half:], x[..., :half]), -1)
-    return x * cos + rotated * sin
+class RMSNorm(nn.Cell):
+    """HF's Qwen2RMSNorm over the feature axis of (tokens, features), in float32."""
+
+    def __init__(self, ctx):
+        super().__init__()
+        rows = SemiAutoLayout(ctx.plan).rows(2) if ctx.mode == "semi_auto" else None
+        self.eps = Tensor(ctx.config.rms_norm_eps, ms.float32)
+        self.to_float = shard(ctx, ops.Cast(), rows)
+        self.square = shard(ctx, ops.Mul(), rows, rows)
+        self.mean = shard(ctx, ops.ReduceMean(keep_dims=True), rows)
+        self.add_eps = shard(ctx, ops.Add(), rows, ())
+        self.rsqrt = shard(ctx, ops.Rsqrt(), rows)
+        self.normalize = shard(ctx, ops.Mul(), rows, rows)
+        self.to_dtype = shard(ctx, ops.Cast(), rows)
+        self.scale = shard(ctx, ops.Mul(), (1,), rows)
+
+    def construct(self, x, weight):
+        xf = self.to_float(x, ms.float32)
+        variance = self.mean(self.square(xf, xf), -1)
+        y = self.normalize(xf, self.rsqrt(self.add_eps(variance, self.eps)))
+        return self.scale(weight, self.to_dtype(y, x.dtype))
 
 
-def rms_norm(x, weight, eps):
-    xf = x.astype(ms.float32)
-    variance = ops.mean(xf * xf, -1, keep_dims=True)
-    return weight * (xf * ops.rsqrt(variance + eps)).astype(x.dtype)
+class Rotary(nn.Cell):
+    """HF's rotate-half rotary embedding of (tokens, heads, head_dim) by cos/sin of
+    (tokens, 1, head_dim)."""
+
+    def __init__(self, ctx):
+        super().__init__()
+        heads = SemiAutoLayout(ctx.plan).per_head(3, 1) if ctx.mode == "semi_auto" else None
+        whole = (1, 1, 1)
+        self.slice = shard(ctx, ops.StridedSlice(), heads)
+        self.neg = shard(ctx, ops.Neg(), heads)
+        self.concat = shard(ctx, ops.Concat(-1), heads, heads)
+        self.mul_cos = shard(ctx, ops.Mul(), heads, whole)
+        self.mul_sin = shard(ctx, ops.Mul(), heads, whole)
+        self.add = shard(ctx, ops.Add(), heads, heads)
+
+    def construct(self, x, cos, sin):
+        tokens, heads, dim = x.shape
+        half = dim // 2
+        first = self.slice(x, (0, 0, 0), (tokens, heads, half), (1, 1, 1))
+        second = self.slice(x, (0, 0, half), (tokens, heads, dim), (1, 1, 1))
+        rotated = self.concat((self.neg(second), first))
+        return self.add(self.mul_cos(x, cos), self.mul_sin(rotated, sin))
 
 
 class DecoderLayer(nn.Cell):
@@ -69,68 +104,116 @@ class DecoderLayer(nn.Cell):
         super().__init__()
         config, plan = ctx.config, ctx.plan
         p = "model.layers.0."
+        self.input_norm = RMSNorm(ctx)
+        self.post_attention_norm = RMSNorm(ctx)
         self.qkv_proj = ParallelLinear(ctx, p + "self_attn.qkv_proj", bias=True)
         self.o_proj = ParallelLinear(ctx, p + "self_attn.o_proj")
         self.gate_up_proj = ParallelLinear(ctx, p + "mlp.gate_up_proj")
         self.down_proj = ParallelLinear(ctx, p + "mlp.down_proj")
-        self.eps = config.rms_norm_eps
+        self.rotary = Rotary(ctx)
         self.head_dim = config.head_dim
-        if ctx.mode == "explicit":  # this rank's slices
+        if ctx.mode == "explicit":  # this rank's slices: one block of each fused output
             self.heads, self.kv_heads = plan.local_heads, plan.local_kv_heads
             self.intermediate = plan.local_shape(p + "mlp.down_proj.weight")[1]
-        else:  # full shapes, laid out by MindSpore
+            self.qkv_blocks = self.mlp_blocks = 1
+        else:  # full shapes, laid out by MindSpore; a fused output is one block per rank
             self.heads, self.kv_heads = config.num_heads, config.num_kv_heads
             self.intermediate = config.intermediate_size
+            layout = SemiAutoLayout(plan)
+            self.qkv_blocks, self.mlp_blocks = layout.heads, layout.mlp
         self.groups = self.heads // self.kv_heads
-        self.q_size = self.heads * self.head_dim
-        self.kv_size = self.kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
-        self.write_rows = ops.ScatterUpdate()
+        # Widths within one block of the fused outputs.
+        self.q_block = self.heads * self.head_dim // self.qkv_blocks
+        self.kv_block = self.kv_heads * self.head_dim // self.qkv_blocks
+        self.mlp_block = self.intermediate // self.mlp_blocks
+        self.scale = Tensor(self.head_dim ** -0.5, ctx.dtype or ms.float32)
+        self._make_primitives(ctx)
+
+    def _make_primitives(self, ctx):
+        semi_auto = ctx.mode == "semi_auto"
+        layout = SemiAutoLayout(ctx.plan) if semi_auto else None
+
+        def heads(rank, axis=1):
+            return layout.per_head(rank, axis) if semi_auto else None
+
+        rows = layout.rows(2) if semi_auto else None
+        mlp = layout.mlp_blocks() if semi_auto else None
+        self.split_qkv = shard(ctx, ops.StridedSlice(), heads(3))
+        self.write_rows = shard(ctx, ops.ScatterUpdate(), heads(3), (1,), heads(3))
+        self.read_rows = shard(ctx, ops.Gather(), heads(3), (1,))
+        self.keys_by_head = shard(ctx, ops.Transpose(), heads(4, 2))
+        self.queries_by_head = shard(ctx, ops.Transpose(), heads(5, 2))
+        self.scale_queries = shard(ctx, ops.Mul(), heads(4), ())
+        self.scores = shard(ctx, ops.BatchMatMul(transpose_b=True), heads(4), heads(4))
+        self.scores_to_float = shard(ctx, ops.Cast(), heads(4))
+        self.add_mask = shard(ctx, ops.Add(), heads(5), (1, 1, 1, 1, 1))
+        self.softmax = shard(ctx, ops.Softmax(-1), heads(4))
+        self.probs_to_dtype = shard(ctx, ops.Cast(), heads(4))
+        self.weighted_values = shard(ctx, ops.BatchMatMul(), heads(4), heads(4))
+        self.tokens_first = shard(ctx, ops.Transpose(), heads(5, 1))
+        self.residual = shard(ctx, ops.Add(), rows, rows)
+        self.split_gate_up = shard(ctx, ops.StridedSlice(), mlp)
+        self.silu = shard(ctx, SiLU(), mlp)
+        self.gate = shard(ctx, ops.Mul(), mlp, mlp)
 
     def construct(self, x, cos, sin, k_cache, v_cache, write_rows, context_rows, mask,
                   ln1, w_qkv, b_qkv, w_o, ln2, w_gate_up, w_down):
         """x: (N, hidden) with N = G*Q tokens; cos/sin: (N, 1, head_dim); write_rows: (N,)
         cache rows of the tokens' own K/V; context_rows: (G*T,); mask: (G, Q, T), 0 where a
         query may look and a large negative number elsewhere."""
-        h = rms_norm(x, ln1, self.eps)
-        qkv = self.qkv_proj(h, w_qkv, b_qkv)
         tokens = x.shape[0]
-        q = qkv[:, :self.q_size].reshape(tokens, self.heads, self.head_dim)
-        k = qkv[:, self.q_size:self.q_size + self.kv_size].reshape(tokens, self.kv_heads,
-                                                                   self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size:].reshape(tokens, self.kv_heads, self.head_dim)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        qkv = self.qkv_proj(self.input_norm(x, ln1), w_qkv, b_qkv)
+        qkv = qkv.reshape(tokens, self.qkv_blocks, -1)
+        q = self._block_part(qkv, 0, self.q_block).reshape(tokens, self.heads, self.head_dim)
+        k = self._block_part(qkv, self.q_block, self.kv_block)
+        v = self._block_part(qkv, self.q_block + self.kv_block, self.kv_block)
+        k = k.reshape(tokens, self.kv_heads, self.head_dim)
+        v = v.reshape(tokens, self.kv_heads, self.head_dim)
+        q = self.rotary(q, cos, sin)
+        k = self.rotary(k, cos, sin)
         # Write this call's K/V, then read the context (which includes them) after the writes.
         k_written = self.write_rows(k_cache, write_rows, k)
         v_written = self.write_rows(v_cache, write_rows, v)
-        keys = ops.gather(ops.depend(k_cache, k_written), context_rows, 0)
-        values = ops.gather(ops.depend(v_cache, v_written), context_rows, 0)
-        x = x + self.o_proj(self._attend(q, keys, values, mask), w_o)
-        h = rms_norm(x, ln2, self.eps)
-        gate_up = self.gate_up_proj(h, w_gate_up)
-        act = ops.silu(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:]
-        return x + self.down_proj(act, w_down)
+        keys = self.read_rows(ops.depend(k_cache, k_written), context_rows, 0)
+        values = self.read_rows(ops.depend(v_cache, v_written), context_rows, 0)
+        x = self.residual(x, self.o_proj(self._attend(q, keys, values, mask), w_o))
+        gate_up = self.gate_up_proj(self.post_attention_norm(x, ln2), w_gate_up)
+        gate_up = gate_up.reshape(tokens, self.mlp_blocks, -1)
+        act = self.gate(self.silu(self._mlp_part(gate_up, 0)),
+                        self._mlp_part(gate_up, self.mlp_block))
+        return self.residual(x, self.down_proj(act.reshape(tokens, -1), w_down))
+
+    def _block_part(self, qkv, start, width):
+        """Columns [start, start + width) of every rank block of the fused q/k/v output."""
+        tokens, blocks, _ = qkv.shape
+        return self.split_qkv(qkv, (0, 0, start), (tokens, blocks, start + width), (1, 1, 1))
+
+    def _mlp_part(self, gate_up, start):
+        tokens, blocks, _ = gate_up.shape
+        return self.split_gate_up(gate_up, (0, 0, start),
+                                  (tokens, blocks, start + self.mlp_block), (1, 1, 1))
 
     def _attend(self, q, keys, values, mask):
         groups, queries, context = mask.shape
         d, kv = self.head_dim, self.kv_heads
-        keys = keys.reshape(groups, context, kv, d).transpose(0, 2, 1, 3)
-        values = values.reshape(groups, context, kv, d).transpose(0, 2, 1, 3)
+        keys = self.keys_by_head(keys.reshape(groups, context, kv, d), (0, 2, 1, 3))
+        values = self.keys_by_head(values.reshape(groups, context, kv, d), (0, 2, 1, 3))
         # Query head j uses KV head j // groups: put each KV head's queries in one row block.
-        q = q.reshape(groups, queries, kv, self.groups, d).transpose(0, 2, 3, 1, 4)
+        q = self.queries_by_head(q.reshape(groups, queries, kv, self.groups, d),
+                                 (0, 2, 3, 1, 4))
         q = q.reshape(groups, kv, self.groups * queries, d)
         # The scores are the big tensor here: scale q, not them; softmax in float32.
-        scores = ops.BatchMatMul(transpose_b=True)(q * self.scale, keys)
+        scores = self.scores(self.scale_queries(q, self.scale), keys)
         if scores.dtype != ms.float32:
-            scores = scores.astype(ms.float32)
-        mask = ops.tile(mask, (1, self.groups, 1)).reshape(groups, 1, self.groups * queries,
-                                                          context)
-        probs = ops.softmax(scores + mask, -1)
+            scores = self.scores_to_float(scores, ms.float32)
+        scores = self.add_mask(scores.reshape(groups, kv, self.groups, queries, context),
+                               mask.reshape(groups, 1, 1, queries, context))
+        probs = self.softmax(scores.reshape(groups, kv, self.groups * queries, context))
         if probs.dtype != values.dtype:
-            probs = probs.astype(values.dtype)
-        out = ops.BatchMatMul()(probs, values)  # (G, kv, groups*Q, d)
-        out = out.reshape(groups, kv, self.groups, queries, d).transpose(0, 3, 1, 2, 4)
+            probs = self.probs_to_dtype(probs, values.dtype)
+        out = self.weighted_values(probs, values)  # (G, kv, groups*Q, d)
+        out = self.tokens_first(out.reshape(groups, kv, self.groups, queries, d),
+                                (0, 3, 1, 2, 4))
         return out.reshape(groups * queries, self.heads * d)
 
 
@@ -144,21 +227,32 @@ class Embedding(nn.Cell):
 
 
 class LMHead(nn.Cell):
-    """Final norm and lm_head over the rows that need logits; float32 logits."""
+    """Final norm and lm_head over the rows that need logits; float32 logits, under semi_auto
+    whole on every rank (a graph returns each rank's slice of what it computes: the last
+    primitive's strategy gathers them; an Identity, which MindSpore's optimizer keeps where it
+    drops a float32-to-float32 Cast)."""
 
     def __init__(self, ctx):
         super().__init__()
-        self.eps = ctx.config.rms_norm_eps
+        semi_auto = ctx.mode == "semi_auto"
+        data = SemiAutoLayout(ctx.plan).data if semi_auto else 1
+        self.norm = RMSNorm(ctx)
         self.lm_head = ParallelLinear(ctx, "lm_head")
+        self.pick_rows = shard(ctx, ops.Gather(), (1, 1), (data,))
+        self.to_float = shard(ctx, ops.Cast(), (1, 1))
+        self.whole = shard(ctx, ops.Identity(), (1, 1)) if semi_auto else None
 
     def construct(self, x, rows, norm_weight, lm_weight):
-        x = ops.gather(x, rows, 0)
-        return self.lm_head(rms_norm(x, norm_weight, self.eps), lm_weight).astype(ms.float32)
+        x = self.pick_rows(x, rows, 0)
+        logits = self.to_float(self.lm_head(self.norm(x, norm_weight), lm_weight), ms.float32)
+        if self.whole is not None:
+            logits = self.whole(logits)
+        return logits
 
 
-def new_cache(layout, dtype, name):
+def new_cache(shape, dtype, name):
     """One of the two cache tensors (K or V) as a Parameter updated in place."""
-    return Parameter(Tensor(shape=layout.shape, dtype=dtype, init=Zero()), name=name,
+    return Parameter(Tensor(shape=shape, dtype=dtype, init=Zero()), name=name,
                      requires_grad=False)
 
 
@@ -166,7 +260,9 @@ class Qwen2Model(nn.Cell):
     """The whole model in one graph, owning its weights as Parameters (semi_auto mode).
 
     construct(ids, cos, sin, write_slots, context_slots, mask, logit_rows) -> float32 logits
-    of the rows `logit_rows`; the slots are layer-0 cache rows, offset here per layer."""
+    of the rows `logit_rows`; the slots are layer-0 cache rows, offset here per layer.
+    `layout` sizes the cache; its Parameters hold every KV head (MindSpore splits them by
+    head over the tensor ranks, as the layer's cache primitives say)."""
 
     def __init__(self, ctx, layout, shapes):
         super().__init__()
@@ -175,6 +271,9 @@ class Qwen2Model(nn.Cell):
         self.layer = DecoderLayer(ctx)
         self.head = LMHead(ctx)
         self.num_slots = layout.num_slots
+        self.offsets = tuple(Tensor(np.int32(layout.layer_offset(n)))
+                             for n in range(config.num_layers))
+        self.add_offset = shard(ctx, ops.Add(), (1,), ())
 
         def param(name):
             return Parameter(Tensor(shape=shapes[name], dtype=ctx.dtype, init=Zero()),
@@ -194,13 +293,14 @@ class Qwen2Model(nn.Cell):
         self.weights[norm_name] = self.norm_weight
         self.lm_weight = (self.embed_weight if config.tie_word_embeddings else param(lm_name))
         self.weights[lm_name] = self.lm_weight
-        self.k_cache = new_cache(layout, ctx.dtype, "k_cache")
-        self.v_cache = new_cache(layout, ctx.dtype, "v_cache")
+        shape = (layout.shape[0], config.num_kv_heads, config.head_dim)
+        self.k_cache = new_cache(shape, ctx.dtype, "k_cache")
+        self.v_cache = new_cache(shape, ctx.dtype, "v_cache")
 
     def construct(self, ids, cos, sin, write_slots, context_slots, mask, logit_rows):
         x = self.embedding(ids, self.embed_weight)
-        for n, weights in enumerate(self.layer_params):
-            offset = n * self.num_slots
-            x = self.layer(x, cos, sin, self.k_cache, self.v_cache, write_slots + offset,
-                           context_slots + offset, mask, *weights)
+        for weights, offset in zip(self.layer_params, self.offsets):
+            x = self.layer(x, cos, sin, self.k_cache, self.v_cache,
+                           self.add_offset(write_slots, offset),
+                           self.add_offset(context_slots, offset), mask, *weights)
         return self.head(x, logit_rows, self.norm_weight, self.lm_weight)

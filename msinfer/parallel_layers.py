@@ -8,8 +8,9 @@ compiled graph of a decoder layer serves every layer of the model.
 - explicit mode: the weights are this rank's slices; data moves only through collectives
   (AllReduce after row-parallel and vocab-parallel layers, AllGather after the vocab-split
   lm_head). No device-to-device copy anywhere, which is what Atlas 300I Duo requires.
-- semi_auto mode: the weights are full-shape Parameters of the whole-model Cell and each
-  primitive gets the plan's `in_strategy` through `shard()`; MindSpore inserts the collectives.
+- semi_auto mode: the weights are full-shape Parameters of the whole-model Cell and every
+  primitive of the model gets an `in_strategy` through `shard()`, from `SemiAutoLayout` (which
+  reads the shard plan); MindSpore inserts the collectives and redistributions.
 At tensor degree 1 every collective is skipped, so one code path serves 1 and N ranks.
 """
 import dataclasses
@@ -41,6 +42,50 @@ class ParallelContext:
         """MindSpore's CPU backend runs AllGather on the world group only; in a sub-group
         (data replicas) a gather is an AllReduce of zero-padded blocks instead."""
         return self.group is not None and ms.get_context("device_target") == "CPU"
+
+
+class SemiAutoLayout:
+    """The in_strategy of every primitive of the model under semi_auto, from the shard plan.
+
+    Two kinds of tensors, two layouts. Dense activations are (tokens, features): tokens split
+    over the `data` replicas, features as the linear layer that made them leaves them.
+    Attention and the KV cache work per KV head: the head axis is split over the tensor ranks
+    (`heads`), tokens are whole, because the cache holds every token of every sequence and
+    ScatterUpdate cannot split the slot axis it writes; the data replicas compute attention
+    alike. MindSpore redistributes between the two (an AllGather of tokens over the replicas).
+    The fused q/k/v and gate/up outputs are seen as (tokens, rank blocks, block width): each
+    rank's block of the full Parameter is its [q; k; v] (or [gate; up]) slice.
+    """
+
+    def __init__(self, plan):
+        d = plan.data
+        self.data = d
+        self.heads = plan.tensor if _split(plan, "self_attn.qkv_proj") else 1
+        self.mlp = plan.tensor if _split(plan, "mlp.gate_up_proj") else 1
+
+    def rows(self, rank):
+        """A dense activation of this rank: tokens split over the data replicas."""
+        return (self.data,) + (1,) * (rank - 1)
+
+    def per_head(self, rank, axis):
+        """An attention tensor with its KV-head (or rank-block) axis at `axis`."""
+        return tuple(self.heads if i == axis else 1 for i in range(rank))
+
+    def mlp_blocks(self):
+        """(tokens, rank blocks, width) of the gate/up output."""
+        return (self.data, self.mlp, 1)
+
+
+def _split(plan, module):
+    return plan.style(f"model.layers.0.{module}.weight") == "colwise"
+
+
+def shard(ctx, primitive, *strategy):
+    """`primitive`, with `strategy` as its in_strategy in semi_auto mode (shard() does nothing
+    stand-alone, and explicit mode never asks MindSpore to lay anything out)."""
+    if ctx.mode == "semi_auto":
+        primitive.shard(tuple(strategy))
+    return primitive
 
 
 class ParallelLinear(nn.Cell):

@@ -99,7 +99,8 @@ def _module(name):
 
 def _in_strategy(kind, style, tensor, data, bias=False):
     """The MindSpore in_strategy of the primitive that consumes this module's weight (or adds
-    its bias). Activations are 2-D (tokens, features), their rows split over data replicas."""
+    its bias). Activations are 2-D (tokens, features), their rows split over data replicas;
+    token ids are 1-D (tokens,)."""
     t, d = tensor, data
     if bias:  # BiasAdd(x, b): a colwise output stays split, others are whole
         return ((d, t), (t,)) if style == "colwise" else ((d, 1), (1,))
@@ -107,10 +108,13 @@ def _in_strategy(kind, style, tensor, data, bias=False):
         return ((d, 1), (t, 1))
     if style == "rowwise":
         return ((d, t), (1, t))
+    # Gather(table, ids): MindSpore's GatherInfo lets a table split on the gathered axis 0 take
+    # only unsplit ids (its "shard axis 0" mode; the "batch and axis" mode needs both 2-D), so
+    # a vocabulary split leaves the ids whole and the data replicas compute the lookup alike.
     if style == "vocab":
-        return ((t, 1), (d, 1))
+        return ((t, 1), (1,))
     if _PRIMITIVE.get(kind) == "Gather":
-        return ((1, 1), (d, 1))
+        return ((1, 1), (d,))
     return ((d, 1), (1, 1))
 
 

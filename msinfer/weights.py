@@ -57,9 +57,11 @@ class Checkpoint:
             return list(f.keys())
 
     def load(self, names, parts_of, dtype):
-        """{name: numpy array} for each model weight in `names`: `parts_of(name)` lists the
-        (checkpoint tensor, slices, full shape) it is stacked from (rows, in order), each
-        checked against its expected full shape before reading, converted to `dtype`."""
+        """Yields (name, numpy array) for each model weight in `names`, one at a time (so a
+        caller that converts each keeps one tensor's copy alive, not the whole model's):
+        `parts_of(name)` lists the (checkpoint tensor, slices, full shape) it is stacked from
+        (rows, in order), each checked against its expected full shape before reading,
+        converted to `dtype`."""
         parts = {name: parts_of(name) for name in names}
         needed = sorted({tensor for plan in parts.values() for tensor, _, _ in plan})
         missing = [t for t in needed if t not in self.file_of]
@@ -69,7 +71,6 @@ class Checkpoint:
                 f"first: {missing[0]}")
         files = {}
         progress = log.Progress("loading weights", len(names))
-        loaded = {}
         try:
             for done, name in enumerate(names, 1):
                 blocks = []
@@ -79,12 +80,11 @@ class Checkpoint:
                         files[file] = self._open(file).__enter__()
                     blocks.append(self._read(files[file], file, tensor_name, slices,
                                              full_shape, dtype))
-                loaded[name] = blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
+                yield name, blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
                 progress.step(done, self.file_of[parts[name][0][0]])
         finally:
             for handle in files.values():
                 handle.__exit__(None, None, None)
-        return loaded
 
     def _read(self, handle, file, name, slices, full_shape, dtype):
         tensor = handle.get_slice(name)

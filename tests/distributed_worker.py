@@ -60,7 +60,8 @@ def main():
     runner = llm.engine.runner
     weights = [runner.embed_weight] + [w for ws in runner.layer_weights for w in ws]
     weights += [w for w in runner.head_weights if w is not runner.embed_weight]
-    param_bytes = sum(int(np.prod(w.shape)) * 4 for w in weights)
+    param_bytes = sum(w.nbytes for w in weights)
+    kv_bytes = runner.k_cache.nbytes + runner.v_cache.nbytes
     np.savez(os.path.join(args.out, f"rank_{rank}.npz"),
              tokens=np.array([out.token_ids for out in outs]),
              logprobs=logprobs,
@@ -68,7 +69,7 @@ def main():
              launcher=llm.dist.launcher,
              rss_baseline=baseline, rss_after_load=after_load,
              peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-             param_bytes=param_bytes)
+             param_bytes=param_bytes, kv_bytes=kv_bytes)
     return 0
 
 

@@ -124,6 +124,19 @@ def test_tp4_under_mpirun_matches_hf_with_replicated_kv_heads(models, tmp_path):
     # 2 KV heads once per pair of ranks.
     full_bytes = sum(p.numel() for p in hf.parameters()) * 4
     assert all(int(r["param_bytes"]) < 0.35 * full_bytes for r in ranks)
+    # Planner = engine: each rank holds exactly the bytes the plan reports for it.
+    from msinfer.config import ModelConfig
+    from msinfer.hardware import get_profile
+    from msinfer.plan import EngineLimits, make_plan
+    from msinfer.strategy import load_strategy
+
+    config = ModelConfig.from_model_dir(model_dir)
+    limits = EngineLimits.for_model(config, max_len=128, block_size=4, max_prefill_tokens=16,
+                                    kv_cache_memory=1 << 20)
+    report = make_plan(config, load_strategy(os.path.join(STRATEGIES, "qwen2_tp4.yaml")),
+                       get_profile("cpu"), limits)
+    assert [int(r["param_bytes"]) for r in ranks] == [d.weights_bytes for d in report.devices]
+    assert [int(r["kv_bytes"]) for r in ranks] == [d.kv_cache_bytes for d in report.devices]
 
 
 def test_tp2_under_msrun_matches_hf_with_tied_embeddings(models, tmp_path):

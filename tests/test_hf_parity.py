@@ -158,9 +158,12 @@ def test_preempted_requests_are_recomputed_exactly(tmp_path):
         assert_matches_hf(hf, prompt, out, config.vocab_size, f"prompt {i}")
 
 
-def test_semi_auto_model_with_tp4_shard_annotations_matches_hf_standalone(tmp_path):
-    """The semi_auto model (one graph, full-shape Parameters, shard() from the tp4 plan) runs
-    stand-alone, where MindSpore ignores shard(): it must still be Qwen2."""
+@pytest.mark.parametrize("tensor, data", [(4, 1), (2, 2)])
+def test_semi_auto_model_with_tp4_shard_annotations_matches_hf_standalone(tmp_path, tensor, data):
+    """The semi_auto model (one graph, full-shape Parameters, shard() from the plan) runs
+    stand-alone, where MindSpore ignores shard(): it must still be Qwen2. Its Parameters hold
+    what the ranks of a real job would hold side by side: a fused q/k/v (gate/up) weight is the
+    ranks' [q_r; k_r; v_r] blocks one after the other, which the model reads per rank block."""
     import mindspore as ms
 
     from msinfer.distributed import set_graph_mode
@@ -172,32 +175,40 @@ def test_semi_auto_model_with_tp4_shard_annotations_matches_hf_standalone(tmp_pa
     from msinfer.strategy import Strategy, checkpoint_parts
     from msinfer.weights import Checkpoint
 
-    config = make_tiny_model(str(tmp_path), layers=2, hidden=64, heads=4, kv_heads=4,
+    config = make_tiny_model(str(tmp_path), layers=2, hidden=64, heads=8, kv_heads=4,
                              vocab=384, tie=True, seed=4)
-    plan = Strategy.default(tensor=4, parallel_mode="semi_auto").resolve(config)
+    plan = Strategy.default(tensor=tensor, data=data, parallel_mode="semi_auto").resolve(config)
     set_graph_mode("CPU")
     ctx = ParallelContext(config=config, plan=plan, mode="semi_auto", dtype=ms.float32)
-    layout = CacheLayout(config.num_layers, config.num_kv_heads, config.head_dim,
+    layout = CacheLayout(config.num_layers, plan.local_kv_heads, config.head_dim,
                          block_size=4, num_blocks=64, dtype_bytes=4)
     shapes = config.parameter_shapes()
-
-    def full_shape(name):
-        parts = checkpoint_parts(name)
-        return (sum(shapes[p][0] for p in parts),) + shapes[parts[0]][1:]
-
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     for layer in range(config.num_layers):
         names += layer_weight_names(layer)
-    model = Qwen2Model(ctx, layout, {n: full_shape(n) for n in names})
-    assert model.head.lm_head.matmul.in_strategy == ((1, 1), (4, 1))
-    assert model.layer.o_proj.matmul.in_strategy == ((1, 4), (1, 4))
-    loaded = Checkpoint(str(tmp_path)).load(
-        names, lambda n: [(p, tuple(slice(0, s) for s in shapes[p]), shapes[p])
-                          for p in checkpoint_parts(n)], np.float32)
-    for name, array in loaded.items():
+    checkpoint = Checkpoint(str(tmp_path))
+
+    def rank_parts(rank):
+        return lambda n: [(p, plan.slices(p, rank), shapes[p]) for p in checkpoint_parts(n)]
+
+    ranks = [dict(checkpoint.load(names, rank_parts(r), np.float32))
+             for r in range(tensor)]
+    whole = dict(checkpoint.load(names, lambda n: [(p, tuple(slice(0, s) for s in shapes[p]),
+                                                    shapes[p]) for p in checkpoint_parts(n)],
+                                 np.float32))
+    full = {}
+    for name in names:
+        fused = len(checkpoint_parts(name)) > 1
+        full[name] = np.concatenate([r[name] for r in ranks]) if fused else whole[name]
+    model = Qwen2Model(ctx, layout, {n: a.shape for n, a in full.items()})
+    assert model.head.lm_head.matmul.in_strategy == ((data, 1), (tensor, 1))
+    assert model.layer.o_proj.matmul.in_strategy == ((data, tensor), (1, tensor))
+    assert model.k_cache.shape == (layout.shape[0], config.num_kv_heads, config.head_dim)
+    for name, array in full.items():
         model.weights[name].set_data(ms.Tensor(array))
     runner = ModelRunner(ctx, layout, max_num_seqs=4, max_prefill_tokens=16, max_model_len=128,
                          model=model)
+    assert all(b % data == 0 for b in runner.batch_buckets + runner.chunk_buckets)
     engine = LLMEngine(runner, layout, vocab_size=config.vocab_size, max_model_len=128,
                        eos_token_ids=(), max_num_seqs=4, max_prefill_tokens=16, seed=0)
     hf = transformers.Qwen2ForCausalLM.from_pretrained(str(tmp_path),
@@ -228,3 +239,19 @@ def test_float16_compute_the_310p_path_stays_close_to_float32_transformers(tmp_p
         ours = logprob_rows(out, config.vocab_size)
         assert np.abs(ours - expected).max() < 0.05
         assert (ours.argmax(-1) == expected.argmax(-1)).all()
+
+
+def test_the_planner_counts_the_bytes_the_engine_allocates(case):
+    """Planner = engine: the weights and KV cache the plan reports for this rank are the bytes
+    of the tensors the engine holds; the engine's pool has the plan's block count."""
+    from msinfer.plan import make_plan
+
+    name, config, llm, hf = case
+    report = make_plan(config, llm.strategy, llm.profile, llm.limits)
+    runner = llm.engine.runner
+    weights = {id(w): w for w in [runner.embed_weight, *runner.head_weights]
+               + [w for layer in runner.layer_weights for w in layer]}
+    held = sum(w.nbytes for w in weights.values())
+    assert report.devices[0].weights_bytes == held
+    assert report.devices[0].kv_cache_bytes == runner.k_cache.nbytes + runner.v_cache.nbytes
+    assert report.kv_blocks == llm.engine.blocks.num_usable

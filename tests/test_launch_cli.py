@@ -214,18 +214,17 @@ def test_semi_auto_with_replicated_kv_heads_is_refused_before_spawning(model_dir
     assert code == 1 and command == [] and "only in the explicit mode" in err
 
 
-def test_the_rank_command_is_any_msinfer_subcommand_and_only_model_commands_are_planned(
-        tmp_path, capsys):
-    from msinfer import ranktable
-    path = str(tmp_path / "t.json")
-    ranktable.write(ranktable.build([0, 1, 2, 3], "192.0.2.10"), path)
+def test_rank_commands_run_in_every_rank_and_only_model_commands_are_planned(tmp_path, capsys):
     code, command, ranks, err = dry_run(capsys, "--nproc", "4", "--strategy", TP4,
-                                        rank=("ranktable", "check", path))
+                                        rank=("commtest", "--max-bytes", "1K"))
     assert code == 0 and "FITS" not in err  # nothing to plan
-    assert command[command.index("-m"):] == ["-m", "msinfer", "ranktable", "check", path]
+    assert command[command.index("-m"):][:5] == ["-m", "msinfer", "commtest", "--max-bytes",
+                                                 "1K"]
     assert len(ranks) == 4
-    code, _, _, err = dry_run(capsys, "--nproc", "4", "--strategy", TP4, rank=("launch",))
-    assert code == 2 and "give the rank command after --, one of" in err
+    for not_a_rank_command in (("launch",), ("ranktable", "check", "t.json")):
+        code, _, _, err = dry_run(capsys, "--nproc", "4", "--strategy", TP4,
+                                  rank=not_a_rank_command)
+        assert code == 2 and "give the rank command after --, one of generate" in err
 
 
 def test_a_rank_table_is_refused_for_cpu(model_dir, table_4567, capsys):

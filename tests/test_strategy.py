@@ -217,7 +217,7 @@ def test_in_strategy_of_each_style_for_shard():
     assert plan.in_strategy(layer + "self_attn.q_proj.bias") == ((2, 4), (4,))
     assert plan.in_strategy(layer + "self_attn.o_proj.weight") == ((2, 4), (1, 4))
     assert plan.in_strategy(layer + "mlp.down_proj.weight") == ((2, 4), (1, 4))
-    assert plan.in_strategy("model.embed_tokens.weight") == ((4, 1), (2, 1))
+    assert plan.in_strategy("model.embed_tokens.weight") == ((4, 1), (1,))
     assert plan.in_strategy("lm_head.weight") == ((2, 1), (4, 1))
     with pytest.raises(MsinferError, match="norm weight is replicated and applied element-wise"):
         plan.in_strategy(layer + "input_layernorm.weight")
@@ -227,12 +227,12 @@ def test_replicated_styles_keep_only_the_data_split_in_in_strategy():
     rules = dict(TENSOR_PARALLEL_RULES, **{"model.embed_tokens": "replicate",
                                            "lm_head": "replicate"})
     plan = Strategy(world_size=4, tensor=2, data=2, rules=rules).resolve(tiny())
-    assert plan.in_strategy("model.embed_tokens.weight") == ((1, 1), (2, 1))
+    assert plan.in_strategy("model.embed_tokens.weight") == ((1, 1), (2,))
     assert plan.in_strategy("lm_head.weight") == ((2, 1), (1, 1))
 
 
 def test_raw_in_strategy_resolves_to_the_same_plan_as_the_style(tmp_path):
-    raw = {"model.embed_tokens": "[[4, 1], [1, 1]]",
+    raw = {"model.embed_tokens": "[[4, 1], [1]]",
            "model.layers.*.self_attn.q_proj": "[[1, 1], [4, 1]]",
            "model.layers.*.self_attn.o_proj": "[[1, 4], [1, 4]]",
            "lm_head": "[[1, 1], [4, 1]]"}

@@ -17,6 +17,7 @@ import time
 import numpy as np
 from mindspore import Tensor, nn
 
+from .. import log
 from ..model import (Embedding, DecoderLayer, LMHead, head_weight_names, layer_weight_names,
                      new_cache, rotary_tables)
 from .kv_cache import TRASH_BLOCK
@@ -32,6 +33,10 @@ def power_buckets(smallest, largest, factor=2):
         size *= factor
     buckets.append(largest)
     return tuple(buckets)
+
+
+def round_up(size, step):
+    return -(-size // step) * step
 
 
 def bucket_for(size, buckets):
@@ -58,7 +63,8 @@ class ModelRunner:
     def __init__(self, ctx, layout, max_num_seqs, max_prefill_tokens, max_model_len,
                  weights=None, model=None):
         """Explicit mode: `weights` {name: Tensor} of this rank's slices. semi_auto: `model`, a
-        Qwen2Model owning its Parameters and cache."""
+        Qwen2Model owning its Parameters and cache (in a job of several ranks, wrapped by
+        `semi_auto_cell`)."""
         config = ctx.config
         self.layout = layout
         self.dtype = ctx.dtype
@@ -67,16 +73,20 @@ class ModelRunner:
         cos, sin = rotary_tables(config.head_dim, config.rope_theta, max_model_len)
         host = np.float16 if str(ctx.dtype) == "Float16" else np.float32
         self.cos, self.sin = cos.astype(host), sin.astype(host)
-        self.batch_buckets = power_buckets(1, max_num_seqs)
+        # semi_auto splits the tokens of the dense layers over the data replicas (and MindSpore
+        # refuses a split that does not divide): every token and row count is a multiple.
+        step = ctx.plan.data if ctx.mode == "semi_auto" else 1
+        self.batch_buckets = power_buckets(step, round_up(max_num_seqs, step))
         self.context_buckets = power_buckets(min(64, max_model_len), max_model_len)
-        self.chunk_buckets = power_buckets(min(16, max_prefill_tokens), max_prefill_tokens, 4)
+        self.chunk_buckets = power_buckets(round_up(min(16, max_prefill_tokens), step),
+                                           round_up(max_prefill_tokens, step), 4)
         self.row_buckets = self.batch_buckets
         if model is None:
             self.embedding = Embedding(ctx)
             self.layer = _LayerStep(DecoderLayer(ctx))
             self.head = LMHead(ctx)
-            self.k_cache = new_cache(layout, ctx.dtype, "k_cache")
-            self.v_cache = new_cache(layout, ctx.dtype, "v_cache")
+            self.k_cache = new_cache(layout.shape, ctx.dtype, "k_cache")
+            self.v_cache = new_cache(layout.shape, ctx.dtype, "v_cache")
             self.embed_weight = weights["model.embed_tokens.weight"]
             self.layer_weights = [[weights[n] for n in layer_weight_names(i)]
                                   for i in range(config.num_layers)]
@@ -114,9 +124,9 @@ class ModelRunner:
             slots[i, :n] = row_slots
             mask[i, 0, :n] = 0.0
         rows = np.arange(batch, dtype=np.int32)
-        start = time.perf_counter()
+        start, compiled = time.perf_counter(), self.compilations
         logits = self._run(ids, positions, write, slots.reshape(-1), mask, rows)[:count]
-        self._time("decode", start, count)
+        self._time("decode", start, count, compiled, f"batch {batch} x context {context}")
         return logits
 
     def prefill(self, chunks):
@@ -156,14 +166,18 @@ class ModelRunner:
         row_count = max(len(rows), 1)
         padded_rows = np.zeros(bucket_for(row_count, self.row_buckets), np.int32)
         padded_rows[:len(rows)] = rows
-        start = time.perf_counter()
+        start, compiled = time.perf_counter(), self.compilations
         logits = self._run(ids, positions, write, slots, mask, padded_rows)[:len(rows)]
-        self._time("prefill", start, total)
+        self._time("prefill", start, total, compiled, f"chunk {size} x context {context}")
         return logits
 
-    def _time(self, kind, start, tokens):
+    def _time(self, kind, start, tokens, compiled_before, shape):
         t = self.timings
-        t[f"{kind}_s"] += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        if self.compilations > compiled_before:  # a first call of this shape: say why it was slow
+            log.get().info("compiled %s graphs for %s in %.1fs (%d graphs so far)", kind, shape,
+                           seconds, self.compilations)
+        t[f"{kind}_s"] += seconds
         t["prefill_calls" if kind == "prefill" else "decode_steps"] += 1
         t[f"{kind}_tokens"] += tokens
 
@@ -199,3 +213,18 @@ class ModelRunner:
                         np.int32)
         self._run(np.zeros(tokens, np.int32), np.zeros(tokens, np.int64),
                   np.full(tokens, trash, np.int64), slots, mask, rows)
+
+
+def semi_auto_cell(model, world_size):
+    """The semi_auto model as MindSpore 2.10 asks for it: `AutoParallel(cell, "semi_auto")`
+    sets the auto-parallel context only while that cell compiles, so nothing else (the job
+    seed's AllReduce, compiled as a stand-alone graph) runs under it. full_batch: every rank
+    feeds the whole step and MindSpore splits it per the primitives' in_strategy. Only for a
+    job of several ranks (MindSpore: full_batch fails with one device)."""
+    from mindspore.parallel.auto_parallel import AutoParallel
+
+    if world_size < 2:
+        return model
+    cell = AutoParallel(model, parallel_mode="semi_auto")
+    cell.dataset_strategy("full_batch")
+    return cell
