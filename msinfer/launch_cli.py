@@ -281,10 +281,22 @@ def _pump(source, sink):
             sink.flush()
 
 
+# After asking the job to stop (SIGTERM), how long it may take: a server drains its requests
+# (serve's --shutdown-timeout, 30 s by default) before it exits.
+STOP_GRACE_SECONDS = 45
+
+
+class _Stop(Exception):
+    """SIGTERM to the launcher: stop the job as Ctrl-C does."""
+
+
 def _run(command, timeout):
     # msrun starts each worker with the `python` found on PATH: make it this interpreter.
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep +
                os.environ.get("PATH", ""))
+    # mpirun kills its ranks 1 s after forwarding a signal unless told otherwise: give them
+    # the grace a draining server needs.
+    env.setdefault("OMPI_MCA_odls_base_sigkill_timeout", str(STOP_GRACE_SECONDS))
     # Own process group, so an interrupt or a timeout takes every rank down with the launcher.
     process = subprocess.Popen(command, start_new_session=True, env=env, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -292,18 +304,67 @@ def _run(command, timeout):
              threading.Thread(target=_pump, args=(process.stderr, sys.stderr), daemon=True)]
     for pump in pumps:
         pump.start()
+
+    def stop_on_sigterm(signum, frame):
+        raise _Stop()
+
+    previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
     try:
         code = process.wait(timeout=timeout)
-        for pump in pumps:
-            pump.join(timeout=5)
-        return code
-    except (KeyboardInterrupt, subprocess.TimeoutExpired) as stop:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+    except (KeyboardInterrupt, _Stop, subprocess.TimeoutExpired) as stop:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one stop is enough
+        code = _stop(process)
         if isinstance(stop, subprocess.TimeoutExpired):
             print(f"msinfer launch: job stopped after --timeout {timeout}s", file=sys.stderr)
             return 124
-        return 130
+        if code is None:
+            return 130 if isinstance(stop, KeyboardInterrupt) else 143
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    for pump in pumps:
+        pump.join(timeout=5)
+    return code
+
+
+def _stop(process):
+    """SIGTERM to every rank of the job on this host, then STOP_GRACE_SECONDS to finish (a
+    server drains); the job's exit code when it did, else None after killing it all.
+
+    The ranks (the launcher's children) are signalled themselves, not through mpirun: mpirun
+    puts each rank in a process group of its own, and on a signal of its own it tears the job
+    down rather than let it drain. What the ranks started (the CPU bridge's scheduler) ends
+    with them. The job started a session of its own: what is left of it is killed at the end."""
+    for pid, parent in _session_members(process.pid):
+        if parent == process.pid:
+            _signal(pid, signal.SIGTERM)
+    try:
+        return process.wait(timeout=STOP_GRACE_SECONDS)
+    except subprocess.TimeoutExpired:
+        for pid, _ in _session_members(process.pid):
+            _signal(pid, signal.SIGKILL)
+        process.wait()
+        return None
+
+
+def _session_members(session):
+    """(pid, parent pid) of the processes in session `session` (from /proc)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        # After the name: state, ppid, pgrp, session. A zombie is gone already.
+        if int(fields[3]) == session and fields[0] != "Z":
+            members.append((int(entry), int(fields[1])))
+    return members
+
+
+def _signal(pid, sig):
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass

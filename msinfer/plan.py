@@ -602,7 +602,7 @@ def add_engine_arguments(parser):
                         help=f"tokens per KV cache block (default {DEFAULT_BLOCK_SIZE})")
     parser.add_argument("--kv-cache-memory", default=None, metavar="BYTES",
                         help="KV cache per rank, e.g. 2GiB (default: "
-                             f"{KV_CACHE_UTILIZATION:.0%} of what weights and workspace leave)")
+                             f"{KV_CACHE_UTILIZATION:.0%}% of what weights and workspace leave)")
 
 
 def limits_from_args(config, args):

@@ -231,3 +231,51 @@ def test_a_rank_table_is_refused_for_cpu(model_dir, table_4567, capsys):
     code, _, _, err = dry_run(capsys, "--nproc", "4", "--strategy", TP4, "--rank-table",
                               table_4567, rank=("generate", "--model", model_dir, "--prompt", "hi"))
     assert code == 2 and "rank tables set up HCCL on Ascend" in err
+
+
+FAKE_JOB = r"""
+import os, signal, subprocess, sys, time
+# Like mpirun: ranks in process groups of their own; the launcher program itself ignores
+# SIGTERM here and exits with its ranks' status once they are done.
+behaviour = sys.argv[1]
+rank = ("import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n" if behaviour == "drain" else
+        "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n") + \
+       "print('up', flush=True)\ntime.sleep(120)\n"
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+ranks = [subprocess.Popen([sys.executable, "-c", rank], process_group=0, stdout=subprocess.PIPE)
+         for _ in range(2)]
+for r in ranks:
+    r.stdout.readline()
+print("ready", flush=True)
+sys.exit(max(r.wait() for r in ranks))
+"""
+
+
+@pytest.mark.parametrize("behaviour", ["drain", "hang"])
+def test_stopping_a_job_signals_each_rank_and_waits_for_it(behaviour, monkeypatch):
+    """SIGTERM or Ctrl-C to `msinfer launch`: each rank gets SIGTERM itself (mpirun would tear
+    the job down instead of letting a server drain); a job that ends in the grace period
+    gives its own exit code, one that does not is killed whole."""
+    import subprocess
+    import sys
+    import time
+
+    from msinfer import launch_cli
+
+    monkeypatch.setattr(launch_cli, "STOP_GRACE_SECONDS", 3)
+    job = subprocess.Popen([sys.executable, "-c", FAKE_JOB, behaviour], start_new_session=True,
+                           stdout=subprocess.PIPE, text=True)
+    assert job.stdout.readline().strip() == "ready"
+    ranks = [pid for pid, _ in launch_cli._session_members(job.pid) if pid != job.pid]
+    assert len(ranks) == 2
+    start = time.monotonic()
+    code = launch_cli._stop(job)
+    if behaviour == "drain":
+        assert code == 0 and time.monotonic() - start < 3
+    else:
+        assert code is None and time.monotonic() - start >= 3
+    deadline = time.monotonic() + 5  # a killed process takes a moment to go
+    while launch_cli._session_members(job.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert launch_cli._session_members(job.pid) == []  # nothing of the job is left

@@ -150,3 +150,24 @@ def test_same_requests_same_order_give_the_same_decisions():
         return trace
 
     assert replay() == replay()
+
+
+def test_chunks_of_one_step_attend_within_the_largest_context():
+    """Packed chunks attend over their sequences' contexts side by side: together they stay
+    within max_context (a long prompt's last chunk plus a new prompt once overflowed the
+    runner's largest context bucket)."""
+    scheduler = Scheduler(BlockManager(layout(blocks=128)), max_num_seqs=8,
+                          max_prefill_tokens=32, max_context=128)
+    long, short = seq("long", 120, arrival=0), seq("short", 30, arrival=1)
+    scheduler.add(long)
+    long.computed = 100  # five chunks in: 20 pending, its chunk attends over 120 positions
+    scheduler.add(short)
+    chunks = scheduler.schedule().chunks
+    assert [(c.seq.request_id, c.start, c.count) for c in chunks] == [("long", 100, 20),
+                                                                      ("short", 0, 8)]
+    assert sum(c.start + c.count for c in chunks) <= 128
+    for c in chunks:
+        c.seq.computed += c.count
+    long.generated.append(7)
+    chunks = scheduler.schedule().chunks
+    assert [(c.seq.request_id, c.start, c.count) for c in chunks] == [("short", 8, 22)]

@@ -54,7 +54,8 @@ class LLMEngine:
         self.runner = runner
         self.layout = layout
         self.blocks = BlockManager(layout)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_prefill_tokens)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_prefill_tokens,
+                                   max_context=max_model_len)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)

@@ -10,7 +10,9 @@ Each step:
 2. fill the prefill budget (`max_prefill_tokens`) with chunks: first of sequences already
    prefilling, then of waiting ones admitted in arrival order while there is a sequence slot
    (`max_num_seqs`) and free blocks for the whole prompt (so an admitted prefill never stalls
-   for blocks). A queue head that does not fit waits; nothing overtakes it.
+   for blocks). A queue head that does not fit waits; nothing overtakes it. The chunks of one
+   step attend over their sequences' contexts side by side, and those together stay within
+   `max_context` positions (the runner's largest context bucket).
 """
 import collections
 import dataclasses
@@ -45,10 +47,12 @@ class Schedule:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_prefill_tokens: int):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_prefill_tokens: int,
+                 max_context: int = None):
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
+        self.max_context = max_context
         self.waiting = collections.deque()
         self.running = []  # admitted, in admission order
         self.preemptions = 0
@@ -86,11 +90,14 @@ class Scheduler:
 
         chunks = []
         budget = self.max_prefill_tokens
+        context = self.max_context if self.max_context is not None else float("inf")
         for seq in self.running:
-            if budget and seq.prefilling:
-                chunks.append(self._chunk(seq, budget))
-                budget -= chunks[-1].count
-        while budget and self.waiting and len(self.running) < self.max_num_seqs:
+            chunk = self._chunk(seq, budget, context) if seq.prefilling else None
+            if chunk:
+                chunks.append(chunk)
+                budget -= chunk.count
+                context -= chunk.start + chunk.count
+        while budget and context >= 1 and self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self.blocks.can_hold(seq, seq.length):
                 break
@@ -98,14 +105,18 @@ class Scheduler:
             self.blocks.grow(seq, seq.length)
             seq.status = Status.RUNNING
             self.running.append(seq)
-            if seq.prefilling:
-                chunks.append(self._chunk(seq, budget))
-                budget -= chunks[-1].count
-            # else: a one-token prompt, decoded from the next step on
+            chunk = self._chunk(seq, budget, context) if seq.prefilling else None
+            if chunk:  # else a one-token prompt, decoded from the next step on
+                chunks.append(chunk)
+                budget -= chunk.count
+                context -= chunk.start + chunk.count
         return Schedule(decodes, chunks, preempted)
 
-    def _chunk(self, seq, budget):
-        return Chunk(seq, seq.computed, min(seq.pending, budget))
+    def _chunk(self, seq, budget, context):
+        """The next chunk of `seq` within the token budget and the context left (its chunk
+        attends over positions 0 .. start + count - 1); None when nothing fits."""
+        count = min(seq.pending, budget, context - seq.computed)
+        return Chunk(seq, seq.computed, count) if count > 0 else None
 
     def _preempt(self, seq):
         self.running.remove(seq)
