@@ -183,7 +183,7 @@ def mixed_workload(cfg, rng, vocab):
     return random_prompts(rng, prompt_lens, vocab), outputs
 
 
-def part_mixed(cfg, rng, log_dir, log, old_engine):
+def part_mixed(cfg, rng, log_dir, log, old_engine, retries=MIXED_RETRIES):
     """Each engine in its own process, all alive: a first (cold) run of the whole workload,
     then a measured run, sides taking turns; HF gets a small warm-up instead (nothing to
     compile). The new engine's cold run is its lazy compilation; a fresh process then
@@ -221,7 +221,7 @@ def part_mixed(cfg, rng, log_dir, log, old_engine):
     workers["hf"].ask(op="generate", prompts=[p[:16] for p in prompts[:2]], max_tokens=[4, 4])
     tokens = {}
     for name in ("hf", "old", "msinfer"):
-        for attempt in range(MIXED_RETRIES + 1):
+        for attempt in range(retries + 1):
             log(f"  {name}: measured run")
             a = workers[name].measured(op="generate", prompts=prompts, max_tokens=max_tokens)
             log(f"    {a['seconds']:.1f} s, {out['output_tokens'] / a['seconds']:.1f} output "
@@ -476,6 +476,9 @@ def main(argv=None):
     p.add_argument("--old-engine", default="/work/old-engine",
                    help="a checkout of the static-batch engine (commit 8717a73)")
     p.add_argument("--out", default=os.path.join(BENCH, "results"))
+    p.add_argument("--mixed-retries", type=int, default=MIXED_RETRIES,
+                   help="measured mixed-workload runs taken again when other processes load "
+                        f"the machine (default {MIXED_RETRIES})")
     args = p.parse_args(argv)
     if "compile" in args.parts and "mixed" not in args.parts:
         p.error("--parts compile needs mixed (it compares with the mixed run's lazy compile)")
@@ -494,14 +497,15 @@ def main(argv=None):
     import numpy as np
     results = {"quick": args.quick, "date": datetime.datetime.now().isoformat(timespec="seconds"),
                "machine": machine_info(), "config": {k: v for k, v in cfg.items()},
-               "old_engine": args.old_engine}
+               "old_engine": args.old_engine, "mixed_retries": args.mixed_retries}
     rng = np.random.default_rng(9)
     if "rss" in args.parts:
         log("(a) peak RSS on long prompts")
         results["rss"] = part_rss(cfg, rng, log_dir, log)
     if "mixed" in args.parts:
         log("(b) mixed workload")
-        results["mixed"] = part_mixed(cfg, rng, log_dir, log, args.old_engine)
+        results["mixed"] = part_mixed(cfg, rng, log_dir, log, args.old_engine,
+                                      args.mixed_retries)
     if "compile" in args.parts:
         log("(d) compilation from cold with engine.warmup()")
         results["compile"] = part_compile(cfg, log_dir, log, results["mixed"])

@@ -6,7 +6,7 @@ One command: makes the random Qwen2 checkpoints if missing (models/, git-ignored
 the machine's streaming bandwidth, runs msinfer and HF transformers side by side on the same
 prompts with the same greedy settings, runs msinfer at tensor degree 1, 2 and 4 under mpirun,
 then writes OUT/latest.json (every figure, the machine, the versions), OUT/latest.png and
-prints the table. bench/README.md says what each figure means and how it is measured.
+OUT/latest.txt (the table, also printed). bench/README.md says what each figure means and how it is measured.
 --quick uses a small model and few tokens: it checks the harness; its figures mean nothing.
 """
 import argparse
@@ -53,7 +53,7 @@ COMPILE_LENGTHS = (5, 9, 16, 17, 25, 32, 33, 47, 64, 65, 90, 128, 129, 200, 256,
                    400, 480, 512)
 TENSOR_DEGREES = (1, 2, 4)
 OTHER_LOAD_LIMIT = report.OTHER_LOAD_LIMIT
-RETRIES = 4  # per side and case
+RETRIES = 4  # per side and case (--retries)
 
 
 def child_env():
@@ -372,14 +372,22 @@ def machine_info():
 
 
 def main(argv=None):
+    global RETRIES
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true",
                    help="small model, few tokens: checks the harness in a few minutes")
     p.add_argument("--out", default=os.path.join(BENCH, "results"))
+    p.add_argument("--reps", type=int, help="measured rounds per case (full run: 3)")
+    p.add_argument("--retries", type=int, default=RETRIES,
+                   help=f"measurements taken again per side and case when other processes "
+                        f"load the machine (default {RETRIES})")
     p.add_argument("--threads-variants", action="store_true",
                    help="also run tp2/tp4 with runtime_num_threads = cores / ranks")
     args = p.parse_args(argv)
-    cfg = QUICK if args.quick else FULL
+    cfg = dict(QUICK if args.quick else FULL)
+    if args.reps:
+        cfg["reps"] = cfg["dist_reps"] = args.reps
+    RETRIES = args.retries
     os.makedirs(args.out, exist_ok=True)
     log_dir = os.path.join(args.out, "logs")
     os.makedirs(log_dir, exist_ok=True)
@@ -391,7 +399,7 @@ def main(argv=None):
     import numpy as np
     rng = np.random.default_rng(0)
     results = {"quick": args.quick, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-               "machine": machine_info()}
+               "machine": machine_info(), "reps": cfg["reps"], "retries": RETRIES}
     model_dir = ensure_model(*cfg["model"], log)
     dist_model_dir = ensure_model(*cfg["dist_model"], log)
     config = ModelConfig.from_model_dir(model_dir)
@@ -473,8 +481,11 @@ def main(argv=None):
         json.dump(results, f, indent=1)
     png_path = os.path.join(args.out, "latest.png")
     report.chart(results, png_path)
-    print(report.table(results))
-    log(f"wrote {json_path} and {png_path}")
+    text = report.table(results)
+    with open(os.path.join(args.out, "latest.txt"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+    log(f"wrote {json_path}, {png_path} and latest.txt")
     return 0
 
 
