@@ -119,6 +119,7 @@ def same_share(a, b):
 def load_figures(worker):
     h = worker.hello
     return {"load_seconds": h["load_seconds"], "rss_after_load_bytes": h["rss_bytes"],
+            "peak_rss_after_load_bytes": h["peak_rss_bytes"],
             "info": h["info"], "versions": h["versions"]}
 
 
