@@ -15,6 +15,7 @@ import statistics
 import sys
 import time
 
+import numpy as np
 from side_worker import rss_figures
 
 
@@ -35,29 +36,62 @@ def timed_runs(llm, prompt, new_tokens, reps):
     return statistics.median(steps), statistics.median(firsts)
 
 
-def count_collectives(model):
-    """Collectives one decode step runs: (AllReduce, AllGather)."""
-    reduces = gathers = 0
-    for _, cell in model.cells_and_names():
-        reduces += getattr(cell, "reduce", None) is not None
-        gathers += getattr(cell, "gather", None) is not None and hasattr(cell, "tensor")
+def count_collectives(runner):
+    """Collectives one decode step runs: (AllReduce, AllGather). The decoder layer's graph
+    runs once per layer."""
+    def count(cell, attr):
+        return sum(getattr(c, attr, None) is not None for _, c in cell.cells_and_names())
+
+    reduces = (count(runner.embedding, "reduce") + count(runner.head, "reduce")
+               + runner.num_layers * count(runner.layer, "reduce"))
+    gathers = (count(runner.head, "vocab_gather") + count(runner.embedding, "vocab_gather")
+               + runner.num_layers * count(runner.layer, "vocab_gather"))
     return reduces, gathers
 
 
 def without_collectives(llm):
-    """Point the engine at new graphs built from the same cells with no collective: the
+    """Point the runner at new graphs built from the same cells with no collective: the
     sharded layers keep their slices and skip the AllReduce / AllGather. The lm_head then
     gives this rank's vocabulary block only, so greedy ids stay inside it and the embedding
-    (which skips its AllReduce too) looks them up locally."""
-    from msinfer.model import DecodeStep, PrefillStep
+    (which skips its AllReduce too) looks them up locally. New wrapper Cells, because a Cell
+    already compiled keeps its graphs whatever its attributes say now."""
+    from mindspore import nn
+    from msinfer.engine.runner import _LayerStep
 
-    for _, cell in llm.model.cells_and_names():
-        if getattr(cell, "reduce", None) is not None:
-            cell.reduce = None
-        if getattr(cell, "gather", None) is not None and hasattr(cell, "tensor"):
-            cell.gather = None
-    llm.engine.prefill_step = PrefillStep(llm.model)
-    llm.engine.decode_step = DecodeStep(llm.model)
+    class _EmbeddingGraph(nn.Cell):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def construct(self, ids, weight):
+            return self.inner(ids, weight)
+
+    class _HeadGraph(nn.Cell):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def construct(self, x, rows, norm_weight, lm_weight):
+            return self.inner(x, rows, norm_weight, lm_weight)
+
+    runner = llm.engine.runner
+    for graph in (runner.embedding, runner.layer, runner.head):
+        for _, cell in graph.cells_and_names():
+            if getattr(cell, "reduce", None) is not None:
+                cell.reduce = None
+            if getattr(cell, "vocab_gather", None) is not None:
+                cell.vocab_gather = None
+    runner.embedding = _EmbeddingGraph(runner.embedding)
+    runner.layer = _LayerStep(runner.layer.layer)
+    runner.head = _HeadGraph(runner.head)
+    runner.graphs = [runner.embedding, runner.layer, runner.head]
+
+
+def param_bytes(runner):
+    """Bytes of the weight tensors this rank holds (a tied embedding once)."""
+    tensors = {id(t): t for t in [runner.embed_weight, *runner.head_weights]
+               + [t for layer in runner.layer_weights for t in layer]}
+    return sum(int(np.prod(t.shape)) * t.itemsize for t in tensors.values())
 
 
 def main():
@@ -75,12 +109,10 @@ def main():
         import mindspore as ms
         ms.set_context(runtime_num_threads=args.threads)
 
-    import numpy as np
     from msinfer import LLM
-    from msinfer.parallel_layers import checkpoint_parameters
 
     start = time.perf_counter()
-    llm = LLM(args.model, strategy=args.strategy, max_batch=1,
+    llm = LLM(args.model, strategy=args.strategy, max_num_seqs=1,
               max_len=args.prompt_len + args.new_tokens + 1)
     load_seconds = time.perf_counter() - start
     after_load = rss_figures()
@@ -89,7 +121,7 @@ def main():
     # Ids from the first quarter of the vocabulary: inside rank 0's block at every degree
     # up to 4, so the variant without collectives can look them up locally.
     prompt = np.random.default_rng(0).integers(0, vocab // 4, args.prompt_len).tolist()
-    reduces, gathers = count_collectives(llm.model)
+    reduces, gathers = count_collectives(llm.engine.runner)
 
     start = time.perf_counter()
     timed_runs(llm, prompt, args.new_tokens, 1)  # warm-up: compiles every graph used
@@ -104,8 +136,8 @@ def main():
               "rss_after_load_bytes": after_load["rss_bytes"],
               "peak_rss_after_load_bytes": after_load["peak_rss_bytes"],
               "peak_rss_bytes": peak,
-              "param_bytes": sum(int(np.prod(p.shape)) * 4
-                                 for p in checkpoint_parameters(llm.model).values()),
+              "param_bytes": param_bytes(llm.engine.runner),
+              "kv_cache_bytes": llm.memory.kv_cache_bytes,
               "allreduces_per_step": reduces, "allgathers_per_step": gathers,
               "runtime_num_threads": args.threads or "default",
               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "reps": args.reps}

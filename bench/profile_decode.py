@@ -8,8 +8,8 @@
    matmuls plus the lm_head). If the MindSpore sum is near the measured decode step, the
    matmul kernels bound the step; if not, the rest of the graph (attention, cache updates,
    elementwise ops, launches) does.
-2. KV cache size: the batch-1 decode step with a small static cache (max_batch 1,
-   max_len 128) and with the benchmark's (max_batch 16, max_len 1024). The weights read are
+2. KV cache size: the batch-1 decode step with a small static cache (max_num_seqs 1,
+   max_len 128) and with the benchmark's (max_num_seqs 16, max_len 1024). The weights read are
    the same; a difference is work that grows with the cache, not with the tokens.
 3. Host: pyinstrument over a warmed-up batch-1 msinfer generate: the share of wall time spent
    inside the compiled graph versus Python (sampling, input preparation, .asnumpy()).
@@ -97,10 +97,10 @@ def decode_step_ms(llm, tokens):
     from msinfer.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-    before = dict(llm.engine.stats)
+    before = dict(llm.engine.runner.timings)
     llm.generate([[1000] * 32], params)
-    return ((llm.engine.stats["decode_s"] - before["decode_s"]) * 1e3
-            / (llm.engine.stats["decode_steps"] - before["decode_steps"]))
+    return ((llm.engine.runner.timings["decode_s"] - before["decode_s"]) * 1e3
+            / (llm.engine.runner.timings["decode_steps"] - before["decode_steps"]))
 
 
 def cache_sizes(model_dir, tokens, rounds=3):
@@ -110,7 +110,7 @@ def cache_sizes(model_dir, tokens, rounds=3):
     from msinfer import LLM
 
     sizes = ((1, 128), (16, 1024))
-    llms = [LLM(model_dir, max_batch=b, max_len=n) for b, n in sizes]
+    llms = [LLM(model_dir, max_num_seqs=b, max_len=n) for b, n in sizes]
     for llm in llms:
         decode_step_ms(llm, tokens)  # compile
     steps = [[] for _ in llms]
@@ -119,7 +119,7 @@ def cache_sizes(model_dir, tokens, rounds=3):
             times.append(decode_step_ms(llm, tokens))
     cache_bytes = [2 * llm.config.num_layers * b * llm.model.kv_heads * n
                    * llm.config.head_dim * 4 for llm, (b, n) in zip(llms, sizes)]
-    return [f"KV cache max_batch {b:>2}, max_len {n:>4} ({size / 1e6:.0f} MB): batch-1 decode "
+    return [f"KV cache max_num_seqs {b:>2}, max_len {n:>4} ({size / 1e6:.0f} MB): batch-1 decode "
             f"step {statistics.median(times):.1f} ms (of {', '.join(f'{t:.0f}' for t in times)})"
             for (b, n), size, times in zip(sizes, cache_bytes, steps)]
 
@@ -131,18 +131,18 @@ def host_profile(model_dir, batch, tokens):
     from msinfer import LLM
     from msinfer.sampling import SamplingParams
 
-    llm = LLM(model_dir, max_batch=batch, max_len=256)
+    llm = LLM(model_dir, max_num_seqs=batch, max_len=256)
     prompts = [[1000 + i] * 32 for i in range(batch)]
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     llm.generate(prompts, params)  # compile
-    before = dict(llm.engine.stats)
+    before = dict(llm.engine.runner.timings)
     profiler = Profiler(interval=0.001)
     profiler.start()
     start = time.perf_counter()
     llm.generate(prompts, params)
     wall = time.perf_counter() - start
     profiler.stop()
-    stats = {k: v - before[k] for k, v in llm.engine.stats.items()}
+    stats = {k: v - before[k] for k, v in llm.engine.runner.timings.items()}
     graph = stats["prefill_s"] + stats["decode_s"]
     summary = (f"batch {batch}: {tokens} tokens in {wall:.2f} s; inside the engine's prefill/"
                f"decode calls {graph:.2f} s ({graph / wall:.0%}); decode step "

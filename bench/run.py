@@ -6,7 +6,7 @@ One command: makes the random Qwen2 checkpoints if missing (models/, git-ignored
 the machine's streaming bandwidth, runs msinfer and HF transformers side by side on the same
 prompts with the same greedy settings, runs msinfer at tensor degree 1, 2 and 4 under mpirun,
 then writes OUT/latest.json (every figure, the machine, the versions), OUT/latest.png and
-prints the table. bench/README.md says what each figure means and how it is measured.
+OUT/latest.txt (the table, also printed). bench/README.md says what each figure means and how it is measured.
 --quick uses a small model and few tokens: it checks the harness; its figures mean nothing.
 """
 import argparse
@@ -47,12 +47,13 @@ FULL = dict(model=("qwen2-0.5b-shape", QWEN2_05B_SHAPE),
 QUICK = dict(model=("small", SMALL_SHAPE), dist_model=("small", SMALL_SHAPE),
              prompt_len=16, decode_tokens={1: 8, 4: 8, 16: 8}, prefill_lens=(128, 512),
              reps=2, max_len=1024, dist_new_tokens=8, dist_reps=2, dist_timeout=300)
-# 20 prompt lengths over the prefill buckets (16, 32, ..., 512), several inside each bucket.
+# 20 prompt lengths over the chunk buckets (16, 64, 256) and context buckets (64 ... 1024),
+# several inside each bucket; 257 ... 512 take two chunks.
 COMPILE_LENGTHS = (5, 9, 16, 17, 25, 32, 33, 47, 64, 65, 90, 128, 129, 200, 256, 257, 300,
                    400, 480, 512)
 TENSOR_DEGREES = (1, 2, 4)
 OTHER_LOAD_LIMIT = report.OTHER_LOAD_LIMIT
-RETRIES = 4  # per side and case
+RETRIES = 4  # per side and case (--retries)
 
 
 def child_env():
@@ -233,18 +234,38 @@ def bucket_for(size, buckets):
     return next(b for b in buckets if size <= b)
 
 
+def graph_keys(prompt_len, max_tokens, buckets):
+    """The graphs (by input shape) one batch-1 generate compiles, mirroring the scheduler and
+    runner: the prompt in chunks of at most max_prefill_tokens while more than one of its
+    tokens is pending, each padded to a chunk bucket over a context bucket (embedding,
+    decoder layer, lm_head on one row); a last single pending token and every new token go
+    through decode at batch 1 over the context bucket of the sequence's length."""
+    keys, start = set(), 0
+    while prompt_len - start > 1:
+        count = min(buckets["max_prefill_tokens"], prompt_len - start)
+        chunk = bucket_for(count, buckets["chunk"])
+        context = bucket_for(start + count, buckets["context"])
+        keys |= {("embedding", chunk), ("layer", "prefill", chunk, context), ("head", chunk, 1)}
+        start += count
+    first_decode = prompt_len if start < prompt_len else prompt_len + 1
+    for length in range(first_decode, prompt_len + max_tokens):
+        keys |= {("embedding", 1), ("layer", "decode", 1, bucket_for(length, buckets["context"])),
+                 ("head", 1, 1)}
+    return keys
+
+
 def compile_pass(side, lengths, vocab, rng, log):
     """Generate 2 tokens for each of 20 prompt lengths, twice. The first pass compiles one
-    prefill graph per prompt bucket and one decode graph per context bucket and nothing else;
-    the second pass must compile nothing. Compile cost = first pass - second pass."""
+    graph per new input shape (embedding, decoder layer, lm_head: chunk bucket x context
+    bucket for prefill, batch 1 x context bucket for decode) and nothing else; the second
+    pass must compile nothing. Compile cost = first pass - second pass."""
     buckets = side.hello["buckets"]
     prompts = [rng.integers(0, vocab, n).tolist() for n in lengths]
     passes, seen = [], set()
     for _ in range(2):
         calls = []
         for prompt in prompts:
-            keys = {("prefill", bucket_for(len(prompt), buckets["prefill"])),
-                    ("decode", bucket_for(len(prompt) + 1, buckets["context"]))}
+            keys = graph_keys(len(prompt), 2, buckets)
             out = side.ask(op="generate", prompts=[prompt], max_tokens=2)
             calls.append({"prompt_len": len(prompt), "seconds": out["seconds"],
                           "new_compilations": out["new_compilations"],
@@ -351,12 +372,22 @@ def machine_info():
 
 
 def main(argv=None):
+    global RETRIES
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true",
                    help="small model, few tokens: checks the harness in a few minutes")
     p.add_argument("--out", default=os.path.join(BENCH, "results"))
+    p.add_argument("--reps", type=int, help="measured rounds per case (full run: 3)")
+    p.add_argument("--retries", type=int, default=RETRIES,
+                   help=f"measurements taken again per side and case when other processes "
+                        f"load the machine (default {RETRIES})")
+    p.add_argument("--threads-variants", action="store_true",
+                   help="also run tp2/tp4 with runtime_num_threads = cores / ranks")
     args = p.parse_args(argv)
-    cfg = QUICK if args.quick else FULL
+    cfg = dict(QUICK if args.quick else FULL)
+    if args.reps:
+        cfg["reps"] = cfg["dist_reps"] = args.reps
+    RETRIES = args.retries
     os.makedirs(args.out, exist_ok=True)
     log_dir = os.path.join(args.out, "logs")
     os.makedirs(log_dir, exist_ok=True)
@@ -368,7 +399,7 @@ def main(argv=None):
     import numpy as np
     rng = np.random.default_rng(0)
     results = {"quick": args.quick, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-               "machine": machine_info()}
+               "machine": machine_info(), "reps": cfg["reps"], "retries": RETRIES}
     model_dir = ensure_model(*cfg["model"], log)
     dist_model_dir = ensure_model(*cfg["dist_model"], log)
     config = ModelConfig.from_model_dir(model_dir)
@@ -397,6 +428,8 @@ def main(argv=None):
                                 "rss_after_load_bytes": s.hello["rss_bytes"],
                                 "peak_rss_after_load_bytes": s.hello["peak_rss_bytes"]}
                        for s in sides}
+    results["load"]["msinfer"]["allocations"] = msinfer.hello["allocations"]
+    results["load"]["msinfer"]["buckets"] = msinfer.hello["buckets"]
     results["machine"].update(msinfer.hello["versions"], **hf.hello["versions"])
 
     log("msinfer compilations over 20 prompt lengths")
@@ -435,7 +468,7 @@ def main(argv=None):
                                                                 log_dir, log)
     # The same jobs with the cores shared out (MindSpore's runtime_num_threads per rank):
     # shows how much of the tp cost is ranks' thread pools fighting over 2 cores.
-    for degree in TENSOR_DEGREES[1:]:
+    for degree in TENSOR_DEGREES[1:] if args.threads_variants else ():
         threads = max(1, os.cpu_count() // degree)
         log(f"distributed tp{degree} under mpirun, {threads} thread(s) per rank")
         results["distributed"][f"tp{degree}_threads{threads}"] = run_distributed(
@@ -448,8 +481,11 @@ def main(argv=None):
         json.dump(results, f, indent=1)
     png_path = os.path.join(args.out, "latest.png")
     report.chart(results, png_path)
-    print(report.table(results))
-    log(f"wrote {json_path} and {png_path}")
+    text = report.table(results)
+    with open(os.path.join(args.out, "latest.txt"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+    log(f"wrote {json_path}, {png_path} and latest.txt")
     return 0
 
 

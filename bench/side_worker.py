@@ -7,10 +7,12 @@ descriptor given by --reply-fd (stdout and stderr stay free for the libraries' l
 Requests:
   {"op": "generate", "prompts": [[ids], ...], "max_tokens": N}
       greedy, ignore_eos: exactly N new tokens per prompt; answers seconds (wall time around
-      the generate call), token_ids, and for msinfer the engine's stats and compilations
+      the generate call), token_ids, and for msinfer the runner's graph timings and
+      compilations
   {"op": "memory"}  -> current and peak RSS of this process
   {"op": "exit"}
-The first answer, sent unasked, reports the load: seconds to load the weights and versions.
+The first answer, sent unasked, reports the load: seconds to load the weights, versions, and
+for msinfer its buckets and allocations (weights, KV pool, workspace).
 """
 import argparse
 import json
@@ -37,23 +39,32 @@ class MsinferSide:
 
         self.SamplingParams = SamplingParams
         start = time.perf_counter()
-        self.llm = LLM(model_dir, max_batch=max_batch, max_len=max_len)
+        self.llm = LLM(model_dir, max_num_seqs=max_batch, max_len=max_len)
         self.load_seconds = time.perf_counter() - start
         import mindspore
         self.versions = {"mindspore": mindspore.__version__}
-        engine = self.llm.engine
-        self.buckets = {"batch": list(engine.batch_buckets),
-                        "prefill": list(engine.prefill_buckets),
-                        "context": list(engine.context_buckets)}
+        runner = self.llm.engine.runner
+        self.buckets = {"batch": list(runner.batch_buckets),
+                        "chunk": list(runner.chunk_buckets),
+                        "context": list(runner.context_buckets),
+                        "max_prefill_tokens": self.llm.limits.max_prefill_tokens}
+        memory = self.llm.memory
+        # What the engine allocates: the yardstick of the peak-RSS bar.
+        self.allocations = {"weights_bytes": memory.weights_bytes,
+                            "kv_cache_bytes": memory.kv_cache_bytes,
+                            "workspace_bytes": memory.workspace_bytes,
+                            "kv_blocks": memory.layout.num_blocks - 1,
+                            "block_size": memory.layout.block_size}
 
     def generate(self, prompts, max_tokens):
         params = self.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        before = dict(self.llm.engine.stats)
+        timings = self.llm.engine.runner.timings
+        before = dict(timings)
         compiled = self.llm.compilations
         start = time.perf_counter()
         outputs = self.llm.generate(prompts, params)
         seconds = time.perf_counter() - start
-        stats = {k: v - before[k] for k, v in self.llm.engine.stats.items()}
+        stats = {k: v - before[k] for k, v in timings.items()}
         return {"seconds": seconds, "token_ids": [o.token_ids for o in outputs],
                 "engine_stats": stats, "new_compilations": self.llm.compilations - compiled,
                 "compilations": self.llm.compilations}
@@ -112,6 +123,7 @@ def main():
     side = cls(args.model, args.max_batch, args.max_len)
     answer(dict(load_seconds=side.load_seconds, versions=side.versions,
                 rss_before_load_bytes=baseline, buckets=getattr(side, "buckets", None),
+                allocations=getattr(side, "allocations", None),
                 pid=os.getpid(), **rss_figures()))
     for line in sys.stdin:
         request = json.loads(line)
