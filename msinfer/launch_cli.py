@@ -294,9 +294,6 @@ def _run(command, timeout):
     # msrun starts each worker with the `python` found on PATH: make it this interpreter.
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep +
                os.environ.get("PATH", ""))
-    # mpirun kills its ranks 1 s after forwarding a signal unless told otherwise: give them
-    # the grace a draining server needs.
-    env.setdefault("OMPI_MCA_odls_base_sigkill_timeout", str(STOP_GRACE_SECONDS))
     # Own process group, so an interrupt or a timeout takes every rank down with the launcher.
     process = subprocess.Popen(command, start_new_session=True, env=env, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
