@@ -5,7 +5,7 @@ Every call is padded to a shape bucket so that the set of compiled graphs is sma
 whatever the mix of prompt lengths:
 - decode: batch B (powers of two up to max_num_seqs) x context T (powers of two from 64 up to
   max_model_len): B sequences, one token each, each over its own T gathered cache slots;
-- prefill: chunk C tokens (16, 64, 256, ... up to max_prefill_tokens) x context T: the chunk's
+- prefill: chunk C tokens (16, 32, 64, ... up to max_prefill_tokens) x context T: the chunk's
   tokens (of one or several sequences) over their concatenated contexts, and the lm_head on
   R rows (the last token of each sequence whose prompt the chunk completes; powers of two).
 In explicit mode a step is one embedding call, one call per decoder layer (one compiled
@@ -78,8 +78,10 @@ class ModelRunner:
         step = ctx.plan.data if ctx.mode == "semi_auto" else 1
         self.batch_buckets = power_buckets(step, round_up(max_num_seqs, step))
         self.context_buckets = power_buckets(min(64, max_model_len), max_model_len)
+        # Powers of 2, not 4: a 128-token prompt ran as a padded 256-token chunk at 0.58x the
+        # speed (bench/prefill_chunks.py); the cost is two more chunk sizes to compile.
         self.chunk_buckets = power_buckets(round_up(min(16, max_prefill_tokens), step),
-                                           round_up(max_prefill_tokens, step), 4)
+                                           round_up(max_prefill_tokens, step))
         self.row_buckets = self.batch_buckets
         if model is None:
             self.embedding = Embedding(ctx)
