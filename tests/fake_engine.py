@@ -5,11 +5,11 @@ same refusals, a KV pool counted in blocks, a running-batch limit and a step del
 model: a request's tokens are the UTF-8 bytes of a fixed text (with multi-byte characters, so
 streaming meets incomplete characters), starting at an offset its prompt chooses.
 """
-import dataclasses
 import math
 import time
 import types
 
+from msinfer.engine import EngineStats, RequestOutput  # the real engine's output types
 from msinfer.errors import MsinferError
 
 TEXT = "Hello wörld, ünïcode → ok. ".encode()
@@ -34,29 +34,6 @@ class ByteTokenizer:
         if any(a == b for a, b in zip(roles, roles[1:])):  # as many templates' raise_exception
             raise MsinferError("chat_template: roles must alternate")
         return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
-
-
-@dataclasses.dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_blocks_total: int
-    num_blocks_used: int
-    num_preemptions: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-
-
-@dataclasses.dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str
-    prompt_token_ids: list
-    token_ids: list
-    text: str
-    finished: bool
-    finish_reason: str
-    logprobs: list
 
 
 class _Request:
