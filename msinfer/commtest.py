@@ -195,6 +195,7 @@ def run(args):
     if args.model:
         report["model_estimate"] = model_estimate(args.model, strategy, profile, dtype,
                                                   report["results"])
+    code = 0
     if info.rank == 0:
         text = json.dumps(report, indent=2)
         if args.output:
@@ -204,12 +205,15 @@ def run(args):
             except OSError as e:
                 raise MsinferError(f"--output {args.output}: {e.strerror}") from None
         print(text if args.json else format_report(report), flush=True)
-        return 0 if report["ok"] else 1
-    # Rank 0 alone fails the job: a launcher aborts every rank as soon as one exits non-zero,
-    # and rank 0 must have printed the report by then.
-    if not report["ok"]:
+        code = 0 if report["ok"] else 1
+    elif not report["ok"]:
+        # Rank 0 alone fails the job: a launcher aborts every rank as soon as one exits
+        # non-zero, and rank 0 must have printed the report by then.
         log.get().error("checks failed; rank 0 prints which")
-    return 0
+    # Leave together, once rank 0 has printed: a rank whose peers are gone can crash in
+    # MindSpore's teardown (seen: a segfault that turned exit 1 into 139).
+    all_gather_rows(np.zeros((1, 1), np.float32))
+    return code
 
 
 def _strategy_and_plan(args):
