@@ -197,7 +197,8 @@ def build_app(engine_loop, tokenizer, config, metrics):
                 _abort(tracks)
                 raise
         if body.stream:
-            return StreamingResponse(_stream(fmt, tracks, outputs), media_type="text/event-stream",
+            return StreamingResponse(_stream(fmt, tracks, outputs, request),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return await _collect(fmt, tracks, outputs, request)
 
@@ -206,12 +207,20 @@ def build_app(engine_loop, tokenizer, config, metrics):
             if not track.finished:
                 engine_loop.abort(track.request_id)
 
-    async def _stream(fmt, tracks, outputs):
+    async def _stream(fmt, tracks, outputs, request):
+        # Watch for the client leaving as _collect does: writing into a closed connection does
+        # not always fail, and the request would run to its end.
+        left = asyncio.ensure_future(_client_left(request))
         try:
             for chunk in fmt.opening_chunks(len(tracks)):
                 yield _sse(chunk)
             while not all(t.finished for t in tracks):
-                index, out = await outputs.get()
+                got = asyncio.ensure_future(outputs.get())
+                await asyncio.wait({got, left}, return_when=asyncio.FIRST_COMPLETED)
+                if not got.done():
+                    got.cancel()
+                    return  # the finally aborts
+                index, out = got.result()
                 if isinstance(out, Exception):
                     yield _sse(p.ErrorResponse(error=p.ErrorBody(
                         message=str(out), type="service_unavailable")))
@@ -224,6 +233,7 @@ def build_app(engine_loop, tokenizer, config, metrics):
                 yield _sse(fmt.usage_chunk(_usage(tracks)))
             yield "data: [DONE]\n\n"
         finally:
+            left.cancel()
             _abort(tracks)  # the client left mid-stream: free its blocks
 
     async def _collect(fmt, tracks, outputs, request):
