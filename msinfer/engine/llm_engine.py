@@ -172,7 +172,7 @@ class LLMEngine:
         self.generation_tokens_total += 1
         if seq.logprobs is not None:
             seq.logprobs.append(_logprobs(logits, token, seq.params.logprobs))
-        decoder = getattr(seq, "decoder", None)
+        decoder = seq.decoder
         if decoder is not None:
             decoder.push(token)
         p = seq.params
@@ -193,8 +193,7 @@ class LLMEngine:
         del self._requests[seq.request_id]
 
     def _output(self, seq) -> RequestOutput:
-        decoder = getattr(seq, "decoder", None)
-        text = decoder.text if decoder is not None else ""
+        text = seq.decoder.text if seq.decoder is not None else ""
         if seq.params.stop:
             cut = find_stop(text, seq.params.stop)
             text = text[:cut] if cut is not None else text

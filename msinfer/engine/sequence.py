@@ -23,6 +23,7 @@ class Sequence:
     arrival: int = 0  # admission order: the scheduler preempts the latest arrival first
     generated: list = dataclasses.field(default_factory=list)
     logprobs: list = None  # one {token id: logprob} per generated token, when asked
+    decoder: object = None  # IncrementalDecoder of the generated text, with a tokenizer
     status: Status = Status.WAITING
     finish_reason: str = None
     block_table: list = dataclasses.field(default_factory=list)
