@@ -24,8 +24,8 @@ and one of msinfer's own: what the graph returns (the logits) is whole on every 
 The model is built small: each size a split could divide (vocabulary, intermediate size,
 head_dim) becomes its gcd with L = lcm(1..max(8, world_size)), so every split of at most
 world_size ranks divides it exactly when it divides the real size; the head and KV-head counts are the real
-ones, and two decoder layers stand for all (one compiled Cell; the second shows the per-layer
-offset of the cache rows).
+ones, and two decoder layers stand for all (one compiled Cell; the second shows that each
+layer's cache is laid out alike).
 """
 import dataclasses
 import json

@@ -6,12 +6,13 @@ rotary attention with grouped KV heads and q/k/v biases, SwiGLU MLP), final norm
 column-parallel matmul and gate/up another (each rank's part of each is cut by the shard
 plan), so a layer runs 4 weight matmuls instead of 7. Sharding lives in `parallel_layers`.
 
-The Cells hold primitives, not weights: weights are arguments (`LAYER_WEIGHTS` order), so
-one compiled graph of `DecoderLayer` serves all layers. That is how the engine runs in
-explicit mode: a call per layer keeps what a compiled graph holds (on MindSpore's CPU backend,
-every intermediate of the graph at once) to one layer of one chunk. In semi_auto mode
-`Qwen2Model` owns the weights as Parameters (so MindSpore can lay them out per rank) and runs
-all layers in one graph.
+The Cells hold primitives, not weights: weights and KV caches are arguments, so one compiled
+graph of a `LayerStack` (k consecutive decoder layers) serves every run of k layers. That is
+how the engine runs in explicit mode: each call runs as many layers as its activations allow
+(on MindSpore's CPU backend a compiled graph holds every intermediate of all its layers at
+once): one layer of the largest prefill chunk, all layers of a short decode step. In semi_auto
+mode `Qwen2Model` owns the weights and caches as Parameters (so MindSpore can lay them out per
+rank) and runs all layers in one graph.
 
 Attention of one call works on G groups of Q queries, each group over its own gathered
 context of T cache slots: a prefill chunk is G=1 (the chunk's tokens, possibly of several
@@ -217,6 +218,29 @@ class DecoderLayer(nn.Cell):
         return out.reshape(groups * queries, self.heads * d)
 
 
+class LayerStack(nn.Cell):
+    """`count` consecutive decoder layers as one graph. After the call's inputs come, per
+    layer, its K cache, its V cache and its weights (`LAYER_WEIGHTS` order): all Tensors, so
+    MindSpore compiles the graph once for every run of `count` layers and passes them without
+    a copy (a Parameter argument would compile once per Parameter; a tuple argument is a
+    constant, compiled per value)."""
+
+    ARGS_PER_LAYER = 2 + len(LAYER_WEIGHTS)
+
+    def __init__(self, layer, count):
+        super().__init__()
+        self.layer = layer
+        self.count = count
+
+    def construct(self, x, cos, sin, write_slots, context_slots, mask, *per_layer):
+        n = self.ARGS_PER_LAYER
+        for i in range(self.count):
+            args = per_layer[i * n:(i + 1) * n]
+            x = self.layer(x, cos, sin, args[0], args[1], write_slots, context_slots, mask,
+                           *args[2:])
+        return x
+
+
 class Embedding(nn.Cell):
     def __init__(self, ctx):
         super().__init__()
@@ -250,19 +274,22 @@ class LMHead(nn.Cell):
         return logits
 
 
-def new_cache(shape, dtype, name):
-    """One of the two cache tensors (K or V) as a Parameter updated in place."""
-    return Parameter(Tensor(shape=shape, dtype=dtype, init=Zero()), name=name,
-                     requires_grad=False)
+def new_cache(shape, dtype, name=None):
+    """One layer's K or V cache, zeros, updated in place by the graphs: a Parameter when named
+    (owned by a Cell: semi_auto), else a Tensor passed to the graphs as an argument."""
+    zeros = Tensor(shape=shape, dtype=dtype, init=Zero())
+    if name is None:
+        return zeros.init_data()
+    return Parameter(zeros, name=name, requires_grad=False)
 
 
 class Qwen2Model(nn.Cell):
     """The whole model in one graph, owning its weights as Parameters (semi_auto mode).
 
     construct(ids, cos, sin, write_slots, context_slots, mask, logit_rows) -> float32 logits
-    of the rows `logit_rows`; the slots are layer-0 cache rows, offset here per layer.
-    `layout` sizes the cache; its Parameters hold every KV head (MindSpore splits them by
-    head over the tensor ranks, as the layer's cache primitives say)."""
+    of the rows `logit_rows`. `layout` sizes each layer's cache; its Parameters hold every KV
+    head (MindSpore splits them by head over the tensor ranks, as the layer's cache primitives
+    say)."""
 
     def __init__(self, ctx, layout, shapes):
         super().__init__()
@@ -270,10 +297,6 @@ class Qwen2Model(nn.Cell):
         self.embedding = Embedding(ctx)
         self.layer = DecoderLayer(ctx)
         self.head = LMHead(ctx)
-        self.num_slots = layout.num_slots
-        self.offsets = tuple(Tensor(np.int32(layout.layer_offset(n)))
-                             for n in range(config.num_layers))
-        self.add_offset = shard(ctx, ops.Add(), (1,), ())
 
         def param(name):
             return Parameter(Tensor(shape=shapes[name], dtype=ctx.dtype, init=Zero()),
@@ -293,14 +316,15 @@ class Qwen2Model(nn.Cell):
         self.weights[norm_name] = self.norm_weight
         self.lm_weight = (self.embed_weight if config.tie_word_embeddings else param(lm_name))
         self.weights[lm_name] = self.lm_weight
-        shape = (layout.shape[0], config.num_kv_heads, config.head_dim)
-        self.k_cache = new_cache(shape, ctx.dtype, "k_cache")
-        self.v_cache = new_cache(shape, ctx.dtype, "v_cache")
+        shape = (layout.num_slots, config.num_kv_heads, config.head_dim)
+        self.k_caches = ms.ParameterTuple([new_cache(shape, ctx.dtype, f"k_cache.{n}")
+                                           for n in range(config.num_layers)])
+        self.v_caches = ms.ParameterTuple([new_cache(shape, ctx.dtype, f"v_cache.{n}")
+                                           for n in range(config.num_layers)])
 
     def construct(self, ids, cos, sin, write_slots, context_slots, mask, logit_rows):
         x = self.embedding(ids, self.embed_weight)
-        for weights, offset in zip(self.layer_params, self.offsets):
-            x = self.layer(x, cos, sin, self.k_cache, self.v_cache,
-                           self.add_offset(write_slots, offset),
-                           self.add_offset(context_slots, offset), mask, *weights)
+        for n in range(len(self.layer_params)):
+            x = self.layer(x, cos, sin, self.k_caches[n], self.v_caches[n], write_slots,
+                           context_slots, mask, *self.layer_params[n])
         return self.head(x, logit_rows, self.norm_weight, self.lm_weight)

@@ -20,6 +20,7 @@ import textwrap
 
 from .config import ModelConfig, load_config
 from .engine.kv_cache import DEFAULT_BLOCK_SIZE, CacheLayout
+from .engine.workspace import largest_call_bytes
 from .errors import MsinferError, PlanRefused, positive_int
 from .hardware import (DTYPE_BYTES, PROFILES, GiB, HardwareProfile, compute_dtype, dtype_name,
                        get_profile)
@@ -295,35 +296,23 @@ def _device_memory(shard, profile, dtype, limits):
 
 
 def _workspace_bytes(shard, profile, dtype_bytes, limits):
-    """Runtime reserve plus the activations of the engine's largest call, held at once (an
-    upper estimate). Calls run one decoder layer at a time, so this is one layer of either a
-    prefill chunk (max_prefill_tokens tokens over a context of up to max_len: hidden-size
-    tensors, local q/k/v, the gathered K/V context, float32 scores, mask and softmax, the
-    intermediate-size tensors) or a decode step (max_num_seqs tokens, each over max_len), plus
-    float32 logits of max_num_seqs rows over the whole vocabulary."""
-    config = shard.config
-    context = limits.max_len
-    intermediate = shard.local_shape("model.layers.0.mlp.gate_proj.weight")[0]
-    heads, kv = shard.local_heads, shard.local_kv_heads
-    per_token = dtype_bytes * (6 * config.hidden_size + 2 * (heads + 2 * kv) * config.head_dim
-                               + 4 * intermediate)
-
-    def call(tokens, contexts):
-        gathered = 2 * contexts * context * kv * config.head_dim * dtype_bytes
-        scores = 3 * tokens * heads * context * 4 + tokens * context * 4
-        return tokens * per_token + gathered + scores
-
-    prefill = call(limits.max_prefill_tokens, 1)
-    decode = call(limits.max_num_seqs, limits.max_num_seqs)
-    logits = limits.max_num_seqs * config.vocab_size * 4
-    return profile.runtime_reserve_bytes + max(prefill, decode) + logits
+    """Runtime reserve plus the activations of one decoder layer of the engine's largest call
+    (a prefill chunk of max_prefill_tokens, or a decode step of max_num_seqs sequences, over
+    max_len of context; an upper estimate: engine/workspace.py), which bounds every compiled
+    graph's activations (a graph runs as many layers as fit), plus float32 logits of
+    max_num_seqs rows over the whole vocabulary."""
+    largest = largest_call_bytes(shard.config, shard, dtype_bytes, limits.max_len,
+                                 limits.max_prefill_tokens, limits.max_num_seqs)
+    logits = limits.max_num_seqs * shard.config.vocab_size * 4
+    return profile.runtime_reserve_bytes + largest + logits
 
 
 def _workspace_formula(profile, limits):
     return (f"{_gib(profile.runtime_reserve_bytes)} runtime reserve + one decoder layer of the "
             f"largest call (a {limits.max_prefill_tokens}-token prefill chunk or a "
             f"{limits.max_num_seqs}-sequence decode step, over up to {limits.max_len} tokens "
-            f"of context: float32 scores grow with chunk x context) + float32 logits")
+            f"of context: float32 scores grow with chunk x context; a compiled graph runs as "
+            f"many layers as fit in it) + float32 logits")
 
 
 def _collectives(shard, dtype_bytes, local_batch):

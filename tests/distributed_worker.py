@@ -61,7 +61,7 @@ def main():
     weights = [runner.embed_weight] + [w for ws in runner.layer_weights for w in ws]
     weights += [w for w in runner.head_weights if w is not runner.embed_weight]
     param_bytes = sum(w.nbytes for w in weights)
-    kv_bytes = runner.k_cache.nbytes + runner.v_cache.nbytes
+    kv_bytes = runner.cache_bytes
     np.savez(os.path.join(args.out, f"rank_{rank}.npz"),
              tokens=np.array([out.token_ids for out in outs]),
              logprobs=logprobs,

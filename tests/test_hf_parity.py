@@ -203,7 +203,7 @@ def test_semi_auto_model_with_tp4_shard_annotations_matches_hf_standalone(tmp_pa
     model = Qwen2Model(ctx, layout, {n: a.shape for n, a in full.items()})
     assert model.head.lm_head.matmul.in_strategy == ((data, 1), (tensor, 1))
     assert model.layer.o_proj.matmul.in_strategy == ((data, tensor), (1, tensor))
-    assert model.k_cache.shape == (layout.shape[0], config.num_kv_heads, config.head_dim)
+    assert model.k_caches[0].shape == (layout.num_slots, config.num_kv_heads, config.head_dim)
     for name, array in full.items():
         model.weights[name].set_data(ms.Tensor(array))
     runner = ModelRunner(ctx, layout, max_num_seqs=4, max_prefill_tokens=16, max_model_len=128,
@@ -253,5 +253,5 @@ def test_the_planner_counts_the_bytes_the_engine_allocates(case):
                + [w for layer in runner.layer_weights for w in layer]}
     held = sum(w.nbytes for w in weights.values())
     assert report.devices[0].weights_bytes == held
-    assert report.devices[0].kv_cache_bytes == runner.k_cache.nbytes + runner.v_cache.nbytes
+    assert report.devices[0].kv_cache_bytes == runner.cache_bytes
     assert report.kv_blocks == llm.engine.blocks.num_usable

@@ -107,8 +107,8 @@ def test_workspace_is_one_layer_of_the_largest_call():
                     max_num_seqs=16)
     per_token = 2 * (6 * 8192 + 2 * (16 + 2 * 2) * 128 + 4 * 29568 // 4)
 
-    def call(tokens, contexts):
-        gathered = 2 * contexts * 4096 * 2 * 128 * 2
+    def call(tokens, contexts):  # the gathered K/V context, and again laid out by head
+        gathered = 4 * contexts * 4096 * 2 * 128 * 2
         return tokens * per_token + gathered + 3 * tokens * 16 * 4096 * 4 + tokens * 4096 * 4
 
     logits = 16 * 152064 * 4

@@ -44,11 +44,10 @@ def run_step(scheduler, done=()):
     return schedule
 
 
-def test_slots_follow_the_block_table_and_layers_are_offset():
+def test_slots_follow_the_block_table_in_each_layers_tensors():
     cache = layout(blocks=10, block_size=4)
-    assert cache.shape == (2 * 40, 2, 8)
+    assert cache.shape == (40, 2, 8)  # one layer's K (or V)
     assert cache.slots([3, 7], [0, 3, 4, 6]).tolist() == [12, 15, 28, 30]
-    assert cache.layer_offset(1) == 40
     assert cache.usable_tokens == 36  # the trash block is never handed out
     assert cache.total_bytes == 2 * 2 * 40 * 2 * 8 * 4
 

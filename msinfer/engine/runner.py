@@ -8,19 +8,21 @@ whatever the mix of prompt lengths:
 - prefill: chunk C tokens (16, 32, 64, ... up to max_prefill_tokens) x context T: the chunk's
   tokens (of one or several sequences) over their concatenated contexts, and the lm_head on
   R rows (the last token of each sequence whose prompt the chunk completes; powers of two).
-In explicit mode a step is one embedding call, one call per decoder layer (one compiled
-graph shared by all layers, weights passed in) and one lm_head call; in semi_auto mode one
-whole-model call.
+In explicit mode a call is one embedding call, the decoder layers in stacks of k consecutive
+layers (one compiled graph per k and shape, each layer's weights and KV cache passed in; k as
+large as the planner's workspace allows for that shape: engine/workspace.py), and one lm_head
+call; in semi_auto mode one whole-model call.
 """
 import time
 
 import numpy as np
-from mindspore import Tensor, nn
+from mindspore import Tensor
 
 from .. import log
-from ..model import (Embedding, DecoderLayer, LMHead, head_weight_names, layer_weight_names,
-                     new_cache, rotary_tables)
+from ..model import (Embedding, DecoderLayer, LayerStack, LMHead, head_weight_names,
+                     layer_weight_names, new_cache, rotary_tables)
 from .kv_cache import TRASH_BLOCK
+from .workspace import largest_call_bytes, layer_activation_bytes, layers_per_graph
 
 MASKED = -1e30  # added to the float32 scores of context positions a query must not see
 
@@ -44,19 +46,6 @@ def bucket_for(size, buckets):
         if size <= bucket:
             return bucket
     raise ValueError(f"{size} exceeds the largest bucket {buckets[-1]}")
-
-
-class _LayerStep(nn.Cell):
-    """One decoder layer as its own graph, its cache rows offset to the layer's."""
-
-    def __init__(self, layer):
-        super().__init__()
-        self.layer = layer
-
-    def construct(self, x, cos, sin, k_cache, v_cache, write_slots, context_slots, mask,
-                  offset, *weights):
-        return self.layer(x, cos, sin, k_cache, v_cache, write_slots + offset,
-                          context_slots + offset, mask, *weights)
 
 
 class ModelRunner:
@@ -85,24 +74,47 @@ class ModelRunner:
         self.row_buckets = self.batch_buckets
         if model is None:
             self.embedding = Embedding(ctx)
-            self.layer = _LayerStep(DecoderLayer(ctx))
+            self.layer = DecoderLayer(ctx)
             self.head = LMHead(ctx)
-            self.k_cache = new_cache(layout.shape, ctx.dtype, "k_cache")
-            self.v_cache = new_cache(layout.shape, ctx.dtype, "v_cache")
+            self.stacks = {}  # layers per graph -> LayerStack
+            self.caches = [(new_cache(layout.shape, ctx.dtype), new_cache(layout.shape, ctx.dtype))
+                           for _ in range(config.num_layers)]
             self.embed_weight = weights["model.embed_tokens.weight"]
             self.layer_weights = [[weights[n] for n in layer_weight_names(i)]
                                   for i in range(config.num_layers)]
             self.head_weights = [weights[n] for n in head_weight_names(config)]
-            self.offsets = [Tensor(np.int32(layout.layer_offset(i)))
-                            for i in range(config.num_layers)]
-        self.graphs = [model] if model is not None else [self.embedding, self.layer, self.head]
+            # Each layer's arguments of a LayerStack: its K and V caches, then its weights.
+            self.layer_args = [t for (k, v), w in zip(self.caches, self.layer_weights)
+                               for t in (k, v, *w)]
+            dtype_bytes = 2 if str(ctx.dtype) in ("Float16", "BFloat16") else 4
+            self._layer_bytes = lambda tokens, groups, context: layer_activation_bytes(
+                config, ctx.plan, dtype_bytes, tokens, groups, context)
+            self.workspace_bytes = largest_call_bytes(config, ctx.plan, dtype_bytes,
+                                                      max_model_len, max_prefill_tokens,
+                                                      max_num_seqs)
         # Wall time inside the graphs (inputs built, logits back on the host), by kind.
         self.timings = {"prefill_s": 0.0, "prefill_calls": 0, "prefill_tokens": 0,
                         "decode_s": 0.0, "decode_steps": 0, "decode_tokens": 0}
 
     @property
+    def graphs(self):
+        if self.model is not None:
+            return [self.model]
+        return [self.embedding, *self.stacks.values(), self.head]
+
+    @property
     def compilations(self) -> int:
         return sum(len(g.compile_cache) for g in self.graphs)
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of this rank's KV cache tensors (explicit mode)."""
+        return sum(k.nbytes + v.nbytes for k, v in self.caches)
+
+    def layers_per_call(self, tokens, groups, context) -> int:
+        """Decoder layers one graph runs for a call of that shape (explicit mode)."""
+        return layers_per_graph(self.num_layers, self._layer_bytes(tokens, groups, context),
+                                self.workspace_bytes)
 
     # ---- one step's inputs ----
 
@@ -184,15 +196,22 @@ class ModelRunner:
         t[f"{kind}_tokens"] += tokens
 
     def _run(self, ids, positions, write, context_slots, mask, rows):
+        """mask (G, Q, T): G groups of Q queries, each over its own T context slots."""
         cos = Tensor(self.cos[positions][:, None, :])
         sin = Tensor(self.sin[positions][:, None, :])
         args = (Tensor(write.astype(np.int32)), Tensor(context_slots.astype(np.int32)),
                 Tensor(mask))
         if self.model is not None:
             return self.model(Tensor(ids), cos, sin, *args, Tensor(rows)).asnumpy()
+        groups, _, context = mask.shape
+        count = self.layers_per_call(len(ids), groups, context)
+        stack = self.stacks.get(count)
+        if stack is None:
+            stack = self.stacks[count] = LayerStack(self.layer, count)
         x = self.embedding(Tensor(ids), self.embed_weight)
-        for weights, offset in zip(self.layer_weights, self.offsets):
-            x = self.layer(x, cos, sin, self.k_cache, self.v_cache, *args, offset, *weights)
+        n = LayerStack.ARGS_PER_LAYER
+        for first in range(0, self.num_layers, count):
+            x = stack(x, cos, sin, *args, *self.layer_args[first * n:(first + count) * n])
         return self.head(x, Tensor(rows), *self.head_weights).asnumpy()
 
     # ---- compile ahead ----
