@@ -37,8 +37,8 @@ def timed_runs(llm, prompt, new_tokens, reps):
 
 
 def count_collectives(runner):
-    """Collectives one decode step runs: (AllReduce, AllGather). The decoder layer's graph
-    runs once per layer."""
+    """Collectives one decode step runs: (AllReduce, AllGather). The decoder layer runs once
+    per layer."""
     def count(cell, attr):
         return sum(getattr(c, attr, None) is not None for _, c in cell.cells_and_names())
 
@@ -56,7 +56,6 @@ def without_collectives(llm):
     (which skips its AllReduce too) looks them up locally. New wrapper Cells, because a Cell
     already compiled keeps its graphs whatever its attributes say now."""
     from mindspore import nn
-    from msinfer.engine.runner import _LayerStep
 
     class _EmbeddingGraph(nn.Cell):
         def __init__(self, inner):
@@ -82,9 +81,8 @@ def without_collectives(llm):
             if getattr(cell, "vocab_gather", None) is not None:
                 cell.vocab_gather = None
     runner.embedding = _EmbeddingGraph(runner.embedding)
-    runner.layer = _LayerStep(runner.layer.layer)
+    runner.stacks = {}  # built again from the layer on first use
     runner.head = _HeadGraph(runner.head)
-    runner.graphs = [runner.embedding, runner.layer, runner.head]
 
 
 def param_bytes(runner):

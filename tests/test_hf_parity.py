@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from msinfer import LLM, SamplingParams  # noqa: E402
+from msinfer.engine.workspace import layer_activation_bytes  # noqa: E402
 from msinfer.tiny_model import make_tiny_model  # noqa: E402
 
 PROMPT_LENGTHS = (5, 11, 37, 1)
@@ -138,6 +139,26 @@ def test_prompts_of_other_lengths_in_the_same_buckets_compile_no_new_graph(case)
     for length in (4, 6, 9, 12, 16):  # one 16-token chunk, contexts below 64
         llm.generate([list(range(1, length + 1))], params)
     assert llm.compilations == compiled
+
+
+def test_layers_run_in_stacks_of_any_size_give_the_same_tokens(tmp_path):
+    """A graph runs k consecutive layers, k set by the workspace: one, two or all four layers
+    per graph must all be Qwen2 (each layer's own weights and own cache)."""
+    config = make_tiny_model(str(tmp_path), layers=4, hidden=64, heads=8, kv_heads=2,
+                             vocab=384, seed=4)
+    llm = LLM(str(tmp_path), **ENGINE)
+    runner = llm.engine.runner
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(str(tmp_path),
+                                                       dtype=torch.float32).eval()
+    prompts = prompts_for(config.vocab_size, seed=5, lengths=(23, 6))
+    # This test's calls: 16-token prefill chunks and a 2-sequence decode, over 64 slots.
+    largest = max(layer_activation_bytes(config, runner._plan, 4, tokens, groups, 64)
+                  for tokens, groups in ((16, 1), (2, 2)))
+    for workspace in (1, 2 * largest, runner.workspace_bytes):
+        runner.workspace_bytes = workspace
+        for i, (prompt, out) in enumerate(zip(prompts, llm.generate(prompts, greedy(384, 6)))):
+            assert_matches_hf(hf, prompt, out, config.vocab_size, f"{workspace}: prompt {i}")
+    assert sorted(runner.stacks) == [1, 2, 4]
 
 
 def test_preempted_requests_are_recomputed_exactly(tmp_path):

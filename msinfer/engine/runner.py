@@ -77,7 +77,8 @@ class ModelRunner:
             self.layer = DecoderLayer(ctx)
             self.head = LMHead(ctx)
             self.stacks = {}  # layers per graph -> LayerStack
-            self.caches = [(new_cache(layout.shape, ctx.dtype), new_cache(layout.shape, ctx.dtype))
+            self.caches = [(new_cache(layout.shape, ctx.dtype),
+                             new_cache(layout.shape, ctx.dtype))
                            for _ in range(config.num_layers)]
             self.embed_weight = weights["model.embed_tokens.weight"]
             self.layer_weights = [[weights[n] for n in layer_weight_names(i)]
@@ -86,10 +87,10 @@ class ModelRunner:
             # Each layer's arguments of a LayerStack: its K and V caches, then its weights.
             self.layer_args = [t for (k, v), w in zip(self.caches, self.layer_weights)
                                for t in (k, v, *w)]
-            dtype_bytes = 2 if str(ctx.dtype) in ("Float16", "BFloat16") else 4
-            self._layer_bytes = lambda tokens, groups, context: layer_activation_bytes(
-                config, ctx.plan, dtype_bytes, tokens, groups, context)
-            self.workspace_bytes = largest_call_bytes(config, ctx.plan, dtype_bytes,
+            self._config, self._plan = config, ctx.plan
+            self._dtype_bytes = 2 if str(ctx.dtype) in ("Float16", "BFloat16") else 4
+            # What the planner reserves for activations: each graph stays within it.
+            self.workspace_bytes = largest_call_bytes(config, ctx.plan, self._dtype_bytes,
                                                       max_model_len, max_prefill_tokens,
                                                       max_num_seqs)
         # Wall time inside the graphs (inputs built, logits back on the host), by kind.
@@ -113,8 +114,9 @@ class ModelRunner:
 
     def layers_per_call(self, tokens, groups, context) -> int:
         """Decoder layers one graph runs for a call of that shape (explicit mode)."""
-        return layers_per_graph(self.num_layers, self._layer_bytes(tokens, groups, context),
-                                self.workspace_bytes)
+        layer = layer_activation_bytes(self._config, self._plan, self._dtype_bytes, tokens,
+                                       groups, context)
+        return layers_per_graph(self.num_layers, layer, self.workspace_bytes)
 
     # ---- one step's inputs ----
 

@@ -1,0 +1,43 @@
+"""How many decoder layers one compiled graph runs: as many as one layer of the engine's
+largest call allows, a divisor of the layer count, never fewer than one."""
+import pytest
+
+from msinfer.config import load_config
+from msinfer.engine.workspace import (largest_call_bytes, layer_activation_bytes,
+                                      layers_per_graph)
+from msinfer.strategy import Strategy
+
+
+@pytest.mark.parametrize("layers,layer_bytes,budget,expected", [
+    (24, 1, 100, 24),     # everything fits: one graph for all layers
+    (24, 10, 100, 8),     # 10 fit, the largest divisor of 24 not above it is 8
+    (28, 10, 100, 7),
+    (24, 100, 100, 1),
+    (24, 1000, 100, 1),   # over budget still runs, one layer at a time
+    (7, 10, 60, 1),       # a prime layer count: all or one
+    (7, 10, 70, 7),
+])
+def test_layers_per_graph_is_the_largest_divisor_that_fits(layers, layer_bytes, budget,
+                                                           expected):
+    assert layers_per_graph(layers, layer_bytes, budget) == expected
+
+
+def test_largest_prefill_chunk_runs_a_layer_per_graph_and_short_decodes_all_layers():
+    config = load_config("qwen2-1.5b")
+    shard = Strategy.default().resolve(config, "explicit")
+    budget = largest_call_bytes(config, shard, 4, max_len=4096, max_prefill_tokens=256,
+                                max_num_seqs=16)
+
+    def layers(tokens, groups, context):
+        return layers_per_graph(config.num_layers,
+                                layer_activation_bytes(config, shard, 4, tokens, groups,
+                                                       context), budget)
+
+    assert layers(256, 1, 4096) == 1
+    assert layers(1, 1, 64) == config.num_layers
+    assert layers(16, 16, 4096) < layers(16, 16, 256) <= layers(1, 1, 256)
+    # The estimate grows with each of its inputs.
+    base = layer_activation_bytes(config, shard, 4, 16, 16, 1024)
+    assert base < layer_activation_bytes(config, shard, 4, 32, 16, 1024)
+    assert base < layer_activation_bytes(config, shard, 4, 16, 32, 1024)
+    assert base < layer_activation_bytes(config, shard, 4, 16, 16, 2048)
