@@ -2,12 +2,13 @@
 
     python bench/profile_step.py [--model models/qwen2-0.5b-shape] [--batch 1 16] [--steps 16]
 
-The engine runs a step as one embedding call, one decoder-layer graph call per layer and one
-lm_head call. This times every call of `--steps` decode steps (the side-by-side's engine:
+The engine runs a step as one embedding call, the decoder layers in stacks of k layers (one
+graph call per stack; k from the workspace, engine/workspace.py) and one lm_head call. This
+times every call of `--steps` decode steps (the side-by-side's engine:
 max_num_seqs 16 unless --max-num-seqs, max_len 1024, a 32-token prompt), and, in the same process, one layer's
 four weight matmuls (qkv, o, gate_up, down at the model's shapes) alone in one graph: the
-difference per layer call is what is not weight matmul (attention over the gathered
-context, cache writes, norms, rotary, the call itself).
+difference per layer is what is not weight matmul (attention over the gathered context, cache
+writes, norms, rotary, its share of the call).
 """
 import argparse
 import os
@@ -42,6 +43,10 @@ class Timed:
         out.asnumpy()
         self.sink.append(time.perf_counter() - start)
         return out
+
+    @property
+    def compile_cache(self):  # the runner counts its graphs' compilations
+        return self.graph.compile_cache
 
 
 def main(argv=None):
@@ -82,27 +87,31 @@ def main(argv=None):
         prompts = rng.integers(0, c.vocab_size, (batch, 32)).tolist()
         params = SamplingParams(max_tokens=args.steps + 1, temperature=0, ignore_eos=True)
         llm.generate(prompts, params)  # compiles
-        calls = {"embedding": [], "layer": [], "head": []}
-        graphs = runner.embedding, runner.layer, runner.head
-        runner.embedding, runner.layer, runner.head = (Timed(g, calls[k]) for g, k in
-                                                       zip(graphs, calls))
+        calls = {"embedding": [], "stack": [], "head": []}
+        graphs = runner.embedding, dict(runner.stacks), runner.head
+        runner.embedding = Timed(graphs[0], calls["embedding"])
+        runner.stacks = {k: Timed(g, calls["stack"]) for k, g in graphs[1].items()}
+        runner.head = Timed(graphs[2], calls["head"])
         before = dict(runner.timings)
         llm.generate(prompts, params)
-        runner.embedding, runner.layer, runner.head = graphs
+        runner.embedding, runner.stacks, runner.head = graphs[0], graphs[1], graphs[2]
         steps = runner.timings["decode_steps"] - before["decode_steps"]
         step_ms = (runner.timings["decode_s"] - before["decode_s"]) / steps * 1e3
+        per_layer = runner.layers_per_call(batch, batch, runner.context_buckets[0])
+        stacks_per_step = c.num_layers // per_layer
         # The decode calls are the last `steps` of each kind (the prefill ran first).
-        layer = calls["layer"][-steps * c.num_layers:]
+        stack = calls["stack"][-steps * stacks_per_step:]
         x = Tensor(rng.standard_normal((batch, h), np.float32))
         xi = Tensor(rng.standard_normal((batch, i), np.float32))
         mm = best_ms(lambda: [t.asnumpy() for t in matmuls(x, *weights, xi)])
-        layer_ms = statistics.median(layer) * 1e3
+        stack_ms = statistics.median(stack) * 1e3
+        layer_ms = stack_ms / per_layer
         print(f"batch {batch:>2}: decode step {step_ms:.1f} ms = embedding "
-              f"{statistics.median(calls['embedding'][-steps:]) * 1e3:.1f} + {c.num_layers} "
-              f"layer calls x {layer_ms:.2f} + lm_head "
+              f"{statistics.median(calls['embedding'][-steps:]) * 1e3:.1f} + {stacks_per_step} "
+              f"call(s) of {per_layer} layers x {stack_ms:.2f} + lm_head "
               f"{statistics.median(calls['head'][-steps:]) * 1e3:.1f} (+ host); one layer's 4 "
               f"weight matmuls alone in one graph: {mm:.2f} ms, so {layer_ms - mm:.2f} ms per "
-              f"layer call is not weight matmul ({(layer_ms - mm) * c.num_layers:.0f} ms per "
+              f"layer is not weight matmul ({(layer_ms - mm) * c.num_layers:.0f} ms per "
               f"step)", flush=True)
     return 0
 
