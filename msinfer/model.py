@@ -8,9 +8,10 @@ plan), so a layer runs 4 weight matmuls instead of 7. Sharding lives in `paralle
 
 The Cells hold primitives, not weights: weights and KV caches are arguments, so one compiled
 graph of a `LayerStack` (k consecutive decoder layers) serves every run of k layers. That is
-how the engine runs in explicit mode: each call runs as many layers as its activations allow
-(on MindSpore's CPU backend a compiled graph holds every intermediate of all its layers at
-once): one layer of the largest prefill chunk, all layers of a short decode step. In semi_auto
+how the engine runs in explicit mode: a pass over the layers in a few graph calls, fewer
+layers per graph where their activations would exceed the workspace (on MindSpore's CPU
+backend a compiled graph holds every intermediate of all its layers at once): one layer of
+the largest prefill chunk, a quarter of the layers of a short decode step. In semi_auto
 mode `Qwen2Model` owns the weights and caches as Parameters (so MindSpore can lay them out per
 rank) and runs all layers in one graph.
 

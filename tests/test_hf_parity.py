@@ -141,9 +141,11 @@ def test_prompts_of_other_lengths_in_the_same_buckets_compile_no_new_graph(case)
     assert llm.compilations == compiled
 
 
-def test_layers_run_in_stacks_of_any_size_give_the_same_tokens(tmp_path):
-    """A graph runs k consecutive layers, k set by the workspace: one, two or all four layers
-    per graph must all be Qwen2 (each layer's own weights and own cache)."""
+def test_layers_run_in_stacks_of_any_size_give_the_same_tokens(tmp_path, monkeypatch):
+    """A graph runs k consecutive layers, k set by the workspace and the calls a pass may
+    take: one, two or all four layers per graph must all be Qwen2 (each layer's own weights
+    and own cache)."""
+    monkeypatch.setattr("msinfer.engine.workspace.CALLS_PER_PASS", 1)
     config = make_tiny_model(str(tmp_path), layers=4, hidden=64, heads=8, kv_heads=2,
                              vocab=384, seed=4)
     llm = LLM(str(tmp_path), **ENGINE)

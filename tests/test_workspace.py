@@ -1,5 +1,6 @@
-"""How many decoder layers one compiled graph runs: as many as one layer of the engine's
-largest call allows, a divisor of the layer count, never fewer than one."""
+"""How many decoder layers one compiled graph runs: enough for a pass in a few calls, fewer
+when one layer of the engine's largest call is all the workspace allows; a divisor of the
+layer count, never fewer than one."""
 import pytest
 
 from msinfer.config import load_config
@@ -9,16 +10,19 @@ from msinfer.strategy import Strategy
 
 
 @pytest.mark.parametrize("layers,layer_bytes,budget,expected", [
-    (24, 1, 100, 24),     # everything fits: one graph for all layers
-    (24, 10, 100, 8),     # 10 fit, the largest divisor of 24 not above it is 8
-    (28, 10, 100, 7),
+    (24, 1, 100, 6),      # everything fits: a pass in 4 calls of 6 layers
+    (24, 30, 100, 3),     # 3 fit, the largest divisor of 24 not above it
+    (28, 1, 100, 7),
+    (28, 20, 100, 4),
+    (80, 1, 1000, 20),
+    (4, 1, 100, 1),       # 4 layers: 4 calls of one
     (24, 100, 100, 1),
     (24, 1000, 100, 1),   # over budget still runs, one layer at a time
     (7, 10, 60, 1),       # a prime layer count: all or one
     (7, 10, 70, 7),
 ])
-def test_layers_per_graph_is_the_largest_divisor_that_fits(layers, layer_bytes, budget,
-                                                           expected):
+def test_layers_per_graph_is_the_largest_divisor_that_fits_in_few_calls(layers, layer_bytes,
+                                                                        budget, expected):
     assert layers_per_graph(layers, layer_bytes, budget) == expected
 
 
@@ -34,7 +38,7 @@ def test_largest_prefill_chunk_runs_a_layer_per_graph_and_short_decodes_all_laye
                                                        context), budget)
 
     assert layers(256, 1, 4096) == 1
-    assert layers(1, 1, 64) == config.num_layers
+    assert layers(1, 1, 64) == config.num_layers // 4
     assert layers(16, 16, 4096) < layers(16, 16, 256) <= layers(1, 1, 256)
     # The estimate grows with each of its inputs.
     base = layer_activation_bytes(config, shard, 4, 16, 16, 1024)

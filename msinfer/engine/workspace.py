@@ -5,10 +5,11 @@ MindSpore's CPU backend keeps every intermediate of a compiled graph at once (me
 graph's resident memory grows with its layer count), so a graph of k layers holds k times one
 layer's activations. The planner reserves one layer of the engine's largest call (a
 max_prefill_tokens chunk, or a max_num_seqs decode step, over max_len of context); each call
-then runs as many consecutive layers per graph as fit in that reserve: one layer for the
-largest chunk, all layers for a short decode step. Fewer graph launches per step is what
-makes decoding fast (24 layer calls per step cost 0.5B-shape batch-1 decode 1.5x the time of
-one call of all 24, measured in bench/profile_step.py), and the reserve keeps it honest.
+then runs a pass over the layers in at most CALLS_PER_PASS graphs where that reserve allows:
+one layer per graph for the largest chunk, a quarter of the layers for a short decode step.
+Few graph launches per step is what makes decoding fast (24 one-layer calls per step cost
+0.5B-shape batch-1 decode ~1.5x the time of one 24-layer call, measured), and the reserve
+keeps each graph's memory honest.
 """
 
 
@@ -34,8 +35,17 @@ def largest_call_bytes(config, shard, dtype_bytes, max_len, max_prefill_tokens, 
     return max(prefill, decode)
 
 
+# A pass over the layers takes at most this many graph calls when memory allows: more layers
+# per graph buy little past it (0.5B shape, batch-1 decode: ~125 ms a step with 6 layers per
+# graph as with 24, 150 ms with 1) and each compiled graph keeps its activations for good.
+CALLS_PER_PASS = 4
+
+
 def layers_per_graph(num_layers, layer_bytes, budget_bytes):
-    """The most consecutive layers, a divisor of num_layers (so one compiled graph serves every
-    run of them), whose activations stay within the budget; at least one."""
+    """Consecutive layers per graph: a divisor of num_layers (so one compiled graph serves
+    every run of them), the fewest that keep a pass within CALLS_PER_PASS calls, fewer when
+    their activations would exceed the budget; at least one."""
+    divisors = [k for k in range(1, num_layers + 1) if num_layers % k == 0]
+    enough = min(k for k in divisors if num_layers // k <= CALLS_PER_PASS)
     fit = max(1, budget_bytes // max(1, layer_bytes))
-    return max(k for k in range(1, num_layers + 1) if num_layers % k == 0 and k <= fit)
+    return max(k for k in divisors if k <= min(enough, fit))
