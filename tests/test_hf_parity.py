@@ -154,7 +154,7 @@ def test_layers_run_in_stacks_of_any_size_give_the_same_tokens(tmp_path, monkeyp
                                                        dtype=torch.float32).eval()
     prompts = prompts_for(config.vocab_size, seed=5, lengths=(23, 6))
     # This test's calls: 16-token prefill chunks and a 2-sequence decode, over 64 slots.
-    largest = max(layer_activation_bytes(config, runner._plan, 4, tokens, groups, 64)
+    largest = max(layer_activation_bytes(llm.plan, 4, tokens, groups, 64)
                   for tokens, groups in ((16, 1), (2, 2)))
     for workspace in (1, 2 * largest, runner.workspace_bytes):
         runner.workspace_bytes = workspace

@@ -26,22 +26,21 @@ def test_layers_per_graph_is_the_largest_divisor_that_fits_in_few_calls(layers, 
     assert layers_per_graph(layers, layer_bytes, budget) == expected
 
 
-def test_largest_prefill_chunk_runs_a_layer_per_graph_and_short_decodes_all_layers():
+def test_largest_prefill_chunk_runs_a_layer_per_graph_and_a_short_decode_four_graphs():
     config = load_config("qwen2-1.5b")
     shard = Strategy.default().resolve(config, "explicit")
-    budget = largest_call_bytes(config, shard, 4, max_len=4096, max_prefill_tokens=256,
+    budget = largest_call_bytes(shard, 4, max_len=4096, max_prefill_tokens=256,
                                 max_num_seqs=16)
 
     def layers(tokens, groups, context):
-        return layers_per_graph(config.num_layers,
-                                layer_activation_bytes(config, shard, 4, tokens, groups,
-                                                       context), budget)
+        layer = layer_activation_bytes(shard, 4, tokens, groups, context)
+        return layers_per_graph(config.num_layers, layer, budget)
 
     assert layers(256, 1, 4096) == 1
     assert layers(1, 1, 64) == config.num_layers // 4
     assert layers(16, 16, 4096) < layers(16, 16, 256) <= layers(1, 1, 256)
     # The estimate grows with each of its inputs.
-    base = layer_activation_bytes(config, shard, 4, 16, 16, 1024)
-    assert base < layer_activation_bytes(config, shard, 4, 32, 16, 1024)
-    assert base < layer_activation_bytes(config, shard, 4, 16, 32, 1024)
-    assert base < layer_activation_bytes(config, shard, 4, 16, 16, 2048)
+    base = layer_activation_bytes(shard, 4, 16, 16, 1024)
+    assert base < layer_activation_bytes(shard, 4, 32, 16, 1024)
+    assert base < layer_activation_bytes(shard, 4, 16, 32, 1024)
+    assert base < layer_activation_bytes(shard, 4, 16, 16, 2048)

@@ -9,9 +9,9 @@ whatever the mix of prompt lengths:
   tokens (of one or several sequences) over their concatenated contexts, and the lm_head on
   R rows (the last token of each sequence whose prompt the chunk completes; powers of two).
 In explicit mode a call is one embedding call, the decoder layers in stacks of k consecutive
-layers (one compiled graph per k and shape, each layer's weights and KV cache passed in; k as
-large as the planner's workspace allows for that shape: engine/workspace.py), and one lm_head
-call; in semi_auto mode one whole-model call.
+layers (one compiled graph per k and shape, each layer's weights and KV cache passed in; k
+the fewest for a pass in a few calls, within the planner's workspace for that shape:
+engine/workspace.py), and one lm_head call; in semi_auto mode one whole-model call.
 """
 import time
 
@@ -19,6 +19,7 @@ import numpy as np
 from mindspore import Tensor
 
 from .. import log
+from ..hardware import DTYPE_BYTES
 from ..model import (Embedding, DecoderLayer, LayerStack, LMHead, head_weight_names,
                      layer_weight_names, new_cache, rotary_tables)
 from .kv_cache import TRASH_BLOCK
@@ -87,12 +88,11 @@ class ModelRunner:
             # Each layer's arguments of a LayerStack: its K and V caches, then its weights.
             self.layer_args = [t for (k, v), w in zip(self.caches, self.layer_weights)
                                for t in (k, v, *w)]
-            self._config, self._plan = config, ctx.plan
-            self._dtype_bytes = 2 if str(ctx.dtype) in ("Float16", "BFloat16") else 4
+            self._plan = ctx.plan
+            self._dtype_bytes = DTYPE_BYTES[str(ctx.dtype).lower()]
             # What the planner reserves for activations: each graph stays within it.
-            self.workspace_bytes = largest_call_bytes(config, ctx.plan, self._dtype_bytes,
-                                                      max_model_len, max_prefill_tokens,
-                                                      max_num_seqs)
+            self.workspace_bytes = largest_call_bytes(ctx.plan, self._dtype_bytes, max_model_len,
+                                                      max_prefill_tokens, max_num_seqs)
         # Wall time inside the graphs (inputs built, logits back on the host), by kind.
         self.timings = {"prefill_s": 0.0, "prefill_calls": 0, "prefill_tokens": 0,
                         "decode_s": 0.0, "decode_steps": 0, "decode_tokens": 0}
@@ -114,8 +114,7 @@ class ModelRunner:
 
     def layers_per_call(self, tokens, groups, context) -> int:
         """Decoder layers one graph runs for a call of that shape (explicit mode)."""
-        layer = layer_activation_bytes(self._config, self._plan, self._dtype_bytes, tokens,
-                                       groups, context)
+        layer = layer_activation_bytes(self._plan, self._dtype_bytes, tokens, groups, context)
         return layers_per_graph(self.num_layers, layer, self.workspace_bytes)
 
     # ---- one step's inputs ----

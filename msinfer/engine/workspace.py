@@ -13,11 +13,12 @@ keeps each graph's memory honest.
 """
 
 
-def layer_activation_bytes(config, shard, dtype_bytes, tokens, groups, context):
+def layer_activation_bytes(shard, dtype_bytes, tokens, groups, context):
     """An upper estimate of what one decoder layer of a call holds: `tokens` tokens in `groups`
     groups, each group over `context` gathered cache slots (a prefill chunk is one group; a
     decode step is one group per sequence). Hidden- and intermediate-size tensors per token,
     the gathered K/V context and its by-head copy, float32 scores, mask and softmax."""
+    config = shard.config
     heads, kv = shard.local_heads, shard.local_kv_heads
     intermediate = shard.local_shape("model.layers.0.mlp.down_proj.weight")[1]
     per_token = dtype_bytes * (6 * config.hidden_size + 2 * (heads + 2 * kv) * config.head_dim
@@ -27,10 +28,10 @@ def layer_activation_bytes(config, shard, dtype_bytes, tokens, groups, context):
     return tokens * per_token + gathered + scores
 
 
-def largest_call_bytes(config, shard, dtype_bytes, max_len, max_prefill_tokens, max_num_seqs):
+def largest_call_bytes(shard, dtype_bytes, max_len, max_prefill_tokens, max_num_seqs):
     """One layer of the engine's largest call: the activations the planner reserves."""
-    prefill = layer_activation_bytes(config, shard, dtype_bytes, max_prefill_tokens, 1, max_len)
-    decode = layer_activation_bytes(config, shard, dtype_bytes, max_num_seqs, max_num_seqs,
+    prefill = layer_activation_bytes(shard, dtype_bytes, max_prefill_tokens, 1, max_len)
+    decode = layer_activation_bytes(shard, dtype_bytes, max_num_seqs, max_num_seqs,
                                     max_len)
     return max(prefill, decode)
 
