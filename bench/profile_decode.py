@@ -8,8 +8,8 @@
    matmuls plus the lm_head). If the MindSpore sum is near the measured decode step, the
    matmul kernels bound the step; if not, the rest of the graph (attention, cache updates,
    elementwise ops, launches) does.
-2. KV cache size: the batch-1 decode step with a small static cache (max_num_seqs 1,
-   max_len 128) and with the benchmark's (max_num_seqs 16, max_len 1024). The weights read are
+2. KV cache size: the batch-1 decode step with a small KV pool (max_num_seqs 1, max_len 128)
+   and with the benchmark's (max_num_seqs 16, max_len 1024). The weights read are
    the same; a difference is work that grows with the cache, not with the tokens.
 3. Host: pyinstrument over a warmed-up batch-1 msinfer generate: the share of wall time spent
    inside the compiled graph versus Python (sampling, input preparation, .asnumpy()).
@@ -23,16 +23,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-
-def best_ms(fn, repeats=20):
-    fn()
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e3
+from timing import best_ms  # noqa: E402
 
 
 def weight_shapes(config):
@@ -70,7 +61,7 @@ def kernels(config, batches):
     # figures below have it subtracted, as a kernel inside a whole-step graph does not pay it.
     tiny = Linear()
     tx, tw = Tensor(np.ones((1, 8), np.float32)), Tensor(np.ones((8, 8), np.float32))
-    floor = best_ms(lambda: tiny(tx, tw).asnumpy())
+    floor = best_ms(warmup=2, fn=lambda: tiny(tx, tw).asnumpy())
     rows = [f"MindSpore graph call floor: {floor:.3f} ms (subtracted below)"]
     for batch in batches:
         totals = {"mindspore": 0.0, "torch": 0.0}
@@ -78,10 +69,10 @@ def kernels(config, batches):
             w = rng.standard_normal((out, inp), np.float32)
             x = rng.standard_normal((batch, inp), np.float32)
             cell, wm, xm = Linear(), Tensor(w), Tensor(x)
-            ms_ms = max(best_ms(lambda: cell(xm, wm).asnumpy()) - floor, 1e-3)
+            ms_ms = max(best_ms(warmup=2, fn=lambda: cell(xm, wm).asnumpy()) - floor, 1e-3)
             wt, xt = torch.from_numpy(w), torch.from_numpy(x)
             with torch.inference_mode():
-                torch_ms = best_ms(lambda: torch.nn.functional.linear(xt, wt))
+                torch_ms = best_ms(warmup=2, fn=lambda: torch.nn.functional.linear(xt, wt))
             for side, t in (("mindspore", ms_ms), ("torch", torch_ms)):
                 totals[side] += count * t
                 rows.append(f"batch {batch:>2} {out:>6}x{inp:<5} x{count:<3} {side:<9} "
@@ -117,8 +108,7 @@ def cache_sizes(model_dir, tokens, rounds=3):
     for _ in range(rounds):
         for llm, times in zip(llms, steps):
             times.append(decode_step_ms(llm, tokens))
-    cache_bytes = [2 * llm.config.num_layers * b * llm.model.kv_heads * n
-                   * llm.config.head_dim * 4 for llm, (b, n) in zip(llms, sizes)]
+    cache_bytes = [llm.memory.kv_cache_bytes for llm in llms]
     return [f"KV cache max_num_seqs {b:>2}, max_len {n:>4} ({size / 1e6:.0f} MB): batch-1 decode "
             f"step {statistics.median(times):.1f} ms (of {', '.join(f'{t:.0f}' for t in times)})"
             for (b, n), size, times in zip(sizes, cache_bytes, steps)]
