@@ -17,7 +17,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -26,8 +25,8 @@ ROOT = os.path.dirname(BENCH)
 sys.path.insert(0, ROOT)
 
 import report  # noqa: E402
-from run import (OTHER_LOAD_LIMIT, QWEN2_05B_SHAPE, SMALL_SHAPE, child_env, cpu_seconds,  # noqa: E402
-                 ensure_model, machine_busy_seconds, machine_info)
+from run import (OTHER_LOAD_LIMIT, QWEN2_05B_SHAPE, SMALL_SHAPE, WorkerProcess,  # noqa: E402
+                 child_env, cpu_seconds, ensure_model, machine_busy_seconds, machine_info)
 
 # Qwen2-1.5B's shape (issue 9's command), random weights stored as bfloat16, run in float32.
 QWEN2_15B_SHAPE = ["--layers", "28", "--hidden", "1536", "--heads", "12", "--kv-heads", "2",
@@ -55,38 +54,17 @@ CHUNK = 256
 MIXED_RETRIES = 1  # a whole workload run is long: taken again at most once when loaded
 
 
-class Worker:
-    """An engine_worker.py process: one JSON request in, one JSON answer out."""
+class Worker(WorkerProcess):
+    """An engine_worker.py process: the new engine, the old one or HF."""
 
     def __init__(self, label, side, model_dir, options, log_dir, old_engine=None):
-        self.label = label
         self.options = options
-        read_fd, write_fd = os.pipe()
         env = child_env()
         if old_engine:
             env["PYTHONPATH"] = old_engine  # the old commit's msinfer package, not this one
-        self.log = open(os.path.join(log_dir, f"engine-{label}.log"), "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.join(BENCH, "engine_worker.py"), side, "--model",
-             model_dir, "--options", json.dumps(options), "--reply-fd", str(write_fd)],
-            stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT, text=True,
-            env=env, cwd=BENCH, pass_fds=(write_fd,))
-        os.close(write_fd)
-        self.replies = os.fdopen(read_fd)
-        self.hello = self._answer()
-
-    def _answer(self):
-        line = self.replies.readline()
-        if not line:
-            self.proc.wait()
-            raise RuntimeError(f"the {self.label} worker exited ({self.proc.returncode}); see "
-                               f"{self.log.name}")
-        return json.loads(line)
-
-    def ask(self, **request):
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
-        return self._answer()
+        super().__init__(label, "engine_worker.py",
+                         [side, "--model", model_dir, "--options", json.dumps(options)],
+                         os.path.join(log_dir, f"engine-{label}.log"), env=env, cwd=BENCH)
 
     def measured(self, **request):
         """ask(), with the wall seconds and the CPU seconds every other process used
@@ -98,12 +76,6 @@ class Worker:
         other = machine_busy_seconds() - busy - (cpu_seconds(self.proc.pid) - own)
         answer["other_load"] = max(other, 0.0) / wall
         return answer
-
-    def close(self):
-        self.proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
-        self.proc.stdin.close()
-        self.proc.wait(timeout=120)
-        self.log.close()
 
 
 def random_prompts(rng, lengths, vocab):
@@ -460,12 +432,7 @@ def chart(results, path):
         ax.set_ylim(top=ax.get_ylim()[1] * (3 if ax.get_yscale() == "log" else 1.2))
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8, loc="upper left")
-    m = results["machine"]
-    fig.suptitle(f"msinfer serving engine, {m['cpu']}, {m['cores']} cores, "
-                 f"{results['date'][:10]}" + ("  [--quick]" if results["quick"] else ""))
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    report.save_chart(fig, path, results, "msinfer serving engine")
 
 
 def main(argv=None):

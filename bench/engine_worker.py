@@ -18,27 +18,18 @@ The first answer, sent unasked, reports the load: seconds, RSS, versions, alloca
 """
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 
-from side_worker import rss_figures
+from side_worker import greedy, load_llm, rss_figures, serve
 
 
 class MsinferSide:
     """The new engine: LLM(model_dir, **options) with the options engine.py passes."""
 
     def __init__(self, model_dir, options):
-        from msinfer import LLM
-        from msinfer.sampling import SamplingParams
-
-        self.SamplingParams = SamplingParams
-        start = time.perf_counter()
-        self.llm = LLM(model_dir, **options)
-        self.load_seconds = time.perf_counter() - start
-        import mindspore
-        self.versions = {"mindspore": mindspore.__version__}
+        self.llm, self.load_seconds, self.versions = load_llm(model_dir, **options)
         memory, limits = self.llm.memory, self.llm.limits
         self.info = {"weights_bytes": memory.weights_bytes,
                      "kv_cache_bytes": memory.kv_cache_bytes,
@@ -49,15 +40,12 @@ class MsinferSide:
                      "max_num_seqs": limits.max_num_seqs,
                      "max_prefill_tokens": limits.max_prefill_tokens}
 
-    def params(self, n):
-        return self.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-
     def generate(self, prompts, max_tokens):
         compiled = self.llm.compilations
         runner = self.llm.engine.runner
         before = dict(runner.timings)
         start = time.perf_counter()
-        outputs = self.llm.generate(prompts, [self.params(n) for n in max_tokens])
+        outputs = self.llm.generate(prompts, [greedy(n) for n in max_tokens])
         seconds = time.perf_counter() - start
         return {"seconds": seconds, "token_ids": [o.token_ids for o in outputs],
                 "new_compilations": self.llm.compilations - compiled,
@@ -81,7 +69,7 @@ class MsinferSide:
         short one arrived: what a static batch would make it wait for."""
         engine = self.llm.engine
         for i, prompt in enumerate(long_prompts):
-            engine.add_request(f"long-{i}", prompt, self.params(long_tokens))
+            engine.add_request(f"long-{i}", prompt, greedy(long_tokens))
         made = {}
         start = time.perf_counter()
         while len(made) < len(long_prompts):  # every long request has its first token
@@ -96,7 +84,7 @@ class MsinferSide:
             steps.append(time.perf_counter() - t)
         remaining = long_tokens - min(made.values())
         added = time.perf_counter()
-        engine.add_request("short", short_prompt, self.params(short_tokens))
+        engine.add_request("short", short_prompt, greedy(short_tokens))
         short_steps, first_token = [], None
         while first_token is None:
             t = time.perf_counter()
@@ -126,21 +114,13 @@ class OldEngineSide(MsinferSide):
     """The static-batch engine (commit 8717a73): LLM(model_dir, max_batch=, max_len=)."""
 
     def __init__(self, model_dir, options):
-        from msinfer import LLM
-        from msinfer.sampling import SamplingParams
-
-        self.SamplingParams = SamplingParams
-        start = time.perf_counter()
-        self.llm = LLM(model_dir, **options)
-        self.load_seconds = time.perf_counter() - start
-        import mindspore
-        self.versions = {"mindspore": mindspore.__version__}
+        self.llm, self.load_seconds, self.versions = load_llm(model_dir, **options)
         self.info = dict(options)
 
     def generate(self, prompts, max_tokens):
         compiled = self.llm.compilations
         start = time.perf_counter()
-        outputs = self.llm.generate(prompts, [self.params(n) for n in max_tokens])
+        outputs = self.llm.generate(prompts, [greedy(n) for n in max_tokens])
         seconds = time.perf_counter() - start
         return {"seconds": seconds, "token_ids": [o.token_ids for o in outputs],
                 "new_compilations": self.llm.compilations - compiled,
@@ -218,23 +198,11 @@ def main():
     p.add_argument("--options", default="{}", help="JSON: keyword arguments of LLM(...)")
     p.add_argument("--reply-fd", type=int, required=True)
     args = p.parse_args()
-    reply = os.fdopen(args.reply_fd, "w", buffering=1)
-
-    def answer(value):
-        reply.write(json.dumps(value) + "\n")
-
     baseline = rss_figures()["rss_bytes"]
     cls = {"msinfer": MsinferSide, "old": OldEngineSide, "hf": HFSide}[args.side]
     side = cls(args.model, json.loads(args.options))
-    answer(dict(load_seconds=side.load_seconds, versions=side.versions, info=side.info,
-                rss_before_load_bytes=baseline, pid=os.getpid(), **rss_figures()))
-    for line in sys.stdin:
-        request = json.loads(line)
-        op = request.pop("op")
-        if op == "exit":
-            break
-        result = getattr(side, op)(**request)
-        answer(dict(result, **rss_figures()))
+    serve(side, args.reply_fd, dict(load_seconds=side.load_seconds, versions=side.versions,
+                                    info=side.info), baseline)
     return 0
 
 

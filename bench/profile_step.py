@@ -19,15 +19,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-
-def best_ms(fn, repeats=20):
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e3
+from timing import best_ms  # noqa: E402
 
 
 class Timed:
@@ -94,7 +86,7 @@ def main(argv=None):
         runner.head = Timed(graphs[2], calls["head"])
         before = dict(runner.timings)
         llm.generate(prompts, params)
-        runner.embedding, runner.stacks, runner.head = graphs[0], graphs[1], graphs[2]
+        runner.embedding, runner.stacks, runner.head = graphs
         steps = runner.timings["decode_steps"] - before["decode_steps"]
         step_ms = (runner.timings["decode_s"] - before["decode_s"]) / steps * 1e3
         per_layer = runner.layers_per_call(batch, batch, runner.context_buckets[0])

@@ -254,9 +254,16 @@ def chart(results, path):
     ax.set_ylim(top=ax.get_ylim()[1] * 1.25)
     ax.legend(fontsize=8, loc="upper right")
 
+    save_chart(fig, path, results, f"{results['model']['dir']} (float32)")
+
+
+def save_chart(fig, path, results, subject):
+    """Titles a benchmark's chart with what, on which machine and when, and writes it."""
+    import matplotlib.pyplot as plt
+
     m = results["machine"]
-    fig.suptitle(f"{results['model']['dir']} (float32), {m['cpu']}, {m['cores']} cores, "
-                 f"{results['date'][:10]}" + ("  [--quick]" if results["quick"] else ""))
+    fig.suptitle(f"{subject}, {m['cpu']}, {m['cores']} cores, {results['date'][:10]}"
+                 + ("  [--quick]" if results["quick"] else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -95,19 +95,19 @@ def machine_busy_seconds():
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
-class Side:
-    """A side_worker.py process: one JSON request in, one JSON answer out."""
+class WorkerProcess:
+    """A bench worker script in a process of its own: one JSON request in on its stdin, one
+    JSON answer out on a pipe of its own (--reply-fd), its logs in LOG_PATH. The first answer,
+    sent unasked, is `hello`."""
 
-    def __init__(self, name, model_dir, max_batch, max_len, log_dir):
+    def __init__(self, name, script, args, log_path, env=None, cwd=ROOT):
         self.name = name
         read_fd, write_fd = os.pipe()
-        self.log = open(os.path.join(log_dir, f"{name}.log"), "w")
+        self.log = open(log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.join(BENCH, "side_worker.py"), name, "--model", model_dir,
-             "--max-batch", str(max_batch), "--max-len", str(max_len),
-             "--reply-fd", str(write_fd)],
+            [sys.executable, os.path.join(BENCH, script), *args, "--reply-fd", str(write_fd)],
             stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT, text=True,
-            env=child_env(), cwd=ROOT, pass_fds=(write_fd,))
+            env=env or child_env(), cwd=cwd, pass_fds=(write_fd,))
         os.close(write_fd)
         self.replies = os.fdopen(read_fd)
         self.hello = self._answer()
@@ -130,6 +130,15 @@ class Side:
         self.proc.stdin.close()
         self.proc.wait(timeout=120)
         self.log.close()
+
+
+class Side(WorkerProcess):
+    """A side_worker.py process (msinfer or HF)."""
+
+    def __init__(self, name, model_dir, max_batch, max_len, log_dir):
+        super().__init__(name, "side_worker.py",
+                         [name, "--model", model_dir, "--max-batch", str(max_batch),
+                          "--max-len", str(max_len)], os.path.join(log_dir, f"{name}.log"))
 
 
 def prompts_for(rng, batch, length, vocab):

@@ -32,17 +32,48 @@ def rss_figures():
     return {"rss_bytes": figures["VmRSS"], "peak_rss_bytes": figures["VmHWM"]}
 
 
+def load_llm(model_dir, **options):
+    """LLM(model_dir, **options) of whichever msinfer comes first on the path: the LLM, the
+    seconds it took, and the MindSpore version."""
+    from msinfer import LLM
+    import mindspore
+
+    start = time.perf_counter()
+    llm = LLM(model_dir, **options)
+    return llm, time.perf_counter() - start, {"mindspore": mindspore.__version__}
+
+
+def greedy(max_tokens):
+    """msinfer's SamplingParams for exactly max_tokens greedy tokens, no end-of-sequence stop."""
+    from msinfer.sampling import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+def serve(side, reply_fd, hello, rss_before_load):
+    """The worker's end of run.WorkerProcess: answers `hello` with this process's memory,
+    then each request line {"op": NAME, ...} with side.NAME(...) and the memory after it;
+    {"op": "memory"} is the memory alone, {"op": "exit"} ends."""
+    reply = os.fdopen(reply_fd, "w", buffering=1)
+
+    def answer(value):
+        reply.write(json.dumps(value) + "\n")
+
+    answer(dict(hello, rss_before_load_bytes=rss_before_load, pid=os.getpid(),
+                **rss_figures()))
+    for line in sys.stdin:
+        request = json.loads(line)
+        op = request.pop("op")
+        if op == "exit":
+            break
+        answer(rss_figures() if op == "memory" else
+               dict(getattr(side, op)(**request), **rss_figures()))
+
+
 class MsinferSide:
     def __init__(self, model_dir, max_batch, max_len):
-        from msinfer import LLM
-        from msinfer.sampling import SamplingParams
-
-        self.SamplingParams = SamplingParams
-        start = time.perf_counter()
-        self.llm = LLM(model_dir, max_num_seqs=max_batch, max_len=max_len)
-        self.load_seconds = time.perf_counter() - start
-        import mindspore
-        self.versions = {"mindspore": mindspore.__version__}
+        self.llm, self.load_seconds, self.versions = load_llm(
+            model_dir, max_num_seqs=max_batch, max_len=max_len)
         runner = self.llm.engine.runner
         self.buckets = {"batch": list(runner.batch_buckets),
                         "chunk": list(runner.chunk_buckets),
@@ -57,7 +88,7 @@ class MsinferSide:
                             "block_size": memory.layout.block_size}
 
     def generate(self, prompts, max_tokens):
-        params = self.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        params = greedy(max_tokens)
         timings = self.llm.engine.runner.timings
         before = dict(timings)
         compiled = self.llm.compilations
@@ -113,28 +144,12 @@ def main():
     p.add_argument("--max-len", type=int, required=True)
     p.add_argument("--reply-fd", type=int, required=True)
     args = p.parse_args()
-    reply = os.fdopen(args.reply_fd, "w", buffering=1)
-
-    def answer(value):
-        reply.write(json.dumps(value) + "\n")
-
     baseline = rss_figures()["rss_bytes"]
     cls = MsinferSide if args.side == "msinfer" else HFSide
     side = cls(args.model, args.max_batch, args.max_len)
-    answer(dict(load_seconds=side.load_seconds, versions=side.versions,
-                rss_before_load_bytes=baseline, buckets=getattr(side, "buckets", None),
-                allocations=getattr(side, "allocations", None),
-                pid=os.getpid(), **rss_figures()))
-    for line in sys.stdin:
-        request = json.loads(line)
-        if request["op"] == "exit":
-            break
-        if request["op"] == "memory":
-            answer(rss_figures())
-        elif request["op"] == "generate":
-            answer(side.generate(request["prompts"], request["max_tokens"]))
-        else:
-            raise ValueError(f"unknown request {request!r}")
+    serve(side, args.reply_fd, dict(load_seconds=side.load_seconds, versions=side.versions,
+                                    buckets=getattr(side, "buckets", None),
+                                    allocations=getattr(side, "allocations", None)), baseline)
     return 0
 
 
