@@ -486,15 +486,8 @@ def main(argv=None):
         results["machine"].update(loaded.get("versions", {}))
     results["seconds"] = time.perf_counter() - began
     results["bars"] = bars(results)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "engine.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    chart(results, os.path.join(args.out, "engine.png"))
-    text = table(results)
-    with open(os.path.join(args.out, "engine.txt"), "w") as f:
-        f.write(text + "\n")
-    print(text)
-    log(f"wrote engine.json, engine.png, engine.txt to {args.out}")
+    paths = report.write_results(results, args.out, "engine", chart, table)
+    log(f"wrote {', '.join(paths)}")
     return 0
 
 

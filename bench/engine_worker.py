@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 
-from side_worker import greedy, load_llm, rss_figures, serve
+from side_worker import greedy, load_hf, load_llm, rss_figures, serve
 
 
 class MsinferSide:
@@ -136,20 +136,9 @@ class HFSide:
 
     def __init__(self, model_dir, options):
         import torch
-        import transformers
 
         self.torch = torch
-        start = time.perf_counter()
-        self.model = transformers.Qwen2ForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32).eval()
-        self.load_seconds = time.perf_counter() - start
-        config = self.model.generation_config
-        config.eos_token_id = None  # no end-of-sequence stop: exactly max_tokens tokens
-        config.pad_token_id = 0
-        config.do_sample = False
-        config.temperature = config.top_p = config.top_k = None
-        self.versions = {"torch": torch.__version__, "transformers": transformers.__version__,
-                         "torch_threads": torch.get_num_threads()}
+        self.model, self.load_seconds, self.versions = load_hf(model_dir)
         self.info = dict(options)
         self.cb_options = options
 

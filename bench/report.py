@@ -1,4 +1,7 @@
 """Figures derived from a bench run (ratios, bandwidth, the bars), its table and its chart."""
+import json
+import os
+
 
 GB = 1e9
 # Cores other processes may keep busy during a measurement before bench/run.py takes it
@@ -255,6 +258,21 @@ def chart(results, path):
     ax.legend(fontsize=8, loc="upper right")
 
     save_chart(fig, path, results, f"{results['model']['dir']} (float32)")
+
+
+def write_results(results, out_dir, name, chart, table):
+    """OUT_DIR/NAME.json (every figure), NAME.png (chart(results, path)) and NAME.txt (the
+    table, also printed); returns the paths written."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [os.path.join(out_dir, f"{name}.{ext}") for ext in ("json", "png", "txt")]
+    with open(paths[0], "w") as f:
+        json.dump(results, f, indent=1)
+    chart(results, paths[1])
+    text = table(results)
+    with open(paths[2], "w") as f:
+        f.write(text + "\n")
+    print(text)
+    return paths
 
 
 def save_chart(fig, path, results, subject):

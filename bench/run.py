@@ -485,16 +485,8 @@ def main(argv=None):
     results["seconds"] = time.perf_counter() - began
 
     report.add_derived(results)
-    json_path = os.path.join(args.out, "latest.json")
-    with open(json_path, "w") as f:
-        json.dump(results, f, indent=1)
-    png_path = os.path.join(args.out, "latest.png")
-    report.chart(results, png_path)
-    text = report.table(results)
-    with open(os.path.join(args.out, "latest.txt"), "w") as f:
-        f.write(text + "\n")
-    print(text)
-    log(f"wrote {json_path}, {png_path} and latest.txt")
+    paths = report.write_results(results, args.out, "latest", report.chart, report.table)
+    log(f"wrote {', '.join(paths)}")
     return 0
 
 

@@ -43,6 +43,28 @@ def load_llm(model_dir, **options):
     return llm, time.perf_counter() - start, {"mindspore": mindspore.__version__}
 
 
+def load_hf(model_dir):
+    """transformers' Qwen2 in float32, generating greedily with no end-of-sequence stop, so
+    that every call makes exactly max_new_tokens tokens, as msinfer's ignore_eos does
+    (min_new_tokens would instead forbid the eos token): the model, the seconds it took to
+    load, the versions."""
+    import torch
+    import transformers
+
+    start = time.perf_counter()
+    model = transformers.Qwen2ForCausalLM.from_pretrained(model_dir,
+                                                          dtype=torch.float32).eval()
+    seconds = time.perf_counter() - start
+    config = model.generation_config
+    config.eos_token_id = None
+    config.pad_token_id = 0
+    config.do_sample = False
+    config.temperature = config.top_p = config.top_k = None
+    return model, seconds, {"torch": torch.__version__,
+                            "transformers": transformers.__version__,
+                            "torch_threads": torch.get_num_threads()}
+
+
 def greedy(max_tokens):
     """msinfer's SamplingParams for exactly max_tokens greedy tokens, no end-of-sequence stop."""
     from msinfer.sampling import SamplingParams
@@ -104,22 +126,9 @@ class MsinferSide:
 class HFSide:
     def __init__(self, model_dir, max_batch, max_len):
         import torch
-        import transformers
 
         self.torch = torch
-        start = time.perf_counter()
-        self.model = transformers.Qwen2ForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32).eval()
-        self.load_seconds = time.perf_counter() - start
-        # Greedy with no end-of-sequence: every call makes exactly max_tokens tokens, as
-        # msinfer's ignore_eos does (min_new_tokens would instead forbid the eos token).
-        config = self.model.generation_config
-        config.eos_token_id = None
-        config.pad_token_id = 0
-        config.do_sample = False
-        config.temperature = config.top_p = config.top_k = None
-        self.versions = {"torch": torch.__version__, "transformers": transformers.__version__,
-                         "torch_threads": torch.get_num_threads()}
+        self.model, self.load_seconds, self.versions = load_hf(model_dir)
 
     def generate(self, prompts, max_tokens):
         if len({len(p) for p in prompts}) != 1:
