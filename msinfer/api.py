@@ -79,7 +79,7 @@ class LLM:
         semi_auto_job = self.parallel_mode == "semi_auto" and self.dist.world_size > 1
 
         from .engine.runner import ModelRunner, semi_auto_cell
-        from .model import Qwen2Model, head_weight_names, layer_weight_names
+        from .model import Qwen2Model, explicit_layout, head_weight_names, layer_weight_names
         from .parallel_layers import ParallelContext
         from .strategy import checkpoint_parts
         from .weights import Checkpoint
@@ -130,9 +130,10 @@ class LLM:
             for name, array in checkpoint.load(names, parts_of, host_dtype):
                 model.weights[name].set_data(ms.Tensor(array, dtype=compute))
         else:
-            weights = {name: ms.Tensor(array, dtype=compute)
+            weights = {name: ms.Tensor(explicit_layout(name, array), dtype=compute)
                        for name, array in checkpoint.load(names, parts_of, host_dtype)}
-            runner = ModelRunner(weights=weights, **runner_args)
+            runner = ModelRunner(weights=weights, **runner_args,
+                                 min_layers_per_graph=self.profile.min_layers_per_graph)
         self._tokenizer = None
         self.engine = LLMEngine(
             runner, layout, vocab_size=self.config.vocab_size, max_model_len=self.limits.max_len,

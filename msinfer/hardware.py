@@ -33,6 +33,9 @@ class HardwareProfile:
     multi_server: bool = True       # collectives across servers work
     devices_per_card: int = 1       # chips npu-smi lists per card (doctor, commtest's pairs)
     shared_host_memory: bool = False  # all ranks of a server share one memory (CPU)
+    # Decoder layers a compiled graph runs at least, and so how many layers of the largest
+    # call the workspace reserves (engine/workspace.py says why the CPU backend needs two).
+    min_layers_per_graph: int = 1
 
 
 _ATLAS_300I_DUO_COMMON = dict(
@@ -115,6 +118,7 @@ PROFILES = {
         # The Python process with MindSpore loaded; an allowance.
         runtime_reserve_bytes=1 * GiB,
         shared_host_memory=True,
+        min_layers_per_graph=2,
     ),
 }
 

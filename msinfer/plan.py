@@ -297,18 +297,20 @@ def _device_memory(shard, profile, dtype, limits):
 
 def _workspace_bytes(shard, profile, dtype_bytes, limits):
     """Runtime reserve plus the activations of one decoder layer of the engine's largest call
-    (a prefill chunk of max_prefill_tokens, or a decode step of max_num_seqs sequences, over
+    (`min_layers_per_graph` layers: two on CPU) (a prefill chunk of max_prefill_tokens, or a decode step of max_num_seqs sequences, over
     max_len of context; an upper estimate: engine/workspace.py), which bounds every compiled
     graph's activations (a graph runs no more layers than fit), plus float32 logits of
     max_num_seqs rows over the whole vocabulary."""
     largest = largest_call_bytes(shard, dtype_bytes, limits.max_len, limits.max_prefill_tokens,
-                                 limits.max_num_seqs)
+                                 limits.max_num_seqs, layers=profile.min_layers_per_graph)
     logits = limits.max_num_seqs * shard.config.vocab_size * 4
     return profile.runtime_reserve_bytes + largest + logits
 
 
 def _workspace_formula(profile, limits):
-    return (f"{_gib(profile.runtime_reserve_bytes)} runtime reserve + one decoder layer of the "
+    n = profile.min_layers_per_graph
+    layers = "one decoder layer" if n == 1 else f"{n} decoder layers"
+    return (f"{_gib(profile.runtime_reserve_bytes)} runtime reserve + {layers} of the "
             f"largest call (a {limits.max_prefill_tokens}-token prefill chunk or a "
             f"{limits.max_num_seqs}-sequence decode step, over up to {limits.max_len} tokens "
             f"of context: float32 scores grow with chunk x context; a compiled graph runs no "

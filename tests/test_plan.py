@@ -122,6 +122,23 @@ def test_workspace_is_one_layer_of_the_largest_call():
     assert longer.devices[0].workspace_bytes > plan.devices[0].workspace_bytes
 
 
+def test_cpu_workspace_reserves_two_layers_of_the_largest_call():
+    """On the CPU backend a graph runs at least two decoder layers (engine/workspace.py), so
+    the reserve is two layers of the largest call where an Ascend plan reserves one."""
+    from msinfer.engine.workspace import largest_call_bytes
+
+    limits = dict(max_len=1024, max_prefill_tokens=256, max_num_seqs=16)
+    cpu = plan_for("qwen2-0.5b", "qwen2_tp1.yaml", hardware="cpu", **limits)
+    config = load_config("qwen2-0.5b")
+    shard = Strategy.default().resolve(config, "explicit")
+    one = largest_call_bytes(shard, 4, 1024, 256, 16)
+    assert largest_call_bytes(shard, 4, 1024, 256, 16, layers=2) == 2 * one
+    logits = 16 * config.vocab_size * 4
+    assert cpu.devices[0].workspace_bytes == get_profile("cpu").runtime_reserve_bytes + \
+        2 * one + logits
+    assert "2 decoder layers of the largest call" in cpu.workspace_formula
+
+
 def test_72b_fits_four_and_eight_300i_duo_devices():
     for name in ("qwen2_tp4.yaml", "qwen2_tp8.yaml"):
         plan = plan_for("qwen2-72b", name)

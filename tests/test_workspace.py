@@ -26,6 +26,21 @@ def test_layers_per_graph_is_the_largest_divisor_that_fits_in_few_calls(layers, 
     assert layers_per_graph(layers, layer_bytes, budget) == expected
 
 
+@pytest.mark.parametrize("layers,layer_bytes,budget,expected", [
+    (4, 1, 100, 2),       # the CPU floor: two calls of two, not four of one
+    (24, 1, 100, 6),      # above the floor already
+    (24, 40, 100, 2),
+    (24, 1000, 100, 1),   # over budget: one at a time
+    (3, 1, 100, 3),       # the floor's nearest divisor
+    (3, 50, 100, 1),      # ... unless it does not fit
+    (1, 1, 100, 1),
+    (7, 10, 70, 7),
+])
+def test_a_floor_of_two_layers_per_graph_where_they_divide_and_fit(layers, layer_bytes, budget,
+                                                                  expected):
+    assert layers_per_graph(layers, layer_bytes, budget, min_layers=2) == expected
+
+
 def test_largest_prefill_chunk_runs_a_layer_per_graph_and_a_short_decode_four_graphs():
     config = load_config("qwen2-1.5b")
     shard = Strategy.default().resolve(config, "explicit")

@@ -51,10 +51,10 @@ def bucket_for(size, buckets):
 
 class ModelRunner:
     def __init__(self, ctx, layout, max_num_seqs, max_prefill_tokens, max_model_len,
-                 weights=None, model=None):
+                 weights=None, model=None, min_layers_per_graph=1):
         """Explicit mode: `weights` {name: Tensor} of this rank's slices. semi_auto: `model`, a
         Qwen2Model owning its Parameters and cache (in a job of several ranks, wrapped by
-        `semi_auto_cell`)."""
+        `semi_auto_cell`). `min_layers_per_graph`: the hardware profile's (explicit mode)."""
         config = ctx.config
         self.layout = layout
         self.dtype = ctx.dtype
@@ -91,8 +91,10 @@ class ModelRunner:
             self._plan = ctx.plan
             self._dtype_bytes = DTYPE_BYTES[str(ctx.dtype).lower()]
             # What the planner reserves for activations: each graph stays within it.
+            self.min_layers = min_layers_per_graph
             self.workspace_bytes = largest_call_bytes(ctx.plan, self._dtype_bytes, max_model_len,
-                                                      max_prefill_tokens, max_num_seqs)
+                                                      max_prefill_tokens, max_num_seqs,
+                                                      layers=min_layers_per_graph)
         # Wall time inside the graphs (inputs built, logits back on the host), by kind.
         self.timings = {"prefill_s": 0.0, "prefill_calls": 0, "prefill_tokens": 0,
                         "decode_s": 0.0, "decode_steps": 0, "decode_tokens": 0}
@@ -115,7 +117,7 @@ class ModelRunner:
     def layers_per_call(self, tokens, groups, context) -> int:
         """Decoder layers one graph runs for a call of that shape (explicit mode)."""
         layer = layer_activation_bytes(self._plan, self._dtype_bytes, tokens, groups, context)
-        return layers_per_graph(self.num_layers, layer, self.workspace_bytes)
+        return layers_per_graph(self.num_layers, layer, self.workspace_bytes, self.min_layers)
 
     # ---- one step's inputs ----
 
