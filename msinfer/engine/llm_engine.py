@@ -150,8 +150,10 @@ class LLMEngine:
             chunk_logits = self.runner.prefill(schedule.chunks)
             for chunk in schedule.chunks:
                 chunk.seq.computed += chunk.count
-            sampled_seqs += [c.seq for c in schedule.chunks if c.completes]
-            logits.append(chunk_logits)
+            completed = [c.seq for c in schedule.chunks if c.completes]
+            if completed:
+                sampled_seqs += completed
+                logits.append(chunk_logits)
         if schedule.decodes:
             logits.append(self.runner.decode(schedule.decodes))
             for seq in schedule.decodes:

@@ -148,7 +148,8 @@ class ModelRunner:
 
     def prefill(self, chunks):
         """Runs the chunks (each writes its tokens' K/V); returns logits (k, vocab) for the k
-        chunks that complete their sequence's pending tokens, in chunk order."""
+        chunks that complete their sequence's pending tokens, in chunk order (none: no
+        lm_head call, an empty array)."""
         total = sum(c.count for c in chunks)
         size = bucket_for(total, self.chunk_buckets)
         context = bucket_for(sum(c.start + c.count for c in chunks), self.context_buckets)
@@ -180,11 +181,13 @@ class ModelRunner:
         visible = ((owner[:, None] == context_owner[None, :])
                    & (context_position[None, :] <= positions[:, None]))
         mask = np.where(visible, 0.0, MASKED).astype(np.float32)[None]
-        row_count = max(len(rows), 1)
-        padded_rows = np.zeros(bucket_for(row_count, self.row_buckets), np.int32)
-        padded_rows[:len(rows)] = rows
+        padded_rows = None  # no chunk completes its prompt: no lm_head (explicit mode)
+        if rows or self.model is not None:
+            padded_rows = np.zeros(bucket_for(max(len(rows), 1), self.row_buckets), np.int32)
+            padded_rows[:len(rows)] = rows
         start, compiled = time.perf_counter(), self.compilations
-        logits = self._run(ids, positions, write, slots, mask, padded_rows)[:len(rows)]
+        logits = self._run(ids, positions, write, slots, mask, padded_rows)
+        logits = logits[:len(rows)] if logits is not None else np.zeros((0, 0), np.float32)
         self._time("prefill", start, total, compiled, f"chunk {size} x context {context}")
         return logits
 
@@ -199,7 +202,8 @@ class ModelRunner:
         t[f"{kind}_tokens"] += tokens
 
     def _run(self, ids, positions, write, context_slots, mask, rows):
-        """mask (G, Q, T): G groups of Q queries, each over its own T context slots."""
+        """mask (G, Q, T): G groups of Q queries, each over its own T context slots. Returns
+        the logits of `rows`; None when rows is None (explicit mode: the lm_head is skipped)."""
         cos = Tensor(self.cos[positions][:, None, :])
         sin = Tensor(self.sin[positions][:, None, :])
         args = (Tensor(write.astype(np.int32)), Tensor(context_slots.astype(np.int32)),
@@ -215,6 +219,9 @@ class ModelRunner:
         n = LayerStack.ARGS_PER_LAYER
         for first in range(0, self.num_layers, count):
             x = stack(x, cos, sin, *args, *self.layer_args[first * n:(first + count) * n])
+        if rows is None:
+            x.asnumpy()  # the call's cache writes done before the next call builds on them
+            return None
         return self.head(x, Tensor(rows), *self.head_weights).asnumpy()
 
     # ---- compile ahead ----
