@@ -11,7 +11,7 @@ graph of a `LayerStack` (k consecutive decoder layers) serves every run of k lay
 how the engine runs in explicit mode: a pass over the layers in a few graph calls, fewer
 layers per graph where their activations would exceed the workspace (on MindSpore's CPU
 backend a compiled graph holds every intermediate of all its layers at once): one layer of
-the largest prefill chunk, a quarter of the layers of a short decode step. In semi_auto
+the largest prefill chunk (two on CPU), a quarter of the layers of a short decode step. In semi_auto
 mode `Qwen2Model` owns the weights and caches as Parameters (so MindSpore can lay them out per
 rank) and runs all layers in one graph.
 

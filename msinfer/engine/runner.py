@@ -11,7 +11,8 @@ whatever the mix of prompt lengths:
 In explicit mode a call is one embedding call, the decoder layers in stacks of k consecutive
 layers (one compiled graph per k and shape, each layer's weights and KV cache passed in; k
 the fewest for a pass in a few calls, within the planner's workspace for that shape:
-engine/workspace.py), and one lm_head call; in semi_auto mode one whole-model call.
+engine/workspace.py), and one lm_head call (none for a prefill call that completes no
+prompt); in semi_auto mode one whole-model call.
 """
 import time
 
