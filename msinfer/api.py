@@ -79,7 +79,7 @@ class LLM:
         semi_auto_job = self.parallel_mode == "semi_auto" and self.dist.world_size > 1
 
         from .engine.runner import ModelRunner, semi_auto_cell
-        from .model import Qwen2Model, explicit_layout, head_weight_names, layer_weight_names
+        from .model import Qwen2Model, head_weight_names, layer_weight_names, weight_layout
         from .parallel_layers import ParallelContext
         from .strategy import checkpoint_parts
         from .weights import Checkpoint
@@ -130,7 +130,7 @@ class LLM:
             for name, array in checkpoint.load(names, parts_of, host_dtype):
                 model.weights[name].set_data(ms.Tensor(array, dtype=compute))
         else:
-            weights = {name: ms.Tensor(explicit_layout(name, array), dtype=compute)
+            weights = {name: ms.Tensor(weight_layout(ctx, name, array), dtype=compute)
                        for name, array in checkpoint.load(names, parts_of, host_dtype)}
             runner = ModelRunner(weights=weights, **runner_args,
                                  min_layers_per_graph=self.profile.min_layers_per_graph)

@@ -35,17 +35,24 @@ LAYER_WEIGHTS = ("input_layernorm.weight", "self_attn.qkv_proj.weight",
                  "mlp.down_proj.weight")
 
 
-# The decoder-layer projections explicit mode keeps as (in, out), the checkpoint's (out, in)
-# transposed once at load: MindSpore's CPU MatMul runs x @ W faster than x @ W.T at decode
+# The decoder-layer projections kept as (in, out) on the CPU backend, the checkpoint's (out,
+# in) transposed once at load: MindSpore's CPU MatMul runs x @ W faster than x @ W.T at decode
 # sizes (0.5B shape, 16 rows: gate_up 2.8 vs 5.4 ms, q/k/v 0.6 vs 1.1 ms; the same at 256
-# rows). The lm_head stays (out, in): it is the embedding when tied, and faster that way.
+# rows). The lm_head stays (out, in): it is the embedding when tied.
 IN_OUT_WEIGHTS = ("self_attn.qkv_proj.weight", "self_attn.o_proj.weight",
                   "mlp.gate_up_proj.weight", "mlp.down_proj.weight")
 
 
-def explicit_layout(name, array):
-    """A loaded weight (out, in) in the layout explicit mode's graphs take."""
-    if name.endswith(IN_OUT_WEIGHTS):
+def cpu_matmul_layouts(ctx) -> bool:
+    """Explicit mode on the CPU backend takes the layouts measured faster there
+    (IN_OUT_WEIGHTS; the lm_head's product order by row count). Elsewhere the checkpoint's
+    layout: semi_auto's strategies are written for it, and no device was at hand to measure."""
+    return ctx.mode == "explicit" and ms.get_context("device_target") == "CPU"
+
+
+def weight_layout(ctx, name, array):
+    """A loaded weight (out, in) in the layout this process's graphs take."""
+    if cpu_matmul_layouts(ctx) and name.endswith(IN_OUT_WEIGHTS):
         return np.ascontiguousarray(array.T)
     return array
 
@@ -123,7 +130,7 @@ class DecoderLayer(nn.Cell):
         p = "model.layers.0."
         self.input_norm = RMSNorm(ctx)
         self.post_attention_norm = RMSNorm(ctx)
-        in_out = ctx.mode == "explicit"  # IN_OUT_WEIGHTS
+        in_out = cpu_matmul_layouts(ctx)  # IN_OUT_WEIGHTS
         self.qkv_proj = ParallelLinear(ctx, p + "self_attn.qkv_proj", bias=True, in_out=in_out)
         self.o_proj = ParallelLinear(ctx, p + "self_attn.o_proj", in_out=in_out)
         self.gate_up_proj = ParallelLinear(ctx, p + "mlp.gate_up_proj", in_out=in_out)
@@ -279,7 +286,7 @@ class LMHead(nn.Cell):
         data = SemiAutoLayout(ctx.plan).data if semi_auto else 1
         self.norm = RMSNorm(ctx)
         self.lm_head = ParallelLinear(ctx, "lm_head",
-                                      weight_first_rows=None if semi_auto else 8)
+                                      weight_first_rows=8 if cpu_matmul_layouts(ctx) else None)
         self.pick_rows = shard(ctx, ops.Gather(), (1, 1), (data,))
         self.to_float = shard(ctx, ops.Cast(), (1, 1))
         self.whole = shard(ctx, ops.Identity(), (1, 1)) if semi_auto else None

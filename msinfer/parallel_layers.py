@@ -90,15 +90,15 @@ def shard(ctx, primitive, *strategy):
 
 class ParallelLinear(nn.Cell):
     """y = x @ W.T (+ b), W stored (out, in) as in the checkpoint, split per the plan; or
-    y = x @ W with W stored (in, out) when `in_out` (explicit mode only: semi_auto's
-    strategies are written for the checkpoint's layout)."""
+    y = x @ W with W stored (in, out) when `in_out` (explicit mode on CPU:
+    model.cpu_matmul_layouts)."""
 
     def __init__(self, ctx: ParallelContext, name: str, bias: bool = False, in_out=False,
                  weight_first_rows=None):
-        """`weight_first_rows`: from that many rows of x on, compute (W @ x.T).T (explicit
-        mode, W stored (out, in)): for the lm_head, MindSpore's CPU MatMul runs the tall,
-        narrow product faster (151,936 x 896 at 16 rows: 31 vs 41 ms; at 1-4 rows x @ W.T is
-        faster)."""
+        """`weight_first_rows`: from that many rows of x on, compute (W @ x.T).T (W stored
+        (out, in); explicit mode on CPU): for the lm_head, MindSpore's CPU MatMul runs the
+        tall, narrow product faster (151,936 x 896 at 16 rows: 31 vs 41 ms; at 1-4 rows
+        x @ W.T is faster)."""
         super().__init__()
         style = ctx.plan.style(name + ".weight")
         self.matmul = ops.MatMul(transpose_b=not in_out)

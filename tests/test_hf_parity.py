@@ -264,6 +264,22 @@ def test_float16_compute_the_310p_path_stays_close_to_float32_transformers(tmp_p
         assert (ours.argmax(-1) == expected.argmax(-1)).all()
 
 
+def test_on_cpu_the_layer_projections_are_held_in_out_and_the_head_as_stored(case):
+    """The layouts the parity above runs with: explicit mode on CPU keeps q/k/v, o, gate/up
+    and down transposed to (in, out) (model.cpu_matmul_layouts); the lm_head (the embedding
+    when tied) as the checkpoint stores it."""
+    name, config, llm, hf = case
+    runner = llm.engine.runner
+    hidden, d = config.hidden_size, config.head_dim
+    qkv_out = (config.num_heads + 2 * config.num_kv_heads) * d
+    shapes = [tuple(w.shape) for w in runner.layer_weights[0]]
+    assert shapes[1] == (hidden, qkv_out)  # qkv_proj
+    assert shapes[3] == (config.num_heads * d, hidden)  # o_proj
+    assert shapes[5] == (hidden, 2 * config.intermediate_size)  # gate_up_proj
+    assert shapes[6] == (config.intermediate_size, hidden)  # down_proj
+    assert tuple(runner.head_weights[1].shape) == (config.vocab_size, hidden)
+
+
 def test_the_planner_counts_the_bytes_the_engine_allocates(case):
     """Planner = engine: the weights and KV cache the plan reports for this rank are the bytes
     of the tensors the engine holds; the engine's pool has the plan's block count."""
