@@ -9,9 +9,11 @@ plan), so a layer runs 4 weight matmuls instead of 7. Sharding lives in `paralle
 The Cells hold primitives, not weights: weights and KV caches are arguments, so one compiled
 graph of a `LayerStack` (k consecutive decoder layers) serves every run of k layers. That is
 how the engine runs in explicit mode: a pass over the layers in a few graph calls, fewer
-layers per graph where their activations would exceed the workspace (on MindSpore's CPU
-backend a compiled graph holds every intermediate of all its layers at once): one layer of
-the largest prefill chunk (two on CPU), a quarter of the layers of a short decode step. In semi_auto
+layers per graph where their activations would exceed the workspace (engine/workspace.py):
+one layer of the largest prefill chunk (two on CPU), a quarter of the layers of a short decode
+step. Explicit mode reads each layer's context from its cache by head (no Transpose) and, on
+the CPU backend, broadcasts large elementwise operands explicitly (`Expand`): both kernels
+would otherwise keep per-element index tables for the life of every compiled graph. In semi_auto
 mode `Qwen2Model` owns the weights and caches as Parameters (so MindSpore can lay them out per
 rank) and runs all layers in one graph.
 
@@ -26,7 +28,8 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Zero
 from mindspore.ops.auto_generate import SiLU  # the primitive behind ops.silu (not in ops)
 
-from .parallel_layers import ParallelEmbedding, ParallelLinear, SemiAutoLayout, shard
+from .parallel_layers import (Expand, ParallelEmbedding, ParallelLinear, SemiAutoLayout,
+                              cpu_kernel_forms, shard)
 
 # One decoder layer's weights, in the order DecoderLayer takes them.
 LAYER_WEIGHTS = ("input_layernorm.weight", "self_attn.qkv_proj.weight",
@@ -43,16 +46,9 @@ IN_OUT_WEIGHTS = ("self_attn.qkv_proj.weight", "self_attn.o_proj.weight",
                   "mlp.gate_up_proj.weight", "mlp.down_proj.weight")
 
 
-def cpu_matmul_layouts(ctx) -> bool:
-    """Explicit mode on the CPU backend takes the layouts measured faster there
-    (IN_OUT_WEIGHTS; the lm_head's product order by row count). Elsewhere the checkpoint's
-    layout: semi_auto's strategies are written for it, and no device was at hand to measure."""
-    return ctx.mode == "explicit" and ms.get_context("device_target") == "CPU"
-
-
 def weight_layout(ctx, name, array):
     """A loaded weight (out, in) in the layout this process's graphs take."""
-    if cpu_matmul_layouts(ctx) and name.endswith(IN_OUT_WEIGHTS):
+    if cpu_kernel_forms(ctx) and name.endswith(IN_OUT_WEIGHTS):
         return np.ascontiguousarray(array.T)
     return array
 
@@ -91,12 +87,14 @@ class RMSNorm(nn.Cell):
         self.normalize = shard(ctx, ops.Mul(), rows, rows)
         self.to_dtype = shard(ctx, ops.Cast(), rows)
         self.scale = shard(ctx, ops.Mul(), (1,), rows)
+        self.expand = Expand(cpu_kernel_forms(ctx))
 
     def construct(self, x, weight):
         xf = self.to_float(x, ms.float32)
         variance = self.mean(self.square(xf, xf), -1)
-        y = self.normalize(xf, self.rsqrt(self.add_eps(variance, self.eps)))
-        return self.scale(weight, self.to_dtype(y, x.dtype))
+        inverse = self.expand(self.rsqrt(self.add_eps(variance, self.eps)), xf.shape)
+        y = self.normalize(xf, inverse)
+        return self.scale(self.expand(weight, x.shape), self.to_dtype(y, x.dtype))
 
 
 class Rotary(nn.Cell):
@@ -113,6 +111,7 @@ class Rotary(nn.Cell):
         self.mul_cos = shard(ctx, ops.Mul(), heads, whole)
         self.mul_sin = shard(ctx, ops.Mul(), heads, whole)
         self.add = shard(ctx, ops.Add(), heads, heads)
+        self.expand = Expand(cpu_kernel_forms(ctx))
 
     def construct(self, x, cos, sin):
         tokens, heads, dim = x.shape
@@ -120,7 +119,8 @@ class Rotary(nn.Cell):
         first = self.slice(x, (0, 0, 0), (tokens, heads, half), (1, 1, 1))
         second = self.slice(x, (0, 0, half), (tokens, heads, dim), (1, 1, 1))
         rotated = self.concat((self.neg(second), first))
-        return self.add(self.mul_cos(x, cos), self.mul_sin(rotated, sin))
+        return self.add(self.mul_cos(x, self.expand(cos, x.shape)),
+                        self.mul_sin(rotated, self.expand(sin, x.shape)))
 
 
 class DecoderLayer(nn.Cell):
@@ -130,7 +130,7 @@ class DecoderLayer(nn.Cell):
         p = "model.layers.0."
         self.input_norm = RMSNorm(ctx)
         self.post_attention_norm = RMSNorm(ctx)
-        in_out = cpu_matmul_layouts(ctx)  # IN_OUT_WEIGHTS
+        in_out = cpu_kernel_forms(ctx)  # IN_OUT_WEIGHTS
         self.qkv_proj = ParallelLinear(ctx, p + "self_attn.qkv_proj", bias=True, in_out=in_out)
         self.o_proj = ParallelLinear(ctx, p + "self_attn.o_proj", in_out=in_out)
         self.gate_up_proj = ParallelLinear(ctx, p + "mlp.gate_up_proj", in_out=in_out)
@@ -152,6 +152,7 @@ class DecoderLayer(nn.Cell):
         self.kv_block = self.kv_heads * self.head_dim // self.qkv_blocks
         self.mlp_block = self.intermediate // self.mlp_blocks
         self.scale = Tensor(self.head_dim ** -0.5, ctx.dtype or ms.float32)
+        self.rows_by_head = ctx.mode == "explicit"  # context_rows: CacheLayout.rows_by_head
         self._make_primitives(ctx)
 
     def _make_primitives(self, ctx):
@@ -180,12 +181,14 @@ class DecoderLayer(nn.Cell):
         self.split_gate_up = shard(ctx, ops.StridedSlice(), mlp)
         self.silu = shard(ctx, SiLU(), mlp)
         self.gate = shard(ctx, ops.Mul(), mlp, mlp)
+        self.expand = Expand(cpu_kernel_forms(ctx))
 
     def construct(self, x, cos, sin, k_cache, v_cache, write_rows, context_rows, mask,
                   ln1, w_qkv, b_qkv, w_o, ln2, w_gate_up, w_down):
         """x: (N, hidden) with N = G*Q tokens; cos/sin: (N, 1, head_dim); write_rows: (N,)
-        cache rows of the tokens' own K/V; context_rows: (G*T,); mask: (G, Q, T), 0 where a
-        query may look and a large negative number elsewhere."""
+        cache rows of the tokens' own K/V; context_rows: the T context slots of each group, (G*T,)
+        slots in semi_auto mode, (G*kv*T,) rows by head in explicit mode (_read); mask:
+        (G, Q, T), 0 where a query may look and a large negative number elsewhere."""
         tokens = x.shape[0]
         qkv = self.qkv_proj(self.input_norm(x, ln1), w_qkv, b_qkv)
         qkv = qkv.reshape(tokens, self.qkv_blocks, -1)
@@ -199,8 +202,8 @@ class DecoderLayer(nn.Cell):
         # Write this call's K/V, then read the context (which includes them) after the writes.
         k_written = self.write_rows(k_cache, write_rows, k)
         v_written = self.write_rows(v_cache, write_rows, v)
-        keys = self.read_rows(ops.depend(k_cache, k_written), context_rows, 0)
-        values = self.read_rows(ops.depend(v_cache, v_written), context_rows, 0)
+        keys = self._read(ops.depend(k_cache, k_written), context_rows)
+        values = self._read(ops.depend(v_cache, v_written), context_rows)
         x = self.residual(x, self.o_proj(self._attend(q, keys, values, mask), w_o))
         gate_up = self.gate_up_proj(self.post_attention_norm(x, ln2), w_gate_up)
         gate_up = gate_up.reshape(tokens, self.mlp_blocks, -1)
@@ -218,27 +221,43 @@ class DecoderLayer(nn.Cell):
         return self.split_gate_up(gate_up, (0, 0, start),
                                   (tokens, blocks, start + self.mlp_block), (1, 1, 1))
 
+    def _read(self, cache, context_rows):
+        """The gathered context: explicit mode reads rows by head (CacheLayout.rows_by_head)
+        of the cache viewed as (slots x kv_heads, head_dim); semi_auto, whose cache MindSpore
+        splits by KV head, reads whole slots and _attend puts them by head."""
+        if self.rows_by_head:
+            return self.read_rows(cache.reshape(-1, self.head_dim), context_rows, 0)
+        return self.read_rows(cache, context_rows, 0)
+
     def _attend(self, q, keys, values, mask):
         groups, queries, context = mask.shape
         d, kv = self.head_dim, self.kv_heads
-        keys = self.keys_by_head(keys.reshape(groups, context, kv, d), (0, 2, 1, 3))
-        values = self.keys_by_head(values.reshape(groups, context, kv, d), (0, 2, 1, 3))
-        # Query head j uses KV head j // groups: put each KV head's queries in one row block.
-        q = self.queries_by_head(q.reshape(groups, queries, kv, self.groups, d),
-                                 (0, 2, 3, 1, 4))
+        if self.rows_by_head:
+            keys = keys.reshape(groups, kv, context, d)
+            values = values.reshape(groups, kv, context, d)
+        else:
+            keys = self.keys_by_head(keys.reshape(groups, context, kv, d), (0, 2, 1, 3))
+            values = self.keys_by_head(values.reshape(groups, context, kv, d), (0, 2, 1, 3))
+        # Query head j uses KV head j // groups: put each KV head's queries in one row block
+        # (with one query per group, as in decode, that is a reshape: no Transpose to launch).
+        q = q.reshape(groups, queries, kv, self.groups, d)
+        if queries > 1:
+            q = self.queries_by_head(q, (0, 2, 3, 1, 4))
         q = q.reshape(groups, kv, self.groups * queries, d)
         # The scores are the big tensor here: scale q, not them; softmax in float32.
         scores = self.scores(self.scale_queries(q, self.scale), keys)
         if scores.dtype != ms.float32:
             scores = self.scores_to_float(scores, ms.float32)
-        scores = self.add_mask(scores.reshape(groups, kv, self.groups, queries, context),
-                               mask.reshape(groups, 1, 1, queries, context))
+        scores = scores.reshape(groups, kv, self.groups, queries, context)
+        scores = self.add_mask(scores, self.expand(mask.reshape(groups, 1, 1, queries, context),
+                                                   scores.shape))
         probs = self.softmax(scores.reshape(groups, kv, self.groups * queries, context))
         if probs.dtype != values.dtype:
             probs = self.probs_to_dtype(probs, values.dtype)
         out = self.weighted_values(probs, values)  # (G, kv, groups*Q, d)
-        out = self.tokens_first(out.reshape(groups, kv, self.groups, queries, d),
-                                (0, 3, 1, 2, 4))
+        out = out.reshape(groups, kv, self.groups, queries, d)
+        if queries > 1:
+            out = self.tokens_first(out, (0, 3, 1, 2, 4))
         return out.reshape(groups * queries, self.heads * d)
 
 
@@ -286,7 +305,7 @@ class LMHead(nn.Cell):
         data = SemiAutoLayout(ctx.plan).data if semi_auto else 1
         self.norm = RMSNorm(ctx)
         self.lm_head = ParallelLinear(ctx, "lm_head",
-                                      weight_first_rows=8 if cpu_matmul_layouts(ctx) else None)
+                                      weight_first_rows=8 if cpu_kernel_forms(ctx) else None)
         self.pick_rows = shard(ctx, ops.Gather(), (1, 1), (data,))
         self.to_float = shard(ctx, ops.Cast(), (1, 1))
         self.whole = shard(ctx, ops.Identity(), (1, 1)) if semi_auto else None

@@ -80,6 +80,40 @@ def _split(plan, module):
     return plan.style(f"model.layers.0.{module}.weight") == "colwise"
 
 
+def cpu_kernel_forms(ctx) -> bool:
+    """Explicit mode on the CPU backend takes the forms measured better there: the layouts
+    model.IN_OUT_WEIGHTS and the lm_head's product order by row count (faster), and elementwise
+    operands broadcast explicitly (`Expand`: leaner). Elsewhere the checkpoint's layout and
+    implicit broadcasting: semi_auto's strategies are written for them, and no device was at
+    hand to measure."""
+    return ctx.mode == "explicit" and ms.get_context("device_target") == "CPU"
+
+
+class Expand(nn.Cell):
+    """An elementwise operand broadcast to the other operand's shape before the op, where
+    `dense` (cpu_kernel_forms) and the op is large. MindSpore's CPU Add/Mul/RealDiv with a
+    broadcast operand keep two int64 indices per output element for as long as their graph
+    lives (16 bytes per element, 4x a float32 output; a scalar operand is exempt): measured, a
+    (1, 2, 7, 256, 512) score-plus-mask Add holds 29 MB per compiled instance, the same Add
+    after BroadcastTo 0.3 MB; a 256-token chunk's graphs held ~55 MB of them per layer. Small
+    ops keep implicit broadcasting: a BroadcastTo is one more kernel launch, and nine per layer
+    made 0.5B-shape batch-1 decode ~3% slower."""
+
+    MIN_ELEMENTS = 1 << 15  # an op this large keeps 0.5 MiB of indices
+
+    def __init__(self, dense):
+        super().__init__()
+        self.dense = dense
+
+    def construct(self, operand, shape):
+        elements = 1
+        for size in shape:  # static shapes: decided when the graph compiles
+            elements *= size
+        if self.dense and elements >= self.MIN_ELEMENTS:
+            return ops.broadcast_to(operand, shape)
+        return operand
+
+
 def shard(ctx, primitive, *strategy):
     """`primitive`, with `strategy` as its in_strategy in semi_auto mode (shard() does nothing
     stand-alone, and explicit mode never asks MindSpore to lay anything out)."""
@@ -91,7 +125,7 @@ def shard(ctx, primitive, *strategy):
 class ParallelLinear(nn.Cell):
     """y = x @ W.T (+ b), W stored (out, in) as in the checkpoint, split per the plan; or
     y = x @ W with W stored (in, out) when `in_out` (explicit mode on CPU:
-    model.cpu_matmul_layouts)."""
+    cpu_kernel_forms)."""
 
     def __init__(self, ctx: ParallelContext, name: str, bias: bool = False, in_out=False,
                  weight_first_rows=None):
@@ -106,6 +140,7 @@ class ParallelLinear(nn.Cell):
         self.weight_first = ops.MatMul(transpose_b=True)
         self.transpose = ops.Transpose()
         self.add = ops.Add()
+        self.expand = Expand(cpu_kernel_forms(ctx))
         self.reduce = None
         self.vocab_gather = None
         if ctx.explicit_collectives and style == "rowwise":
@@ -130,7 +165,7 @@ class ParallelLinear(nn.Cell):
         else:
             y = self.matmul(x, weight)
         if bias is not None:
-            y = self.add(y, bias)
+            y = self.add(y, self.expand(bias, y.shape))
         if self.reduce is not None:
             y = self.reduce(y)
         if self.vocab_gather is not None:

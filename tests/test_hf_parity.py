@@ -266,7 +266,7 @@ def test_float16_compute_the_310p_path_stays_close_to_float32_transformers(tmp_p
 
 def test_on_cpu_the_layer_projections_are_held_in_out_and_the_head_as_stored(case):
     """The layouts the parity above runs with: explicit mode on CPU keeps q/k/v, o, gate/up
-    and down transposed to (in, out) (model.cpu_matmul_layouts); the lm_head (the embedding
+    and down transposed to (in, out) (parallel_layers.cpu_kernel_forms); the lm_head (the embedding
     when tied) as the checkpoint stores it."""
     name, config, llm, hf = case
     runner = llm.engine.runner

@@ -207,11 +207,13 @@ class ModelRunner:
         the logits of `rows`; None when rows is None (explicit mode: the lm_head is skipped)."""
         cos = Tensor(self.cos[positions][:, None, :])
         sin = Tensor(self.sin[positions][:, None, :])
+        groups, _, context = mask.shape
+        if self.model is None:  # explicit mode's layers read the context by head
+            context_slots = self.layout.rows_by_head(context_slots, groups)
         args = (Tensor(write.astype(np.int32)), Tensor(context_slots.astype(np.int32)),
                 Tensor(mask))
         if self.model is not None:
             return self.model(Tensor(ids), cos, sin, *args, Tensor(rows)).asnumpy()
-        groups, _, context = mask.shape
         count = self.layers_per_call(len(ids), groups, context)
         stack = self.stacks.get(count)
         if stack is None:

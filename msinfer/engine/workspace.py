@@ -1,15 +1,22 @@
 """What a compiled call holds besides weights and KV cache, and so how many decoder layers one
 graph may run.
 
-MindSpore's CPU backend keeps every intermediate of a compiled graph at once (measured: a
-graph's resident memory grows with its layer count), so a graph of k layers holds k times one
-layer's activations. The planner reserves one layer of the engine's largest call (a
-max_prefill_tokens chunk, or a max_num_seqs decode step, over max_len of context); each call
-then runs a pass over the layers in at most CALLS_PER_PASS graphs where that reserve allows:
-one layer per graph for the largest chunk, a quarter of the layers for a short decode step.
-Few graph launches per step is what makes decoding fast (24 one-layer calls per step cost
-0.5B-shape batch-1 decode ~1.5x the time of one 24-layer call, measured), and the reserve
-keeps each graph's memory honest.
+A call's activations are transient: MindSpore takes them from its memory pool and frees each
+after its last use, so graphs share the pool and a graph of k layers peaks a little above one
+layer (0.5B shape, a 256-token chunk over 1,024 of context: pool peak 54 MB with one layer per
+graph, 68 MB with two, 130 MB with 24). The planner reserves one layer of the engine's largest
+call (a max_prefill_tokens chunk, or a max_num_seqs decode step, over max_len of context), an
+upper estimate; each call then runs a pass over the layers in at most CALLS_PER_PASS graphs,
+with no more layers per graph than that reserve holds at one layer's estimate each: one layer
+per graph for the largest chunk, a quarter of the layers for a short decode step. Few graph
+launches per step is what makes decoding fast (24 one-layer calls per step cost 0.5B-shape
+batch-1 decode ~1.5x the time of one 24-layer call, measured).
+
+What a compiled graph holds for its lifetime on the CPU backend is not its activations but
+its kernels' index tables: a broadcasting Add/Mul and a Transpose keep an int64 index per
+output element. Explicit mode avoids them where they are large (parallel_layers.Expand,
+CacheLayout.rows_by_head); what is left, a prefill chunk's query and output transposes, is
+8 bytes per element of those tensors (3.7 MB per layer of a 256-token chunk, 0.5B shape).
 
 On the CPU backend the reserve is two layers and a graph runs at least two (hardware profile
 `min_layers_per_graph`): MindSpore runs a graph of at most 100 kernels, which one decoder
@@ -24,7 +31,8 @@ def layer_activation_bytes(shard, dtype_bytes, tokens, groups, context):
     """An upper estimate of what one decoder layer of a call holds: `tokens` tokens in `groups`
     groups, each group over `context` gathered cache slots (a prefill chunk is one group; a
     decode step is one group per sequence). Hidden- and intermediate-size tensors per token,
-    the gathered K/V context and its by-head copy, float32 scores, mask and softmax."""
+    the gathered K/V context and its by-head copy (semi_auto's; explicit mode gathers by head),
+    float32 scores, mask and softmax."""
     config = shard.config
     heads, kv = shard.local_heads, shard.local_kv_heads
     intermediate = shard.local_shape("model.layers.0.mlp.down_proj.weight")[1]
@@ -46,7 +54,7 @@ def largest_call_bytes(shard, dtype_bytes, max_len, max_prefill_tokens, max_num_
 
 # A pass over the layers takes at most this many graph calls when memory allows: more layers
 # per graph buy little past it (0.5B shape, batch-1 decode: ~125 ms a step with 6 layers per
-# graph as with 24, 150 ms with 1) and each compiled graph keeps its activations for good.
+# graph as with 24, 150 ms with 1).
 CALLS_PER_PASS = 4
 
 

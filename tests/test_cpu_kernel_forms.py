@@ -1,0 +1,92 @@
+"""The forms explicit mode takes on MindSpore's CPU backend so that a compiled graph holds
+little for its lifetime (parallel_layers.Expand, CacheLayout.rows_by_head): CPU kernels of a
+broadcasting Add/Mul and of a Transpose keep an int64 index per output element for as long
+as their graph lives.
+
+Read from the graphs MindSpore compiles (its IR dump, parsed by msinfer.layouts), with every
+operand expanded whatever its size (Expand.MIN_ELEMENTS = 1): no elementwise op broadcasts a
+tensor operand, a decode step has no Transpose, a prefill chunk transposes its queries and
+its output only, never the gathered context. And the model is still Qwen2: log-probabilities
+within 1e-4 of transformers in that form.
+"""
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from msinfer import LLM  # noqa: E402
+from msinfer.layouts import ELEMENTWISE, STAGE, parse_ir  # noqa: E402
+from msinfer.tiny_model import make_tiny_model  # noqa: E402
+
+from test_hf_parity import ENGINE, assert_matches_hf, greedy, prompts_for  # noqa: E402
+
+CONTEXT = 128  # a context bucket no other axis of these graphs has
+
+
+@pytest.fixture(scope="module")
+def expanded(tmp_path_factory):
+    """An engine whose every elementwise operand is expanded, its compiled calls by kind, and
+    transformers on the same checkpoint."""
+    from msinfer.parallel_layers import Expand
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(Expand, "MIN_ELEMENTS", 1)
+    model_dir = str(tmp_path_factory.mktemp("expanded"))
+    config = make_tiny_model(model_dir, layers=2, hidden=64, heads=8, kv_heads=2, vocab=384,
+                             seed=8)
+    llm = LLM(model_dir, **ENGINE)
+    calls = {kind: compiled_calls(llm, kind, size, tmp_path_factory.mktemp(kind))
+             for kind, size in (("decode", 2), ("prefill", 16))}
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    yield config, llm, calls, hf
+    patch.undo()
+
+
+def compiled_calls(llm, kind, size, folder):
+    """The primitive calls of the graphs (embedding, layers, lm_head) one call compiles."""
+    import mindspore as ms
+
+    ms.set_context(save_graphs=1, save_graphs_path=str(folder))
+    try:
+        llm.engine.runner.compile_shape(kind, size, CONTEXT)
+    finally:
+        ms.set_context(save_graphs=0)
+    dumps = sorted(f for f in os.listdir(folder) if f.startswith(STAGE))
+    assert dumps, f"MindSpore wrote no {STAGE}*.ir under {folder}"
+    calls = []
+    for name in dumps:
+        with open(os.path.join(folder, name)) as f:
+            calls += parse_ir(f.read(), kind)
+    return calls
+
+
+def test_no_elementwise_op_broadcasts_a_tensor_operand(expanded):
+    config, llm, calls, hf = expanded
+    for kind, found in calls.items():
+        elementwise = [c for c in found if c.op in ELEMENTWISE]
+        assert len(elementwise) > 10, f"{kind}: the IR reader found no elementwise ops"
+        broadcasting = [(c.op, c.inputs, c.source) for c in elementwise
+                        if len(c.inputs) == 2 and all(c.inputs)
+                        and c.inputs[0] != c.inputs[1]]
+        assert broadcasting == [], kind
+
+
+def test_the_gathered_context_is_never_transposed(expanded):
+    config, llm, calls, hf = expanded
+    decode = [c for c in calls["decode"] if c.op == "Transpose"]
+    assert decode == []
+    prefill = [c for c in calls["prefill"] if c.op == "Transpose"]
+    layers = llm.engine.runner.layers_per_call(16, 1, CONTEXT)
+    assert len(prefill) == 2 * layers  # each layer's queries and its output, by head and back
+    assert all(CONTEXT not in c.inputs[0] for c in prefill), prefill
+    gathers = [c for c in calls["prefill"] if c.op == "Gather" and CONTEXT * 2 in c.output]
+    assert len(gathers) == 2 * layers  # K and V, each 2 KV heads x 128 rows of head_dim
+
+
+def test_with_every_operand_expanded_it_is_still_qwen2(expanded):
+    config, llm, calls, hf = expanded
+    prompts = prompts_for(config.vocab_size, seed=9, lengths=(37, 5))
+    for i, (prompt, out) in enumerate(zip(prompts, llm.generate(prompts, greedy(384, 8)))):
+        assert_matches_hf(hf, prompt, out, config.vocab_size, f"prompt {i}")
