@@ -42,10 +42,13 @@ def count_collectives(runner):
     def count(cell, attr):
         return sum(getattr(c, attr, None) is not None for _, c in cell.cells_and_names())
 
+    from msinfer.model import DecoderLayer
+
+    layer = DecoderLayer(runner.ctx)
     reduces = (count(runner.embedding, "reduce") + count(runner.head, "reduce")
-               + runner.num_layers * count(runner.layer, "reduce"))
+               + runner.num_layers * count(layer, "reduce"))
     gathers = (count(runner.head, "vocab_gather") + count(runner.embedding, "vocab_gather")
-               + runner.num_layers * count(runner.layer, "vocab_gather"))
+               + runner.num_layers * count(layer, "vocab_gather"))
     return reduces, gathers
 
 
@@ -73,16 +76,22 @@ def without_collectives(llm):
         def construct(self, x, rows, norm_weight, lm_weight):
             return self.inner(x, rows, norm_weight, lm_weight)
 
-    runner = llm.engine.runner
-    for graph in (runner.embedding, runner.layer, runner.head):
+    def strip(graph):
         for _, cell in graph.cells_and_names():
             if getattr(cell, "reduce", None) is not None:
                 cell.reduce = None
             if getattr(cell, "vocab_gather", None) is not None:
                 cell.vocab_gather = None
+        return graph
+
+    runner = llm.engine.runner
+    strip(runner.embedding)
+    strip(runner.head)
     runner.embedding = _EmbeddingGraph(runner.embedding)
-    runner.stacks = {}  # built again from the layer on first use
     runner.head = _HeadGraph(runner.head)
+    build = runner.new_stack
+    runner.new_stack = lambda count: strip(build(count))
+    runner.stacks = {}  # built again, stripped, on first use
 
 
 def param_bytes(runner):

@@ -99,7 +99,7 @@ class Expand(nn.Cell):
     ops keep implicit broadcasting: a BroadcastTo is one more kernel launch, and nine per layer
     made 0.5B-shape batch-1 decode ~3% slower."""
 
-    MIN_ELEMENTS = 1 << 15  # an op this large keeps 0.5 MiB of indices
+    MIN_ELEMENTS = 1 << 12  # an op this large keeps 64 KiB of indices
 
     def __init__(self, dense):
         super().__init__()

@@ -161,6 +161,10 @@ def test_layers_run_in_stacks_of_any_size_give_the_same_tokens(tmp_path, monkeyp
         for i, (prompt, out) in enumerate(zip(prompts, llm.generate(prompts, greedy(384, 6)))):
             assert_matches_hf(hf, prompt, out, config.vocab_size, f"{workspace}: prompt {i}")
     assert sorted(runner.stacks) == [1, 2, 4]
+    # One Cell per position: a Cell called several times over Tensor caches it updates makes
+    # MindSpore copy every cache at every call (model.LayerStack).
+    assert all(len({id(layer) for layer in stack.layers}) == count
+               for count, stack in runner.stacks.items())
 
 
 def test_preempted_requests_are_recomputed_exactly(tmp_path):

@@ -52,15 +52,24 @@ def test_slots_follow_the_block_table_in_each_layers_tensors():
     assert cache.total_bytes == 2 * 2 * 40 * 2 * 8 * 4
 
 
-def test_rows_by_head_read_the_context_already_laid_out_by_head():
-    """Rows of the cache viewed as (slots x kv_heads, head_dim): one gather of them equals the
-    slots' rows put by head, (groups, kv_heads, T, head_dim), with no transpose."""
+def test_explicit_modes_rows_hold_each_slots_heads_and_read_them_by_head():
+    """The cache as rows of one head's vector (explicit mode): a token written at its slot's
+    head_rows is that slot's (kv_heads, head_dim) of the (slots, kv_heads, head_dim) cache, and
+    one gather at rows_by_head is the slots' context put by head, (groups, kv_heads, T,
+    head_dim), with no transpose."""
     cache = layout(blocks=10, block_size=4)
-    k = np.random.default_rng(0).standard_normal(cache.shape)
-    slots = np.array([[5, 6, 7], [30, 2, 0]])  # two groups of three context slots
-    rows = cache.rows_by_head(slots.reshape(-1), groups=2)
-    read = k.reshape(-1, cache.head_dim)[rows].reshape(2, cache.kv_heads, 3, cache.head_dim)
-    np.testing.assert_array_equal(read, k[slots].transpose(0, 2, 1, 3))
+    assert cache.rows_shape == (40 * 2, 8)
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal(cache.shape)
+    rows = k.reshape(cache.rows_shape).copy()
+    written = rng.standard_normal((2, cache.kv_heads, cache.head_dim))
+    rows[cache.head_rows([9, 33])] = written.reshape(-1, cache.head_dim)
+    k[[9, 33]] = written
+    np.testing.assert_array_equal(rows, k.reshape(cache.rows_shape))
+    slots = np.array([[5, 6, 9], [33, 2, 0]])  # two groups of three context slots
+    read = rows[cache.rows_by_head(slots.reshape(-1), groups=2)]
+    np.testing.assert_array_equal(read.reshape(2, cache.kv_heads, 3, cache.head_dim),
+                                  k[slots].transpose(0, 2, 1, 3))
 
 
 def test_budget_sizes_the_pool_and_too_small_a_budget_is_a_clear_error():

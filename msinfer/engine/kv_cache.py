@@ -11,6 +11,16 @@ head_dim. One tensor per layer, not one for all layers: a graph that runs severa
 updates each of its caches once (MindSpore copies a whole tensor that one graph updates
 more than once: a 24-layer decode graph over one shared cache ran 4.7x slower, measured).
 
+Explicit mode holds the same bytes as rows of one head's vector, (num_slots x kv_heads,
+head_dim), row `slot * kv_heads + head` (`rows_shape`): a call writes its tokens' K/V at
+`head_rows` and gathers its context at `rows_by_head`, which is already the by-head order
+attention takes. Two things on MindSpore's CPU backend decide this: a Transpose of the
+gathered context keeps an int64 index per element for as long as its graph lives (a batch-16
+decode over 1,024 positions held 34 MB of them per layer, K and V), and reshaping a cache that
+the same graph updates copies the whole cache at every read (8 MB: 0.15 ms for the write and
+read without the reshape, 0.8 ms with it). semi_auto keeps (num_slots, kv_heads, head_dim):
+MindSpore splits its head axis over the tensor ranks.
+
 Block 0 is never handed out: padded tokens of a compiled call write there, and padded context
 positions read from there (their attention weight is masked to zero).
 
@@ -46,6 +56,11 @@ class CacheLayout:
     def shape(self) -> tuple:
         """Shape of one layer's K tensor (and of its V tensor)."""
         return (self.num_slots, self.kv_heads, self.head_dim)
+
+    @property
+    def rows_shape(self) -> tuple:
+        """The same tensor as rows of one head's vector: explicit mode's layout."""
+        return (self.num_slots * self.kv_heads, self.head_dim)
 
     @property
     def usable_tokens(self) -> int:
@@ -86,13 +101,16 @@ class CacheLayout:
         positions = np.asarray(positions, np.int64)
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
+    def head_rows(self, slots) -> np.ndarray:
+        """Rows (of `rows_shape`) of each slot's heads, slot by slot: where a call's tokens
+        write their K/V, (tokens, kv_heads) flattened."""
+        slots = np.asarray(slots, np.int64).reshape(-1, 1)
+        return (slots * self.kv_heads + np.arange(self.kv_heads, dtype=np.int64)).reshape(-1)
+
     def rows_by_head(self, slots, groups) -> np.ndarray:
-        """Rows of a layer's cache viewed as (num_slots x kv_heads, head_dim) that read `slots`
-        (groups x T of them, group-major) head by head: (groups, kv_heads, T) flattened, row
-        `slot * kv_heads + head`. One Gather of these rows gives the context already laid out
-        by head, with no Transpose after it (MindSpore's CPU Transpose keeps an int64 index per
-        element for as long as its graph lives: a batch-16 decode over 1,024 positions held
-        34 MB of them per layer for its keys and values)."""
+        """Rows (of `rows_shape`) that read `slots` (groups x T of them, group-major) head by
+        head: (groups, kv_heads, T) flattened, so one Gather gives the context laid out by
+        head."""
         slots = np.asarray(slots, np.int64).reshape(groups, 1, -1)
         heads = np.arange(self.kv_heads, dtype=np.int64).reshape(1, -1, 1)
         return (slots * self.kv_heads + heads).reshape(-1)

@@ -21,7 +21,7 @@ from mindspore import Tensor
 
 from .. import log
 from ..hardware import DTYPE_BYTES
-from ..model import (Embedding, DecoderLayer, LayerStack, LMHead, head_weight_names,
+from ..model import (Embedding, LayerStack, LMHead, head_weight_names,
                      layer_weight_names, new_cache, rotary_tables)
 from .kv_cache import TRASH_BLOCK
 from .workspace import largest_call_bytes, layer_activation_bytes, layers_per_graph
@@ -61,6 +61,7 @@ class ModelRunner:
         self.dtype = ctx.dtype
         self.num_layers = config.num_layers
         self.model = model
+        self.ctx = ctx
         cos, sin = rotary_tables(config.head_dim, config.rope_theta, max_model_len)
         host = np.float16 if str(ctx.dtype) == "Float16" else np.float32
         self.cos, self.sin = cos.astype(host), sin.astype(host)
@@ -76,11 +77,10 @@ class ModelRunner:
         self.row_buckets = self.batch_buckets
         if model is None:
             self.embedding = Embedding(ctx)
-            self.layer = DecoderLayer(ctx)
             self.head = LMHead(ctx)
             self.stacks = {}  # layers per graph -> LayerStack
-            self.caches = [(new_cache(layout.shape, ctx.dtype),
-                             new_cache(layout.shape, ctx.dtype))
+            self.caches = [(new_cache(layout.rows_shape, ctx.dtype),
+                             new_cache(layout.rows_shape, ctx.dtype))
                            for _ in range(config.num_layers)]
             self.embed_weight = weights["model.embed_tokens.weight"]
             self.layer_weights = [[weights[n] for n in layer_weight_names(i)]
@@ -208,7 +208,8 @@ class ModelRunner:
         cos = Tensor(self.cos[positions][:, None, :])
         sin = Tensor(self.sin[positions][:, None, :])
         groups, _, context = mask.shape
-        if self.model is None:  # explicit mode's layers read the context by head
+        if self.model is None:  # explicit mode's caches are rows of one head (kv_cache.py)
+            write = self.layout.head_rows(write)
             context_slots = self.layout.rows_by_head(context_slots, groups)
         args = (Tensor(write.astype(np.int32)), Tensor(context_slots.astype(np.int32)),
                 Tensor(mask))
@@ -217,7 +218,7 @@ class ModelRunner:
         count = self.layers_per_call(len(ids), groups, context)
         stack = self.stacks.get(count)
         if stack is None:
-            stack = self.stacks[count] = LayerStack(self.layer, count)
+            stack = self.stacks[count] = self.new_stack(count)
         x = self.embedding(Tensor(ids), self.embed_weight)
         n = LayerStack.ARGS_PER_LAYER
         for first in range(0, self.num_layers, count):
@@ -226,6 +227,10 @@ class ModelRunner:
             x.asnumpy()  # the call's cache writes done before the next call builds on them
             return None
         return self.head(x, Tensor(rows), *self.head_weights).asnumpy()
+
+    def new_stack(self, count):
+        """A graph of `count` consecutive decoder layers (explicit mode)."""
+        return LayerStack(self.ctx, count)
 
     # ---- compile ahead ----
 
