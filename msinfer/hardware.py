@@ -123,6 +123,48 @@ PROFILES = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class CpuMatmulForms:
+    """How explicit mode multiplies on the CPU backend, whose MatMul (oneDNN's f32 gemm) is
+    fastest in different forms on different processors. `in_out`: the decoder-layer
+    projections stored (in, out), transposed once at load, and computed x @ W; else stored
+    (out, in) as the checkpoint has them. `layer_weight_first` / `head_weight_first`: the row
+    counts (first, last) at which a layer projection stored (out, in) / the lm_head computes
+    (W @ x.T).T instead of x @ W.T."""
+
+    in_out: bool
+    layer_weight_first: tuple = None
+    head_weight_first: tuple = (8, None)
+
+
+# Measured on this project's machines, 0.5B shapes, kernel for kernel and through 24 layers of
+# distinct weights (so that they stream from memory), best of 5; bench/matmul_forms.py.
+# AMD EPYC (family 25 model 17): x @ W beat x @ W.T at decode sizes (16 rows: gate/up 2.8 vs
+# 5.4 ms; 1 row: 1.4 vs 1.8 ms; equal at 256); the lm_head (W @ x.T).T from 8 rows (16 rows:
+# 31 vs 41 ms). Intel Xeon with AVX-512 (family 6 model 167), the four projections of 24
+# layers: 1 row x @ W.T 55 ms, x @ W 58, (W @ x.T).T 83; 2 rows 60 / 84 / 89; 4 rows 104 /
+# 104 / 89; 16 rows 152 / 175 / 108; 32 rows 209 / 227 / 156; 64 rows 272 / 328 / 278;
+# 256 rows 917 / 1030 / 1139. An unmeasured processor takes the AMD forms.
+CPU_MATMUL_FORMS = {
+    "AuthenticAMD": CpuMatmulForms(in_out=True),
+    "GenuineIntel": CpuMatmulForms(in_out=False, layer_weight_first=(4, 32)),
+}
+
+
+def cpu_matmul_forms(cpuinfo="/proc/cpuinfo") -> CpuMatmulForms:
+    """The forms measured fastest on this processor's vendor (CPU_MATMUL_FORMS)."""
+    vendor = "AuthenticAMD"
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    vendor = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return CPU_MATMUL_FORMS.get(vendor, CPU_MATMUL_FORMS["AuthenticAMD"])
+
+
 def get_profile(name: str) -> HardwareProfile:
     if name not in PROFILES:
         raise MsinferError(f"unknown hardware {name!r}; known: {', '.join(PROFILES)}")

@@ -29,7 +29,7 @@ from mindspore.common.initializer import Zero
 from mindspore.ops.auto_generate import SiLU  # the primitive behind ops.silu (not in ops)
 
 from .parallel_layers import (Expand, ParallelEmbedding, ParallelLinear, SemiAutoLayout,
-                              cpu_kernel_forms, shard)
+                              cpu_kernel_forms, matmul_forms, shard)
 
 # One decoder layer's weights, in the order DecoderLayer takes them.
 LAYER_WEIGHTS = ("input_layernorm.weight", "self_attn.qkv_proj.weight",
@@ -38,17 +38,17 @@ LAYER_WEIGHTS = ("input_layernorm.weight", "self_attn.qkv_proj.weight",
                  "mlp.down_proj.weight")
 
 
-# The decoder-layer projections kept as (in, out) on the CPU backend, the checkpoint's (out,
-# in) transposed once at load: MindSpore's CPU MatMul runs x @ W faster than x @ W.T at decode
-# sizes (0.5B shape, 16 rows: gate_up 2.8 vs 5.4 ms, q/k/v 0.6 vs 1.1 ms; the same at 256
-# rows). The lm_head stays (out, in): it is the embedding when tied.
+# The decoder-layer projections that explicit mode on CPU may keep as (in, out), the
+# checkpoint's (out, in) transposed once at load, where x @ W is the fastest product
+# (hardware.cpu_matmul_forms). The lm_head stays (out, in): it is the embedding when tied.
 IN_OUT_WEIGHTS = ("self_attn.qkv_proj.weight", "self_attn.o_proj.weight",
                   "mlp.gate_up_proj.weight", "mlp.down_proj.weight")
 
 
 def weight_layout(ctx, name, array):
     """A loaded weight (out, in) in the layout this process's graphs take."""
-    if cpu_kernel_forms(ctx) and name.endswith(IN_OUT_WEIGHTS):
+    forms = matmul_forms(ctx)
+    if forms is not None and forms.in_out and name.endswith(IN_OUT_WEIGHTS):
         return np.ascontiguousarray(array.T)
     return array
 
@@ -130,11 +130,13 @@ class DecoderLayer(nn.Cell):
         p = "model.layers.0."
         self.input_norm = RMSNorm(ctx)
         self.post_attention_norm = RMSNorm(ctx)
-        in_out = cpu_kernel_forms(ctx)  # IN_OUT_WEIGHTS
-        self.qkv_proj = ParallelLinear(ctx, p + "self_attn.qkv_proj", bias=True, in_out=in_out)
-        self.o_proj = ParallelLinear(ctx, p + "self_attn.o_proj", in_out=in_out)
-        self.gate_up_proj = ParallelLinear(ctx, p + "mlp.gate_up_proj", in_out=in_out)
-        self.down_proj = ParallelLinear(ctx, p + "mlp.down_proj", in_out=in_out)
+        forms = matmul_forms(ctx)
+        linear = dict(in_out=forms is not None and forms.in_out,  # IN_OUT_WEIGHTS
+                      weight_first=forms.layer_weight_first if forms else None)
+        self.qkv_proj = ParallelLinear(ctx, p + "self_attn.qkv_proj", bias=True, **linear)
+        self.o_proj = ParallelLinear(ctx, p + "self_attn.o_proj", **linear)
+        self.gate_up_proj = ParallelLinear(ctx, p + "mlp.gate_up_proj", **linear)
+        self.down_proj = ParallelLinear(ctx, p + "mlp.down_proj", **linear)
         self.rotary = Rotary(ctx)
         self.head_dim = config.head_dim
         if ctx.mode == "explicit":  # this rank's slices: one block of each fused output
@@ -181,6 +183,7 @@ class DecoderLayer(nn.Cell):
         self.split_gate_up = shard(ctx, ops.StridedSlice(), mlp)
         self.silu = shard(ctx, SiLU(), mlp)
         self.gate = shard(ctx, ops.Mul(), mlp, mlp)
+        self.mlp_out = ops.Transpose()  # explicit mode only (_mlp's weight-first chain)
         self.expand = Expand(cpu_kernel_forms(ctx))
 
     def construct(self, x, cos, sin, k_cache, v_cache, write_rows, context_rows, mask,
@@ -209,11 +212,23 @@ class DecoderLayer(nn.Cell):
         keys = self.read_rows(ops.depend(k_cache, k_written), context_rows, 0)
         values = self.read_rows(ops.depend(v_cache, v_written), context_rows, 0)
         x = self.residual(x, self.o_proj(self._attend(q, keys, values, mask), w_o))
-        gate_up = self.gate_up_proj(self.post_attention_norm(x, ln2), w_gate_up)
-        gate_up = gate_up.reshape(tokens, self.mlp_blocks, -1)
+        return self.residual(x, self._mlp(self.post_attention_norm(x, ln2), w_gate_up, w_down))
+
+    def _mlp(self, x, w_gate_up, w_down):
+        tokens = x.shape[0]
+        if self.gate_up_proj.weight_first_for(tokens):  # explicit mode on CPU: one block
+            # Transposed from gate/up to down, so one Transpose (of the output) for the MLP.
+            gate_up = self.gate_up_proj.transposed(x, w_gate_up)  # (2 x intermediate, tokens)
+            width = self.mlp_block
+            act = self.gate(self.silu(self.split_gate_up(gate_up, (0, 0), (width, tokens),
+                                                         (1, 1))),
+                            self.split_gate_up(gate_up, (width, 0), (2 * width, tokens), (1, 1)))
+            return self.mlp_out(self.down_proj.transposed(act, w_down, x_transposed=True),
+                                (1, 0))
+        gate_up = self.gate_up_proj(x, w_gate_up).reshape(tokens, self.mlp_blocks, -1)
         act = self.gate(self.silu(self._mlp_part(gate_up, 0)),
                         self._mlp_part(gate_up, self.mlp_block))
-        return self.residual(x, self.down_proj(act.reshape(tokens, -1), w_down))
+        return self.down_proj(act.reshape(tokens, -1), w_down)
 
     def _block_part(self, qkv, start, width):
         """Columns [start, start + width) of every rank block of the fused q/k/v output."""
@@ -305,8 +320,9 @@ class LMHead(nn.Cell):
         semi_auto = ctx.mode == "semi_auto"
         data = SemiAutoLayout(ctx.plan).data if semi_auto else 1
         self.norm = RMSNorm(ctx)
+        forms = matmul_forms(ctx)
         self.lm_head = ParallelLinear(ctx, "lm_head",
-                                      weight_first_rows=8 if cpu_kernel_forms(ctx) else None)
+                                      weight_first=forms.head_weight_first if forms else None)
         self.pick_rows = shard(ctx, ops.Gather(), (1, 1), (data,))
         self.to_float = shard(ctx, ops.Cast(), (1, 1))
         self.whole = shard(ctx, ops.Identity(), (1, 1)) if semi_auto else None

@@ -18,6 +18,8 @@ import dataclasses
 import mindspore as ms
 from mindspore import nn, ops
 
+from .hardware import cpu_matmul_forms
+
 
 @dataclasses.dataclass(frozen=True)
 class ParallelContext:
@@ -81,12 +83,17 @@ def _split(plan, module):
 
 
 def cpu_kernel_forms(ctx) -> bool:
-    """Explicit mode on the CPU backend takes the forms measured better there: the layouts
-    model.IN_OUT_WEIGHTS and the lm_head's product order by row count (faster), and elementwise
-    operands broadcast explicitly (`Expand`: leaner). Elsewhere the checkpoint's layout and
+    """Explicit mode on the CPU backend takes the forms measured better there: the weight
+    layouts and product orders of hardware.cpu_matmul_forms (faster), and elementwise operands
+    broadcast explicitly (`Expand`: leaner). Elsewhere the checkpoint's layout, x @ W.T and
     implicit broadcasting: semi_auto's strategies are written for them, and no device was at
     hand to measure."""
     return ctx.mode == "explicit" and ms.get_context("device_target") == "CPU"
+
+
+def matmul_forms(ctx):
+    """This process's hardware.CpuMatmulForms, or None where the checkpoint's forms hold."""
+    return cpu_matmul_forms() if cpu_kernel_forms(ctx) else None
 
 
 class Expand(nn.Cell):
@@ -124,20 +131,18 @@ def shard(ctx, primitive, *strategy):
 
 class ParallelLinear(nn.Cell):
     """y = x @ W.T (+ b), W stored (out, in) as in the checkpoint, split per the plan; or
-    y = x @ W with W stored (in, out) when `in_out` (explicit mode on CPU:
-    cpu_kernel_forms)."""
+    y = x @ W with W stored (in, out) when `in_out`; or y = (W @ x.T).T (W stored (out, in))
+    for x of `weight_first` = (first, last) rows (last None: no bound). The last two are
+    explicit mode on CPU (hardware.cpu_matmul_forms)."""
 
     def __init__(self, ctx: ParallelContext, name: str, bias: bool = False, in_out=False,
-                 weight_first_rows=None):
-        """`weight_first_rows`: from that many rows of x on, compute (W @ x.T).T (W stored
-        (out, in); explicit mode on CPU): for the lm_head, MindSpore's CPU MatMul runs the
-        tall, narrow product faster (151,936 x 896 at 16 rows: 31 vs 41 ms; at 1-4 rows
-        x @ W.T is faster)."""
+                 weight_first=None):
         super().__init__()
         style = ctx.plan.style(name + ".weight")
         self.matmul = ops.MatMul(transpose_b=not in_out)
-        self.weight_first_rows = weight_first_rows
+        self.weight_first_rows = weight_first
         self.weight_first = ops.MatMul(transpose_b=True)
+        self.weight_times = ops.MatMul()
         self.transpose = ops.Transpose()
         self.add = ops.Add()
         self.expand = Expand(cpu_kernel_forms(ctx))
@@ -160,7 +165,7 @@ class ParallelLinear(nn.Cell):
                 self.add.shard(ctx.plan.in_strategy(name + ".bias"))
 
     def construct(self, x, weight, bias=None):
-        if self.weight_first_rows is not None and x.shape[0] >= self.weight_first_rows:
+        if self.weight_first_for(x.shape[0]):
             y = self.transpose(self.weight_first(weight, x), (1, 0))
         else:
             y = self.matmul(x, weight)
@@ -170,6 +175,23 @@ class ParallelLinear(nn.Cell):
             y = self.reduce(y)
         if self.vocab_gather is not None:
             y = self._gather_columns(y)
+        return y
+
+    def weight_first_for(self, rows):
+        """Whether x of `rows` rows takes (W @ x.T).T (static: decided when compiling)."""
+        if self.weight_first_rows is None:
+            return False
+        first, last = self.weight_first_rows
+        return rows >= first and (last is None or rows <= last)
+
+    def transposed(self, x, weight, x_transposed=False):
+        """y.T = W @ x.T, (out, rows), from x (rows, in) or, `x_transposed`, from x.T (in,
+        rows); reduced as y is (a chain of weight-first layers stays transposed between them,
+        so it transposes once: every Transpose keeps an index per element on CPU). No bias,
+        no vocabulary gather."""
+        y = self.weight_times(weight, x) if x_transposed else self.weight_first(weight, x)
+        if self.reduce is not None:
+            y = self.reduce(y)
         return y
 
     def _gather_columns(self, y):

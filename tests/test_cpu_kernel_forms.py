@@ -1,7 +1,11 @@
-"""The forms explicit mode takes on MindSpore's CPU backend so that a compiled graph holds
-little for its lifetime (parallel_layers.Expand, CacheLayout.rows_by_head): CPU kernels of a
-broadcasting Add/Mul and of a Transpose keep an int64 index per output element for as long
-as their graph lives.
+"""The forms explicit mode takes on MindSpore's CPU backend: the matmul forms of each
+processor (hardware.cpu_matmul_forms), and those that keep a compiled graph small for its
+lifetime (parallel_layers.Expand, CacheLayout.rows_by_head: CPU kernels of a broadcasting
+Add/Mul and of a Transpose keep an int64 index per output element for as long as their graph
+lives).
+
+Every product order is Qwen2: each processor's table, forced with thresholds these tiny
+calls cross (prefill chunks of 16 rows, decode steps of 1-2), matches transformers.
 
 Read from the graphs MindSpore compiles (its IR dump, parsed by msinfer.layouts), with every
 operand expanded whatever its size (Expand.MIN_ELEMENTS = 1): no elementwise op broadcasts a
@@ -29,10 +33,14 @@ CONTEXT = 128  # a context bucket no other axis of these graphs has
 def expanded(tmp_path_factory):
     """An engine whose every elementwise operand is expanded, its compiled calls by kind, and
     transformers on the same checkpoint."""
+    from msinfer import hardware
     from msinfer.parallel_layers import Expand
 
     patch = pytest.MonkeyPatch()
     patch.setattr(Expand, "MIN_ELEMENTS", 1)
+    # Products as x @ W at these sizes, so that the only Transposes are attention's.
+    patch.setattr("msinfer.parallel_layers.cpu_matmul_forms",
+                  lambda: hardware.CpuMatmulForms(in_out=True))
     model_dir = str(tmp_path_factory.mktemp("expanded"))
     config = make_tiny_model(model_dir, layers=2, hidden=64, heads=8, kv_heads=2, vocab=384,
                              seed=8)
@@ -60,6 +68,25 @@ def compiled_calls(llm, kind, size, folder):
         with open(os.path.join(folder, name)) as f:
             calls += parse_ir(f.read(), kind)
     return calls
+
+
+@pytest.mark.parametrize("forms", ["AuthenticAMD", "GenuineIntel", "every row weight-first"])
+def test_each_processors_matmul_forms_are_qwen2(tmp_path, monkeypatch, forms):
+    from msinfer import hardware
+
+    table = {"AuthenticAMD": hardware.CpuMatmulForms(in_out=True, head_weight_first=(2, None)),
+             "GenuineIntel": hardware.CpuMatmulForms(in_out=False, layer_weight_first=(2, 8),
+                                                     head_weight_first=(2, None)),
+             "every row weight-first": hardware.CpuMatmulForms(
+                 in_out=False, layer_weight_first=(1, None), head_weight_first=(1, None))}
+    monkeypatch.setattr("msinfer.parallel_layers.cpu_matmul_forms", lambda: table[forms])
+    config = make_tiny_model(str(tmp_path), layers=2, hidden=64, heads=8, kv_heads=2,
+                             vocab=384, seed=10)
+    llm = LLM(str(tmp_path), **ENGINE)
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    prompts = prompts_for(config.vocab_size, seed=11, lengths=(37, 5, 11))
+    for i, (prompt, out) in enumerate(zip(prompts, llm.generate(prompts, greedy(384, 6)))):
+        assert_matches_hf(hf, prompt, out, config.vocab_size, f"{forms}: prompt {i}")
 
 
 def test_no_elementwise_op_broadcasts_a_tensor_operand(expanded):
@@ -90,3 +117,18 @@ def test_with_every_operand_expanded_it_is_still_qwen2(expanded):
     prompts = prompts_for(config.vocab_size, seed=9, lengths=(37, 5))
     for i, (prompt, out) in enumerate(zip(prompts, llm.generate(prompts, greedy(384, 8)))):
         assert_matches_hf(hf, prompt, out, config.vocab_size, f"prompt {i}")
+
+
+def test_the_processors_vendor_picks_its_measured_forms(tmp_path):
+    from msinfer.hardware import CPU_MATMUL_FORMS, cpu_matmul_forms
+
+    def forms(vendor):
+        path = tmp_path / vendor
+        path.write_text(f"processor\t: 0\nvendor_id\t: {vendor}\nmodel name\t: x\n")
+        return cpu_matmul_forms(str(path))
+
+    assert forms("GenuineIntel") == CPU_MATMUL_FORMS["GenuineIntel"]
+    assert not forms("GenuineIntel").in_out
+    assert forms("AuthenticAMD").in_out
+    assert forms("SomeOtherVendor") == CPU_MATMUL_FORMS["AuthenticAMD"]
+    assert cpu_matmul_forms(str(tmp_path / "missing")) == CPU_MATMUL_FORMS["AuthenticAMD"]

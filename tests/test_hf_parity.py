@@ -268,19 +268,22 @@ def test_float16_compute_the_310p_path_stays_close_to_float32_transformers(tmp_p
         assert (ours.argmax(-1) == expected.argmax(-1)).all()
 
 
-def test_on_cpu_the_layer_projections_are_held_in_out_and_the_head_as_stored(case):
+def test_on_cpu_the_layer_projections_are_held_as_this_processors_forms_say(case):
     """The layouts the parity above runs with: explicit mode on CPU keeps q/k/v, o, gate/up
-    and down transposed to (in, out) (parallel_layers.cpu_kernel_forms); the lm_head (the embedding
-    when tied) as the checkpoint stores it."""
+    and down transposed to (in, out) where hardware.cpu_matmul_forms says x @ W is fastest,
+    else as the checkpoint stores them; the lm_head (the embedding when tied) as stored."""
+    from msinfer.hardware import cpu_matmul_forms
+
     name, config, llm, hf = case
     runner = llm.engine.runner
     hidden, d = config.hidden_size, config.head_dim
     qkv_out = (config.num_heads + 2 * config.num_kv_heads) * d
+    expected = [(hidden, qkv_out), (config.num_heads * d, hidden),
+                (hidden, 2 * config.intermediate_size), (config.intermediate_size, hidden)]
+    if not cpu_matmul_forms().in_out:
+        expected = [shape[::-1] for shape in expected]
     shapes = [tuple(w.shape) for w in runner.layer_weights[0]]
-    assert shapes[1] == (hidden, qkv_out)  # qkv_proj
-    assert shapes[3] == (config.num_heads * d, hidden)  # o_proj
-    assert shapes[5] == (hidden, 2 * config.intermediate_size)  # gate_up_proj
-    assert shapes[6] == (config.intermediate_size, hidden)  # down_proj
+    assert [shapes[1], shapes[3], shapes[5], shapes[6]] == expected  # qkv, o, gate_up, down
     assert tuple(runner.head_weights[1].shape) == (config.vocab_size, hidden)
 
 
