@@ -73,6 +73,9 @@ def without_collectives(llm):
             super().__init__()
             self.inner = inner
 
+        def transposed_for(self, rows):
+            return self.inner.transposed_for(rows)
+
         def construct(self, x, rows, norm_weight, lm_weight):
             return self.inner(x, rows, norm_weight, lm_weight)
 

@@ -128,12 +128,14 @@ class CpuMatmulForms:
     """How explicit mode multiplies on the CPU backend, whose MatMul (oneDNN's f32 gemm) is
     fastest in different forms on different processors. `in_out`: the decoder-layer
     projections stored (in, out), transposed once at load, and computed x @ W; else stored
-    (out, in) as the checkpoint has them. `layer_weight_first` / `head_weight_first`: the row
-    counts (first, last) at which a layer projection stored (out, in) / the lm_head computes
-    (W @ x.T).T instead of x @ W.T."""
+    (out, in) as the checkpoint has them. `mlp_weight_first` / `head_weight_first`: the row
+    counts (first, last) at which the MLP (gate/up and down, stored (out, in)) / the lm_head
+    computes (W @ x.T).T instead of x @ W.T. Only the MLP, whose weights are 85% of a layer's:
+    a weight-first product is transposed back, and on CPU each Transpose keeps an int64 index
+    per element for the life of its graph (the MLP's chain transposes once, its output)."""
 
     in_out: bool
-    layer_weight_first: tuple = None
+    mlp_weight_first: tuple = None
     head_weight_first: tuple = (8, None)
 
 
@@ -147,7 +149,7 @@ class CpuMatmulForms:
 # 256 rows 917 / 1030 / 1139. An unmeasured processor takes the AMD forms.
 CPU_MATMUL_FORMS = {
     "AuthenticAMD": CpuMatmulForms(in_out=True),
-    "GenuineIntel": CpuMatmulForms(in_out=False, layer_weight_first=(4, 32)),
+    "GenuineIntel": CpuMatmulForms(in_out=False, mlp_weight_first=(4, 32)),
 }
 
 

@@ -131,12 +131,12 @@ class DecoderLayer(nn.Cell):
         self.input_norm = RMSNorm(ctx)
         self.post_attention_norm = RMSNorm(ctx)
         forms = matmul_forms(ctx)
-        linear = dict(in_out=forms is not None and forms.in_out,  # IN_OUT_WEIGHTS
-                      weight_first=forms.layer_weight_first if forms else None)
-        self.qkv_proj = ParallelLinear(ctx, p + "self_attn.qkv_proj", bias=True, **linear)
-        self.o_proj = ParallelLinear(ctx, p + "self_attn.o_proj", **linear)
-        self.gate_up_proj = ParallelLinear(ctx, p + "mlp.gate_up_proj", **linear)
-        self.down_proj = ParallelLinear(ctx, p + "mlp.down_proj", **linear)
+        in_out = forms is not None and forms.in_out  # IN_OUT_WEIGHTS
+        mlp = dict(in_out=in_out, weight_first=forms.mlp_weight_first if forms else None)
+        self.qkv_proj = ParallelLinear(ctx, p + "self_attn.qkv_proj", bias=True, in_out=in_out)
+        self.o_proj = ParallelLinear(ctx, p + "self_attn.o_proj", in_out=in_out)
+        self.gate_up_proj = ParallelLinear(ctx, p + "mlp.gate_up_proj", **mlp)
+        self.down_proj = ParallelLinear(ctx, p + "mlp.down_proj", **mlp)
         self.rotary = Rotary(ctx)
         self.head_dim = config.head_dim
         if ctx.mode == "explicit":  # this rank's slices: one block of each fused output
@@ -327,9 +327,19 @@ class LMHead(nn.Cell):
         self.to_float = shard(ctx, ops.Cast(), (1, 1))
         self.whole = shard(ctx, ops.Identity(), (1, 1)) if semi_auto else None
 
+    def transposed_for(self, rows):
+        """Whether logits of `rows` rows come back as (vocab, rows): explicit mode on CPU
+        computes them weight first, and the host transposes them as it copies them out."""
+        return self.lm_head.weight_first_for(rows)
+
     def construct(self, x, rows, norm_weight, lm_weight):
         x = self.pick_rows(x, rows, 0)
-        logits = self.to_float(self.lm_head(self.norm(x, norm_weight), lm_weight), ms.float32)
+        x = self.norm(x, norm_weight)
+        if self.transposed_for(x.shape[0]):
+            logits = self.lm_head.transposed(x, lm_weight)
+        else:
+            logits = self.lm_head(x, lm_weight)
+        logits = self.to_float(logits, ms.float32)
         if self.whole is not None:
             logits = self.whole(logits)
         return logits

@@ -131,9 +131,9 @@ def shard(ctx, primitive, *strategy):
 
 class ParallelLinear(nn.Cell):
     """y = x @ W.T (+ b), W stored (out, in) as in the checkpoint, split per the plan; or
-    y = x @ W with W stored (in, out) when `in_out`; or y = (W @ x.T).T (W stored (out, in))
-    for x of `weight_first` = (first, last) rows (last None: no bound). The last two are
-    explicit mode on CPU (hardware.cpu_matmul_forms)."""
+    y = x @ W with W stored (in, out) when `in_out`. `transposed` gives y.T = W @ x.T (W
+    stored (out, in)), which callers take for x of `weight_first` = (first, last) rows (last
+    None: no bound). The last two are explicit mode on CPU (hardware.cpu_matmul_forms)."""
 
     def __init__(self, ctx: ParallelContext, name: str, bias: bool = False, in_out=False,
                  weight_first=None):
@@ -143,7 +143,6 @@ class ParallelLinear(nn.Cell):
         self.weight_first_rows = weight_first
         self.weight_first = ops.MatMul(transpose_b=True)
         self.weight_times = ops.MatMul()
-        self.transpose = ops.Transpose()
         self.add = ops.Add()
         self.expand = Expand(cpu_kernel_forms(ctx))
         self.reduce = None
@@ -165,10 +164,7 @@ class ParallelLinear(nn.Cell):
                 self.add.shard(ctx.plan.in_strategy(name + ".bias"))
 
     def construct(self, x, weight, bias=None):
-        if self.weight_first_for(x.shape[0]):
-            y = self.transpose(self.weight_first(weight, x), (1, 0))
-        else:
-            y = self.matmul(x, weight)
+        y = self.matmul(x, weight)
         if bias is not None:
             y = self.add(y, self.expand(bias, y.shape))
         if self.reduce is not None:
@@ -186,12 +182,15 @@ class ParallelLinear(nn.Cell):
 
     def transposed(self, x, weight, x_transposed=False):
         """y.T = W @ x.T, (out, rows), from x (rows, in) or, `x_transposed`, from x.T (in,
-        rows); reduced as y is (a chain of weight-first layers stays transposed between them,
-        so it transposes once: every Transpose keeps an index per element on CPU). No bias,
-        no vocabulary gather."""
+        rows); reduced or gathered as y is. The caller keeps it transposed as far as it can:
+        on CPU a Transpose keeps an int64 index per element for the life of its graph, so a
+        chain of weight-first layers transposes once, and the lm_head's is done on the host.
+        No bias."""
         y = self.weight_times(weight, x) if x_transposed else self.weight_first(weight, x)
         if self.reduce is not None:
             y = self.reduce(y)
+        if self.vocab_gather is not None:
+            y = self._gather_rows(y)
         return y
 
     def _gather_columns(self, y):
@@ -205,6 +204,14 @@ class ParallelLinear(nn.Cell):
         # AllGather stacks the ranks' (rows, cols) blocks along dim 0.
         y = self.vocab_gather(y).reshape(self.tensor, rows, cols)
         return y.transpose(1, 0, 2).reshape(rows, self.tensor * cols)
+
+    def _gather_rows(self, y_t):
+        """_gather_columns of y.T: rank r's block of rows is rows block r."""
+        if self.by_all_reduce:
+            zeros = ops.zeros_like(y_t)
+            blocks = [y_t if r == self.tensor_rank else zeros for r in range(self.tensor)]
+            return self.vocab_gather(ops.concat(blocks, 0))
+        return self.vocab_gather(y_t)  # AllGather stacks the ranks' blocks along dim 0
 
 
 class ParallelEmbedding(nn.Cell):

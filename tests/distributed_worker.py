@@ -3,7 +3,10 @@ msrun). Runs greedy generation on a batch of prompts, records the logits of the 
 the first decode steps, and writes them with this rank's memory figures to OUT/rank_R.npz.
 
 Test hooks: MSINFER_TEST_KILL_RANK=r makes rank r SIGKILL itself after loading;
-MSINFER_TEST_FAIL_RANK=r makes rank r raise a user error (as a bad file would) after init.
+MSINFER_TEST_FAIL_RANK=r makes rank r raise a user error (as a bad file would) after init;
+--weight-first computes every MLP and lm_head product as (W @ x.T).T, whatever this
+processor's forms (hardware.cpu_matmul_forms), so that the sharded lm_head's transposed
+gather runs.
 """
 import argparse
 import json
@@ -30,8 +33,16 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--prompts", required=True, help="JSON list of token-id lists")
     p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--weight-first", action="store_true")
     args = p.parse_args()
     os.environ.setdefault("GLOG_v", "3")
+    if args.weight_first:
+        import msinfer.parallel_layers
+        from msinfer.hardware import CpuMatmulForms
+
+        forms = CpuMatmulForms(in_out=False, mlp_weight_first=(1, None),
+                               head_weight_first=(1, None))
+        msinfer.parallel_layers.cpu_matmul_forms = lambda: forms
 
     from msinfer import LLM, MsinferError, SamplingParams
 

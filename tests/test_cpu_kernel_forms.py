@@ -75,10 +75,10 @@ def test_each_processors_matmul_forms_are_qwen2(tmp_path, monkeypatch, forms):
     from msinfer import hardware
 
     table = {"AuthenticAMD": hardware.CpuMatmulForms(in_out=True, head_weight_first=(2, None)),
-             "GenuineIntel": hardware.CpuMatmulForms(in_out=False, layer_weight_first=(2, 8),
+             "GenuineIntel": hardware.CpuMatmulForms(in_out=False, mlp_weight_first=(2, 8),
                                                      head_weight_first=(2, None)),
              "every row weight-first": hardware.CpuMatmulForms(
-                 in_out=False, layer_weight_first=(1, None), head_weight_first=(1, None))}
+                 in_out=False, mlp_weight_first=(1, None), head_weight_first=(1, None))}
     monkeypatch.setattr("msinfer.parallel_layers.cpu_matmul_forms", lambda: table[forms])
     config = make_tiny_model(str(tmp_path), layers=2, hidden=64, heads=8, kv_heads=2,
                              vocab=384, seed=10)

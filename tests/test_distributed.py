@@ -140,8 +140,11 @@ def test_tp4_under_mpirun_matches_hf_with_replicated_kv_heads(models, tmp_path):
 
 
 def test_tp2_under_msrun_matches_hf_with_tied_embeddings(models, tmp_path):
+    """Also with every MLP and lm_head product weight first: the vocabulary-split lm_head
+    gathers its transposed blocks."""
     model_dir, hf = models["tied"]
-    cmd = msrun_prefix(2, tmp_path / "logs") + worker_args(model_dir, "qwen2_tp2.yaml", tmp_path)
+    cmd = (msrun_prefix(2, tmp_path / "logs")
+           + worker_args(model_dir, "qwen2_tp2.yaml", tmp_path) + ["--weight-first"])
     code, out, _ = run_job(cmd)
     logs = "".join(p.read_text() for p in sorted((tmp_path / "logs").glob("*.log")))
     assert code == 0, (out + logs)[-3000:]

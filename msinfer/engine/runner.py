@@ -226,7 +226,8 @@ class ModelRunner:
         if rows is None:
             x.asnumpy()  # the call's cache writes done before the next call builds on them
             return None
-        return self.head(x, Tensor(rows), *self.head_weights).asnumpy()
+        logits = self.head(x, Tensor(rows), *self.head_weights).asnumpy()
+        return np.ascontiguousarray(logits.T) if self.head.transposed_for(len(rows)) else logits
 
     def new_stack(self, count):
         """A graph of `count` consecutive decoder layers (explicit mode)."""
