@@ -132,3 +132,17 @@ def test_the_processors_vendor_picks_its_measured_forms(tmp_path):
     assert forms("AuthenticAMD").in_out
     assert forms("SomeOtherVendor") == CPU_MATMUL_FORMS["AuthenticAMD"]
     assert cpu_matmul_forms(str(tmp_path / "missing")) == CPU_MATMUL_FORMS["AuthenticAMD"]
+
+
+def test_rows_of_is_the_transpose_across_block_edges():
+    """The host's blocked copy of the lm_head's (vocab, rows) logits: blocks that divide the
+    vocabulary, that do not, and one larger than it."""
+    import numpy as np
+
+    from msinfer.engine.runner import rows_of
+
+    columns = np.random.default_rng(0).standard_normal((1000, 7)).astype(np.float32)
+    for block in (1, 100, 333, 4096):
+        rows = rows_of(columns, block)
+        assert rows.flags.c_contiguous and rows.dtype == columns.dtype
+        np.testing.assert_array_equal(rows, columns.T)
