@@ -6,6 +6,7 @@ counts MiB.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 from .errors import MsinferError, PlanRefused
@@ -153,8 +154,10 @@ CPU_MATMUL_FORMS = {
 }
 
 
+@functools.lru_cache(maxsize=None)
 def cpu_matmul_forms(cpuinfo="/proc/cpuinfo") -> CpuMatmulForms:
-    """The forms measured fastest on this processor's vendor (CPU_MATMUL_FORMS)."""
+    """The forms measured fastest on this processor's vendor (CPU_MATMUL_FORMS); read once
+    per file (every layer Cell and every loaded weight asks)."""
     vendor = "AuthenticAMD"
     try:
         with open(cpuinfo) as f:

@@ -198,9 +198,7 @@ class ParallelLinear(nn.Cell):
         by side so column block r comes from tensor rank r."""
         rows, cols = y.shape
         if self.by_all_reduce:
-            zeros = ops.zeros_like(y)
-            blocks = [y if r == self.tensor_rank else zeros for r in range(self.tensor)]
-            return self.vocab_gather(ops.concat(blocks, 1))
+            return self._sum_blocks(y, 1)
         # AllGather stacks the ranks' (rows, cols) blocks along dim 0.
         y = self.vocab_gather(y).reshape(self.tensor, rows, cols)
         return y.transpose(1, 0, 2).reshape(rows, self.tensor * cols)
@@ -208,10 +206,15 @@ class ParallelLinear(nn.Cell):
     def _gather_rows(self, y_t):
         """_gather_columns of y.T: rank r's block of rows is rows block r."""
         if self.by_all_reduce:
-            zeros = ops.zeros_like(y_t)
-            blocks = [y_t if r == self.tensor_rank else zeros for r in range(self.tensor)]
-            return self.vocab_gather(ops.concat(blocks, 0))
+            return self._sum_blocks(y_t, 0)
         return self.vocab_gather(y_t)  # AllGather stacks the ranks' blocks along dim 0
+
+    def _sum_blocks(self, y, axis):
+        """The ranks' blocks side by side along `axis` by an AllReduce: each rank puts its
+        block at its place among zeros."""
+        zeros = ops.zeros_like(y)
+        blocks = [y if r == self.tensor_rank else zeros for r in range(self.tensor)]
+        return self.vocab_gather(ops.concat(blocks, axis))
 
 
 class ParallelEmbedding(nn.Cell):
