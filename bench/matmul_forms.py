@@ -29,8 +29,10 @@ FORMS = ("x @ W", "x @ W.T", "(W @ x.T).T")
 
 def cpu_model():
     with open("/proc/cpuinfo") as f:
-        fields = dict(line.split(":", 1) for line in f if ":" in line)
-    return {k: fields.get(k, "").strip() for k in ("vendor_id", "model name", "cpu family",
+        # "vendor_id\t: AuthenticAMD": the name is padded with tabs
+        fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in f
+                                                   if ":" in line)}
+    return {k: fields.get(k, "") for k in ("vendor_id", "model name", "cpu family",
                                                     "model")}
 
 

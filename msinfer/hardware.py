@@ -147,7 +147,10 @@ class CpuMatmulForms:
 # 31 vs 41 ms). Intel Xeon with AVX-512 (family 6 model 167), the four projections of 24
 # layers: 1 row x @ W.T 55 ms, x @ W 58, (W @ x.T).T 83; 2 rows 60 / 84 / 89; 4 rows 104 /
 # 104 / 89; 16 rows 152 / 175 / 108; 32 rows 209 / 227 / 156; 64 rows 272 / 328 / 278;
-# 256 rows 917 / 1030 / 1139. An unmeasured processor takes the AMD forms.
+# 256 rows 917 / 1030 / 1139. AMD EPYC family 26 (results/matmul_forms_amd_f26.json, two
+# runs): x @ W.T 52-57 ms vs x @ W 61-67 at 1 row, equal at 2, 1.5 x slower at 4-32 rows, where
+# x @ W and (W @ x.T).T trade places from run to run; it keeps the AMD forms. An unmeasured
+# processor takes the AMD forms.
 CPU_MATMUL_FORMS = {
     "AuthenticAMD": CpuMatmulForms(in_out=True),
     "GenuineIntel": CpuMatmulForms(in_out=False, mlp_weight_first=(4, 32)),
