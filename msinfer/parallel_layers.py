@@ -140,7 +140,7 @@ class ParallelLinear(nn.Cell):
         super().__init__()
         style = ctx.plan.style(name + ".weight")
         self.matmul = ops.MatMul(transpose_b=not in_out)
-        self.weight_first_rows = weight_first
+        self.weight_first_range = weight_first  # (first, last) rows, or None
         self.weight_first = ops.MatMul(transpose_b=True)
         self.weight_times = ops.MatMul()
         self.add = ops.Add()
@@ -175,9 +175,9 @@ class ParallelLinear(nn.Cell):
 
     def weight_first_for(self, rows):
         """Whether x of `rows` rows takes (W @ x.T).T (static: decided when compiling)."""
-        if self.weight_first_rows is None:
+        if self.weight_first_range is None:
             return False
-        first, last = self.weight_first_rows
+        first, last = self.weight_first_range
         return rows >= first and (last is None or rows <= last)
 
     def transposed(self, x, weight, x_transposed=False):
