@@ -21,6 +21,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from msinfer.hardware import cpuinfo_fields  # noqa: E402  (no mindspore import)
 from timing import best_ms  # noqa: E402
 
 SHAPES = ((896, 1152), (896, 896), (896, 9728), (4864, 896))  # (in, out)
@@ -28,12 +29,8 @@ FORMS = ("x @ W", "x @ W.T", "(W @ x.T).T")
 
 
 def cpu_model():
-    with open("/proc/cpuinfo") as f:
-        # "vendor_id\t: AuthenticAMD": the name is padded with tabs
-        fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in f
-                                                   if ":" in line)}
-    return {k: fields.get(k, "") for k in ("vendor_id", "model name", "cpu family",
-                                                    "model")}
+    fields = cpuinfo_fields()
+    return {k: fields.get(k, "") for k in ("vendor_id", "model name", "cpu family", "model")}
 
 
 def main(argv=None):

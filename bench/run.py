@@ -28,6 +28,7 @@ ROOT = os.path.dirname(BENCH)
 sys.path.insert(0, ROOT)
 
 from msinfer.config import ModelConfig  # noqa: E402  (no mindspore import)
+from msinfer.hardware import cpuinfo_fields  # noqa: E402
 
 import report  # noqa: E402
 
@@ -367,9 +368,7 @@ def children_cpu_seconds():
 def machine_info():
     info = {"platform": platform.platform(), "python": platform.python_version(),
             "cores": os.cpu_count()}
-    with open("/proc/cpuinfo") as f:
-        names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    info["cpu"] = names[0] if names else platform.processor()
+    info["cpu"] = cpuinfo_fields().get("model name") or platform.processor()
     with open("/proc/meminfo") as f:
         info["ram_bytes"] = int(f.readline().split()[1]) * 1024
     info["load_average_at_start"] = os.getloadavg()

@@ -157,19 +157,28 @@ CPU_MATMUL_FORMS = {
 }
 
 
+def cpuinfo_fields(cpuinfo="/proc/cpuinfo") -> dict:
+    """The first processor's fields in /proc/cpuinfo, names and values stripped (the names
+    are tab-padded: "vendor_id\t: AuthenticAMD"); {} where the file cannot be read."""
+    fields = {}
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if not line.strip() and fields:
+                    break  # a blank line ends the first processor's block
+                if ":" in line:
+                    name, value = line.split(":", 1)
+                    fields[name.strip()] = value.strip()
+    except OSError:
+        pass
+    return fields
+
+
 @functools.lru_cache(maxsize=None)
 def cpu_matmul_forms(cpuinfo="/proc/cpuinfo") -> CpuMatmulForms:
     """The forms measured fastest on this processor's vendor (CPU_MATMUL_FORMS); read once
     per file (every layer Cell and every loaded weight asks)."""
-    vendor = "AuthenticAMD"
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    vendor = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    vendor = cpuinfo_fields(cpuinfo).get("vendor_id")
     return CPU_MATMUL_FORMS.get(vendor, CPU_MATMUL_FORMS["AuthenticAMD"])
 
 
