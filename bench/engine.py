@@ -35,7 +35,7 @@ FULL = dict(
     rss_model=("qwen2-1.5b-shape", QWEN2_15B_SHAPE), rss_prompts=(1000, 2000, 3000),
     rss_tokens=8,
     # The mixed workload runs on Qwen2-0.5B's width and vocabulary with 4 layers, so that
-    # three engines x two runs fit the time budget (see README).
+    # four sides x two runs fit the time budget (see README).
     mixed_model=("qwen2-0.5b-shape-4l", QWEN2_05B_SHAPE + ["--layers", "4"]),
     requests=64, prompt_range=(16, 1024), output_range=(8, 256), max_num_seqs=16,
     pool_num_seqs=32,
@@ -172,8 +172,6 @@ def part_mixed(cfg, rng, log_dir, log, old_engine, retries=MIXED_RETRIES):
     workers["old"] = Worker("mixed-old", "old", model_dir,
                             {"max_len": max_len, "max_batch": seqs}, log_dir,
                             old_engine=old_engine)
-    # HF's continuous batching with the new engine's limits: as many KV tokens (pages of
-    # 256), as many requests per batch, the prefill budget plus one decode token each.
     info = workers["msinfer"].hello["info"]
     # The same KV memory as the old engine's max_batch x max_len (and the 16-sequence
     # engine's pool), shared by more sequences: what paging buys, since most requests
@@ -186,6 +184,8 @@ def part_mixed(cfg, rng, log_dir, log, old_engine, retries=MIXED_RETRIES):
     if pool["kv_cache_bytes"] != info["kv_cache_bytes"]:
         raise RuntimeError(f"equal-memory side: KV pool {pool['kv_cache_bytes']} bytes, "
                            f"not {info['kv_cache_bytes']}")
+    # HF's continuous batching with the new engine's limits: as many KV tokens (pages of
+    # 256), as many requests per batch, the prefill budget plus one decode token each.
     workers["hf"] = Worker("mixed-hf", "hf", model_dir, {
         "page_size": 256, "num_blocks": math.ceil(info["kv_tokens"] / 256),
         "max_requests_per_batch": seqs,
@@ -222,7 +222,8 @@ def part_mixed(cfg, rng, log_dir, log, old_engine, retries=MIXED_RETRIES):
         tokens[name] = a["token_ids"]
     for w in workers.values():
         w.close()
-    for name in ("msinfer", "msinfer_pool", "old"):  # cold - warm: the compilation the cold run did
+    # cold - warm: the compilation the cold run did
+    for name in ("msinfer", "msinfer_pool", "old"):
         side = out["sides"][name]
         side["compile_seconds_lazy"] = side["cold"]["seconds"] - side["seconds"]
     out["same_tokens_msinfer_vs_old"] = same_share(tokens["msinfer"], tokens["old"])
@@ -365,7 +366,8 @@ def table(results):
                          f"{side['other_load']:>8.2f}")
         kv = mixed["sides"]["msinfer"]["info"]
         lines.append(f"KV pool of both new-engine sides: {kv['kv_cache_bytes'] / 1e6:.1f} MB, "
-                     f"{kv['kv_tokens']} tokens: the old engine's max_batch x max_len, in whole blocks")
+                     f"{kv['kv_tokens']} tokens: the old engine's max_batch x max_len, "
+                     "in whole blocks")
         lines.append(f"same greedy tokens: new vs old {mixed['same_tokens_msinfer_vs_old']:.3f}, "
                      f"new vs HF {mixed['same_tokens_msinfer_vs_hf']:.3f}, new at "
                      f"{pool_seqs} vs {seqs} seqs "
