@@ -59,7 +59,7 @@ def main():
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "block_size.json"))
     args = p.parse_args()
     from msinfer import LLM
-    from msinfer.tiny_model import make_tiny_model
+    from msinfer.tools.tiny_model import make_tiny_model
 
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         make_tiny_model(args.model, layers=8, hidden=512, heads=8, kv_heads=2, vocab=8192,

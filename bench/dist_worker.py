@@ -21,7 +21,7 @@ from side_worker import rss_figures
 
 def timed_runs(llm, prompt, new_tokens, reps):
     """Median seconds per decode step and of a 1-token generate (the prefill)."""
-    from msinfer.sampling import SamplingParams
+    from msinfer.engine.sampling import SamplingParams
 
     def run(n):
         start = time.perf_counter()
@@ -42,7 +42,7 @@ def count_collectives(runner):
     def count(cell, attr):
         return sum(getattr(c, attr, None) is not None for _, c in cell.cells_and_names())
 
-    from msinfer.model import DecoderLayer
+    from msinfer.models.qwen2 import DecoderLayer
 
     layer = DecoderLayer(runner.ctx)
     reduces = (count(runner.embedding, "reduce") + count(runner.head, "reduce")

@@ -31,7 +31,7 @@ def main(argv=None):
                    help="free each host array as soon as LLM has converted it")
     args = p.parse_args(argv)
     if args.drain:
-        from msinfer import weights
+        from msinfer.models import loader as weights
 
         class Draining(dict):
             def items(self):
@@ -42,8 +42,9 @@ def main(argv=None):
         load = weights.Checkpoint.load
         weights.Checkpoint.load = lambda self, *a, **k: Draining(load(self, *a, **k))
     import numpy as np
+
     from msinfer import LLM
-    from msinfer.sampling import SamplingParams
+    from msinfer.engine.sampling import SamplingParams
 
     before = rss_figures()
     llm = LLM(args.model)

@@ -20,7 +20,7 @@ def measure(model, factor):
     import numpy as np
 
     from msinfer import LLM, SamplingParams
-    from msinfer.engine.runner import power_buckets
+    from msinfer.engine.model_runner import power_buckets
 
     llm = LLM(model, max_len=1024, kv_cache_memory=256 << 20)
     runner = llm.engine.runner

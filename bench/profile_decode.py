@@ -85,7 +85,7 @@ def kernels(config, batches):
 
 def decode_step_ms(llm, tokens):
     """Engine decode step (graph only) of one batch-1 generate, in ms."""
-    from msinfer.sampling import SamplingParams
+    from msinfer.engine.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     before = dict(llm.engine.runner.timings)
@@ -119,7 +119,7 @@ def host_profile(model_dir, batch, tokens):
     from pyinstrument import Profiler
 
     from msinfer import LLM
-    from msinfer.sampling import SamplingParams
+    from msinfer.engine.sampling import SamplingParams
 
     llm = LLM(model_dir, max_num_seqs=batch, max_len=256)
     prompts = [[1000 + i] * 32 for i in range(batch)]

@@ -55,7 +55,7 @@ def main(argv=None):
     from mindspore import Tensor, nn, ops
 
     from msinfer import LLM
-    from msinfer.sampling import SamplingParams
+    from msinfer.engine.sampling import SamplingParams
 
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_len=1024)
     print(f"KV pool {llm.memory.kv_cache_bytes / 1e6:.0f} MB "

@@ -417,7 +417,7 @@ def main(argv=None):
         if args.soak:
             report["soak"] = {args.url: soak(args.url, model, args)}
     for side in args.start:
-        from msinfer.distributed import free_port
+        from msinfer.parallel.distributed import free_port
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         print(f"{side}: starting on {url} ...", file=sys.stderr, flush=True)

@@ -35,8 +35,9 @@ def rss_figures():
 def load_llm(model_dir, **options):
     """LLM(model_dir, **options) of whichever msinfer comes first on the path: the LLM, the
     seconds it took, and the MindSpore version."""
-    from msinfer import LLM
     import mindspore
+
+    from msinfer import LLM
 
     start = time.perf_counter()
     llm = LLM(model_dir, **options)
@@ -67,7 +68,7 @@ def load_hf(model_dir):
 
 def greedy(max_tokens):
     """msinfer's SamplingParams for exactly max_tokens greedy tokens, no end-of-sequence stop."""
-    from msinfer.sampling import SamplingParams
+    from msinfer.engine.sampling import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
 

@@ -25,7 +25,7 @@ PYTHON=${PYTHON:-"$here/.venv/bin/python"}
 LOG_DIR=${LOG_DIR:-ranktable_log}
 mkdir -p "$LOG_DIR"
 "$MSINFER" ranktable check "$RANK_TABLE"
-size=$("$PYTHON" -c 'import sys; from msinfer.ranktable import load
+size=$("$PYTHON" -c 'import sys; from msinfer.parallel.ranktable import load
 t = load(sys.argv[1]); print(sum(len(s["device"]) for s in t["server_list"]))' "$RANK_TABLE")
 pids=()
 for ((rank = 0; rank < size; rank++)); do

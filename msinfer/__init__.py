@@ -1,7 +1,9 @@
 """msinfer: sharded, compiled Qwen2 inference with MindSpore on Ascend inference cards."""
 from .errors import MsinferError, PlanRefused
 
-__all__ = ["LLM", "SamplingParams", "MsinferError", "PlanRefused"]
+__version__ = "0.2.0"
+
+__all__ = ["LLM", "SamplingParams", "MsinferError", "PlanRefused", "__version__"]
 
 
 def __getattr__(name):
@@ -10,6 +12,6 @@ def __getattr__(name):
         from .api import LLM
         return LLM
     if name == "SamplingParams":
-        from .sampling import SamplingParams
+        from .engine.sampling import SamplingParams
         return SamplingParams
     raise AttributeError(name)

@@ -12,9 +12,10 @@ import numpy as np
 from . import log
 from .config import ModelConfig, eos_token_ids
 from .engine import LLMEngine, RequestOutput
+from .engine.sampling import SamplingParams
 from .errors import MsinferError
-from .plan import EngineLimits, check_plan_or_raise
-from .sampling import SamplingParams
+from .planning.memory import EngineLimits
+from .planning.planner import check_plan_or_raise
 
 __all__ = ["LLM", "RequestOutput"]
 
@@ -41,10 +42,10 @@ class LLM:
                  block_size=None, max_prefill_tokens=None, max_num_seqs=None):
         import mindspore as ms
 
-        from .distributed import init_distributed, job_seed, tensor_group
         from .hardware import get_profile
-        from .plan import engine_memory
-        from .strategy import Strategy, decide_parallel_mode, load_strategy
+        from .parallel.distributed import init_distributed, job_seed, tensor_group
+        from .parallel.strategy import Strategy, decide_parallel_mode, load_strategy
+        from .planning.memory import engine_memory
 
         self.model_dir = model_dir
         self.config = ModelConfig.from_model_dir(model_dir)
@@ -78,11 +79,11 @@ class LLM:
                     self.parallel_mode, dtype_name, self.dtype_reason)
         semi_auto_job = self.parallel_mode == "semi_auto" and self.dist.world_size > 1
 
-        from .engine.runner import ModelRunner, semi_auto_cell
-        from .model import Qwen2Model, head_weight_names, layer_weight_names, weight_layout
-        from .parallel_layers import ParallelContext
-        from .strategy import checkpoint_parts
-        from .weights import Checkpoint
+        from .engine.model_runner import ModelRunner, semi_auto_cell
+        from .layers.linear import ParallelContext
+        from .models.loader import Checkpoint
+        from .models.qwen2 import Qwen2Model, head_weight_names, layer_weight_names, weight_layout
+        from .parallel.strategy import checkpoint_parts
 
         # Explicit data parallelism: each replica runs its share of the prompts with its own
         # tensor group; semi_auto splits the batch inside MindSpore (full_batch) instead.
@@ -145,7 +146,7 @@ class LLM:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from .tokenizer import Tokenizer
+            from .engine.tokenizer import Tokenizer
             self._tokenizer = Tokenizer.from_model_dir(self.model_dir)
         return self._tokenizer
 
@@ -211,7 +212,7 @@ class LLM:
         """Give every rank every replica's results: one AllGather over the job of fixed-size
         rows [prompt index, finished as "stop", count, tokens...] (float32 holds ids < 2**24
         exactly)."""
-        from .distributed import all_gather_rows
+        from .parallel.distributed import all_gather_rows
 
         per_replica = -(-len(outputs) // self.replicas)
         rows = np.full((per_replica, 3 + max_tokens), -1, np.float32)

@@ -10,12 +10,12 @@ import sys
 import numpy as np
 import pytest
 
-from msinfer.cli import main
-from msinfer.commtest import (bandwidths, contribution, elements, expected, format_report,
-                              message_sizes, model_estimate, pair_groups, parse_size)
-from msinfer.hardware import get_profile
-from msinfer.strategy import Strategy
+from msinfer.cli.main import main
 from msinfer.errors import MsinferError
+from msinfer.hardware import get_profile
+from msinfer.parallel.strategy import Strategy
+from msinfer.tools.commtest import (bandwidths, contribution, elements, expected, format_report,
+                                    message_sizes, model_estimate, pair_groups, parse_size)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DP2_TP2 = os.path.join(ROOT, "strategies", "qwen2_dp2_tp2.yaml")

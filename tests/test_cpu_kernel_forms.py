@@ -7,7 +7,7 @@ lives).
 Every product order is Qwen2: each processor's table, forced with thresholds these tiny
 calls cross (prefill chunks of 16 rows, decode steps of 1-2), matches transformers.
 
-Read from the graphs MindSpore compiles (its IR dump, parsed by msinfer.layouts), with every
+Read from the graphs MindSpore compiles (its IR dump, parsed by msinfer.tools.layouts), with every
 operand expanded whatever its size (Expand.MIN_ELEMENTS = 1): no elementwise op broadcasts a
 tensor operand, a decode step has no Transpose, a prefill chunk transposes its queries and
 its output only, never the gathered context. And the model is still Qwen2: log-probabilities
@@ -20,11 +20,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from msinfer import LLM  # noqa: E402
-from msinfer.layouts import ELEMENTWISE, STAGE, parse_ir  # noqa: E402
-from msinfer.tiny_model import make_tiny_model  # noqa: E402
-
 from test_hf_parity import ENGINE, assert_matches_hf, greedy, prompts_for  # noqa: E402
+
+from msinfer import LLM  # noqa: E402
+from msinfer.tools.layouts import ELEMENTWISE, STAGE, parse_ir  # noqa: E402
+from msinfer.tools.tiny_model import make_tiny_model  # noqa: E402
 
 CONTEXT = 128  # a context bucket no other axis of these graphs has
 
@@ -34,12 +34,12 @@ def expanded(tmp_path_factory):
     """An engine whose every elementwise operand is expanded, its compiled calls by kind, and
     transformers on the same checkpoint."""
     from msinfer import hardware
-    from msinfer.parallel_layers import Expand
+    from msinfer.layers.linear import Expand
 
     patch = pytest.MonkeyPatch()
     patch.setattr(Expand, "MIN_ELEMENTS", 1)
     # Products as x @ W at these sizes, so that the only Transposes are attention's.
-    patch.setattr("msinfer.parallel_layers.cpu_matmul_forms",
+    patch.setattr("msinfer.layers.linear.cpu_matmul_forms",
                   lambda: hardware.CpuMatmulForms(in_out=True))
     model_dir = str(tmp_path_factory.mktemp("expanded"))
     config = make_tiny_model(model_dir, layers=2, hidden=64, heads=8, kv_heads=2, vocab=384,
@@ -79,7 +79,7 @@ def test_each_processors_matmul_forms_are_qwen2(tmp_path, monkeypatch, forms):
                                                      head_weight_first=(2, None)),
              "every row weight-first": hardware.CpuMatmulForms(
                  in_out=False, mlp_weight_first=(1, None), head_weight_first=(1, None))}
-    monkeypatch.setattr("msinfer.parallel_layers.cpu_matmul_forms", lambda: table[forms])
+    monkeypatch.setattr("msinfer.layers.linear.cpu_matmul_forms", lambda: table[forms])
     config = make_tiny_model(str(tmp_path), layers=2, hidden=64, heads=8, kv_heads=2,
                              vocab=384, seed=10)
     llm = LLM(str(tmp_path), **ENGINE)
@@ -139,7 +139,7 @@ def test_rows_of_is_the_transpose_across_block_edges():
     vocabulary, that do not, and one larger than it."""
     import numpy as np
 
-    from msinfer.engine.runner import rows_of
+    from msinfer.engine.model_runner import rows_of
 
     columns = np.random.default_rng(0).standard_normal((1000, 7)).astype(np.float32)
     for block in (1, 100, 333, 4096):

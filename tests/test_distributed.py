@@ -19,8 +19,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from msinfer.distributed import free_port  # noqa: E402
-from msinfer.tiny_model import make_tiny_model  # noqa: E402
+from msinfer.parallel.distributed import free_port  # noqa: E402
+from msinfer.tools.tiny_model import make_tiny_model  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "distributed_worker.py")
@@ -127,8 +127,9 @@ def test_tp4_under_mpirun_matches_hf_with_replicated_kv_heads(models, tmp_path):
     # Planner = engine: each rank holds exactly the bytes the plan reports for it.
     from msinfer.config import ModelConfig
     from msinfer.hardware import get_profile
-    from msinfer.plan import EngineLimits, make_plan
-    from msinfer.strategy import load_strategy
+    from msinfer.parallel.strategy import load_strategy
+    from msinfer.planning.memory import EngineLimits
+    from msinfer.planning.planner import make_plan
 
     config = ModelConfig.from_model_dir(model_dir)
     limits = EngineLimits.for_model(config, max_len=128, block_size=4, max_prefill_tokens=16,

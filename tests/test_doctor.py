@@ -8,10 +8,10 @@ import stat
 
 import pytest
 
-from msinfer import doctor
-from msinfer.cli import main
-from msinfer.doctor import parse_npu_smi
+from msinfer.cli.main import main
 from msinfer.errors import MsinferError
+from msinfer.tools import doctor
+from msinfer.tools.doctor import parse_npu_smi
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "npu_smi")
@@ -342,7 +342,7 @@ def test_multi_server_device_ips_are_checked_against_hccn_conf(box, tmp_path, ca
     # An A2 profile, where collectives cross servers: this host's devices must have the
     # device IPs the table gives them.
     ascend = box("duo_4cards.txt")
-    monkeypatch.setattr("msinfer.ranktable.host_ip", lambda: "10.0.0.2")
+    monkeypatch.setattr("msinfer.parallel.ranktable.host_ip", lambda: "10.0.0.2")
     table = rank_table(tmp_path, range(8), servers=("10.0.0.1", "10.0.0.2"))
     hccn = tmp_path / "hccn.conf"
     common = ["--hardware", "atlas-800i-a2", "--rank-table", table, "--ascend-root", str(ascend),

@@ -6,8 +6,8 @@ import os
 import pytest
 
 from msinfer import LLM, SamplingParams
-from msinfer.cli import main
-from msinfer.tiny_model import make_tiny_model
+from msinfer.cli.main import main
+from msinfer.tools.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="module")

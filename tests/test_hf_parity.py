@@ -18,8 +18,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from msinfer import LLM, SamplingParams  # noqa: E402
-from msinfer.engine.workspace import layer_activation_bytes  # noqa: E402
-from msinfer.tiny_model import make_tiny_model  # noqa: E402
+from msinfer.planning.workspace import layer_activation_bytes  # noqa: E402
+from msinfer.tools.tiny_model import make_tiny_model  # noqa: E402
 
 PROMPT_LENGTHS = (5, 11, 37, 1)
 NEW_TOKENS = 32
@@ -145,7 +145,7 @@ def test_layers_run_in_stacks_of_any_size_give_the_same_tokens(tmp_path, monkeyp
     """A graph runs k consecutive layers, k set by the workspace and the calls a pass may
     take: one, two or all four layers per graph must all be Qwen2 (each layer's own weights
     and own cache)."""
-    monkeypatch.setattr("msinfer.engine.workspace.CALLS_PER_PASS", 1)
+    monkeypatch.setattr("msinfer.planning.workspace.CALLS_PER_PASS", 1)
     config = make_tiny_model(str(tmp_path), layers=4, hidden=64, heads=8, kv_heads=2,
                              vocab=384, seed=4)
     llm = LLM(str(tmp_path), **ENGINE)
@@ -193,14 +193,14 @@ def test_semi_auto_model_with_tp4_shard_annotations_matches_hf_standalone(tmp_pa
     ranks' [q_r; k_r; v_r] blocks one after the other, which the model reads per rank block."""
     import mindspore as ms
 
-    from msinfer.distributed import set_graph_mode
     from msinfer.engine import LLMEngine
-    from msinfer.engine.kv_cache import CacheLayout
-    from msinfer.engine.runner import ModelRunner
-    from msinfer.model import Qwen2Model, layer_weight_names
-    from msinfer.parallel_layers import ParallelContext
-    from msinfer.strategy import Strategy, checkpoint_parts
-    from msinfer.weights import Checkpoint
+    from msinfer.engine.model_runner import ModelRunner
+    from msinfer.layers.linear import ParallelContext
+    from msinfer.models.loader import Checkpoint
+    from msinfer.models.qwen2 import Qwen2Model, layer_weight_names
+    from msinfer.parallel.distributed import set_graph_mode
+    from msinfer.parallel.strategy import Strategy, checkpoint_parts
+    from msinfer.planning.kv_layout import CacheLayout
 
     config = make_tiny_model(str(tmp_path), layers=2, hidden=64, heads=8, kv_heads=4,
                              vocab=384, tie=True, seed=4)
@@ -290,7 +290,7 @@ def test_on_cpu_the_layer_projections_are_held_as_this_processors_forms_say(case
 def test_the_planner_counts_the_bytes_the_engine_allocates(case):
     """Planner = engine: the weights and KV cache the plan reports for this rank are the bytes
     of the tensors the engine holds; the engine's pool has the plan's block count."""
-    from msinfer.plan import make_plan
+    from msinfer.planning.planner import make_plan
 
     name, config, llm, hf = case
     report = make_plan(config, llm.strategy, llm.profile, llm.limits)

@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from msinfer.cli import main
-from msinfer.tiny_model import make_tiny_model
+from msinfer.cli.main import main
+from msinfer.tools.tiny_model import make_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TP4 = os.path.join(ROOT, "strategies", "qwen2_tp4.yaml")
@@ -77,7 +77,7 @@ def dry_run(capsys, *launch, rank=("generate", "--prompt", "hi")):
 
 @pytest.fixture
 def table_4567(tmp_path):
-    from msinfer import ranktable
+    from msinfer.parallel import ranktable
     path = str(tmp_path / "hccl_4p_4567.json")
     ranktable.write(ranktable.build([4, 5, 6, 7], "192.0.2.10"), path)
     return path
@@ -147,7 +147,7 @@ def test_a_rank_table_under_msrun_is_refused_not_ignored(model_dir, table_4567, 
 
 def test_a_rank_table_that_does_not_match_the_job_is_refused_before_launch(model_dir, tmp_path,
                                                                            capsys):
-    from msinfer import ranktable
+    from msinfer.parallel import ranktable
     path = str(tmp_path / "two.json")
     ranktable.write(ranktable.build([0, 1], "192.0.2.10"), path)
     code, command, _, err = dry_run(
@@ -261,7 +261,7 @@ def test_stopping_a_job_signals_each_rank_and_waits_for_it(behaviour, monkeypatc
     import sys
     import time
 
-    from msinfer import launch_cli
+    from msinfer.cli import launch as launch_cli
 
     monkeypatch.setattr(launch_cli, "STOP_GRACE_SECONDS", 3)
     job = subprocess.Popen([sys.executable, "-c", FAKE_JOB, behaviour], start_new_session=True,

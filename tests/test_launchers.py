@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from msinfer import ranktable
-from msinfer.distributed import (bridge_environment, detect_launcher, rank_environment,
-                                 scheduler_host, spans_hosts)
 from msinfer.errors import MsinferError
+from msinfer.parallel import ranktable
+from msinfer.parallel.distributed import (bridge_environment, detect_launcher, rank_environment,
+                                          scheduler_host, spans_hosts)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -133,7 +133,7 @@ def test_device_id_from_the_table_wins_over_the_one_mindspore_read_from_mpi(tabl
         "import json, os, sys\n"
         "import mindspore as ms\n"
         "seen = os.environ.get('DEVICE_ID')\n"
-        "from msinfer.distributed import prepare_rank, set_graph_mode\n"
+        "from msinfer.parallel.distributed import prepare_rank, set_graph_mode\n"
         "launcher, device, _ = prepare_rank('Ascend', sys.argv[1])\n"
         "set_graph_mode('CPU', device)\n"
         "print(json.dumps([seen, launcher, device, os.environ['DEVICE_ID'],\n"

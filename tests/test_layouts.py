@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from msinfer.cli import main
+from msinfer.cli.main import main
 from msinfer.config import PRESETS
-from msinfer.layouts import Call, check, parse_ir, small_config
+from msinfer.tools.layouts import Call, check, parse_ir, small_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STRATEGIES = sorted(glob.glob(os.path.join(ROOT, "strategies", "*.yaml")))
@@ -226,7 +226,7 @@ def test_json_shows_the_cache_split_by_kv_head_and_the_embedding_ids_1d(capsys):
 
 
 def test_the_logits_leave_the_real_graph_whole():
-    from msinfer.layouts import run
+    from msinfer.tools.layouts import run
 
     report = run("qwen2-7b", TP4)
     returned = [(c.graph, c.op, c.strategy) for c in report["calls"] if c.returned]
@@ -252,7 +252,7 @@ def test_a_raw_in_strategy_of_the_wrong_rank_is_reported(tmp_path, capsys):
     assert main(["layouts", "--model", "qwen2-7b", "--strategy", path]) == 1
     out = capsys.readouterr().out
     assert "2 violation(s)" in out
-    import msinfer.parallel_layers as source
+    import msinfer.layers.linear as source
     line = open(source.__file__).read().splitlines().index(
         "            return self.gather(weight, ids, 0)") + 1
     assert (f"Gather at parallel_layers.py:{line} return self.gather(weight, ids, 0) (decode), "
@@ -288,7 +288,7 @@ def test_semi_auto_cell_sets_the_context_only_for_the_model_and_only_with_severa
     from mindspore import nn
     from mindspore.parallel import _utils, auto_parallel
 
-    from msinfer.engine.runner import semi_auto_cell
+    from msinfer.engine.model_runner import semi_auto_cell
 
     model = nn.Cell()
     assert semi_auto_cell(model, 1) is model

@@ -4,12 +4,13 @@ import re
 
 import pytest
 
-from msinfer import cli
+from msinfer.cli import main as cli
 from msinfer.config import PRESETS, load_config
 from msinfer.errors import MsinferError, PlanRefused
 from msinfer.hardware import GiB, compute_dtype, get_profile
-from msinfer.plan import EngineLimits, check_plan_or_raise, format_plan, make_plan
-from msinfer.strategy import Strategy, load_strategy
+from msinfer.parallel.strategy import Strategy, load_strategy
+from msinfer.planning.memory import EngineLimits
+from msinfer.planning.planner import check_plan_or_raise, format_plan, make_plan
 
 STRATEGIES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "strategies")
 DUO = get_profile("atlas-300i-duo")
@@ -123,9 +124,9 @@ def test_workspace_is_one_layer_of_the_largest_call():
 
 
 def test_cpu_workspace_reserves_two_layers_of_the_largest_call():
-    """On the CPU backend a graph runs at least two decoder layers (engine/workspace.py), so
+    """On the CPU backend a graph runs at least two decoder layers (planning/workspace.py), so
     the reserve is two layers of the largest call where an Ascend plan reserves one."""
-    from msinfer.engine.workspace import largest_call_bytes
+    from msinfer.planning.workspace import largest_call_bytes
 
     limits = dict(max_len=1024, max_prefill_tokens=256, max_num_seqs=16)
     cpu = plan_for("qwen2-0.5b", "qwen2_tp1.yaml", hardware="cpu", **limits)
@@ -259,7 +260,7 @@ def test_unknown_hardware_lists_the_known_profiles():
 
 
 def run_cli(monkeypatch, capsys, *args):
-    monkeypatch.setattr(cli, "_SUBCOMMAND_MODULES", ("msinfer.plan",))
+    monkeypatch.setattr(cli, "SUBCOMMANDS", ("plan",))
     code = cli.main(["plan", *args])
     out, err = capsys.readouterr()
     return code, out, err
@@ -358,7 +359,7 @@ def test_llm_runs_the_plan_check_itself_before_touching_a_device(tmp_path):
     fit is refused with the planner's message, before any graph or collective exists."""
     pytest.importorskip("mindspore")
     from msinfer import LLM
-    from msinfer.tiny_model import make_tiny_model
+    from msinfer.tools.tiny_model import make_tiny_model
 
     make_tiny_model(str(tmp_path), layers=1, hidden=64, heads=4, kv_heads=2, vocab=512)
     with pytest.raises(PlanRefused, match="does not fit: rank 0 needs"):

@@ -10,16 +10,18 @@ import sys
 import types
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from msinfer import cli, ranktable
+from msinfer.cli import main as cli
 from msinfer.errors import MsinferError
-from msinfer.ranktable import RankDevice
+from msinfer.parallel import ranktable
+from msinfer.parallel.ranktable import RankDevice
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 A_IPS = ["198.51.100.10", "198.51.100.11", "198.51.100.12", "198.51.100.13"]
 B_IPS = ["198.51.100.20", "198.51.100.21", "198.51.100.22", "198.51.100.23"]
-REGISTERED_SUBCOMMANDS = cli._SUBCOMMAND_MODULES  # before the fixture below narrows it
+REGISTERED_SUBCOMMANDS = cli.SUBCOMMANDS  # before the fixture below narrows it
 
 
 def run(capsys, *argv):
@@ -32,7 +34,7 @@ def run(capsys, *argv):
 @pytest.fixture(autouse=True)
 def only_ranktable_subcommand(monkeypatch):
     # The other subcommand modules are written on other branches; build the parser from ours.
-    monkeypatch.setattr(cli, "_SUBCOMMAND_MODULES", ("msinfer.ranktable",))
+    monkeypatch.setattr(cli, "SUBCOMMANDS", ("ranktable",))
 
 
 @pytest.fixture
@@ -260,7 +262,7 @@ def test_default_file_name_and_server_ip_are_this_hosts_and_said(capsys, tmp_pat
 
 
 def test_host_ip_is_an_ipv4_address():
-    assert ranktable._is_ipv4(ranktable.host_ip())
+    assert ranktable.is_ipv4(ranktable.host_ip())
 
 
 def test_a_server_ip_that_is_not_ipv4_is_refused(capsys, tmp_path):
@@ -730,14 +732,14 @@ def test_built_and_merged_tables_are_clean_and_every_rank_maps_back(device_sets,
 
 def test_check_options_take_world_size_and_devices_per_server_from_those_modules(
         capsys, tmp_path, monkeypatch):
-    # Stand-ins with the interface of msinfer.strategy / msinfer.hardware.
-    strategy = types.ModuleType("msinfer.strategy")
+    # Stand-ins with the interface of msinfer.parallel.strategy / msinfer.hardware.
+    strategy = types.ModuleType("msinfer.parallel.strategy")
     strategy.load_strategy = lambda path: types.SimpleNamespace(
         world_size={"tp4.yaml": 4, "tp8.yaml": 8}[path])
     hardware = types.ModuleType("msinfer.hardware")
     hardware.get_profile = lambda name: types.SimpleNamespace(
         devices_per_server={"four": 4, "eight": 8}[name])
-    monkeypatch.setitem(sys.modules, "msinfer.strategy", strategy)
+    monkeypatch.setitem(sys.modules, "msinfer.parallel.strategy", strategy)
     monkeypatch.setitem(sys.modules, "msinfer.hardware", hardware)
     path = write_json(tmp_path / "t.json", ranktable.build([4, 5, 6, 7], "192.0.2.10"))
 
@@ -787,4 +789,4 @@ def test_the_example_tables_are_what_the_generator_writes(capsys, tmp_path):
 
 
 def test_ranktable_is_a_subcommand_of_msinfer():
-    assert "msinfer.ranktable" in REGISTERED_SUBCOMMANDS
+    assert "ranktable" in REGISTERED_SUBCOMMANDS

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from msinfer import SamplingParams as ExportedSamplingParams
+from msinfer.engine.sampling import Sampler, SamplingParams
 from msinfer.errors import MsinferError
-from msinfer.sampling import Sampler, SamplingParams
 
 
 def sample_many(logits_row, params, draws=4000, seed=0):

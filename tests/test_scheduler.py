@@ -9,11 +9,12 @@ replayed (what keeps the ranks of a sharded job in lockstep).
 import numpy as np
 import pytest
 
-from msinfer.engine.kv_cache import TRASH_BLOCK, BlockManager, CacheLayout
+from msinfer.engine.block_manager import BlockManager
+from msinfer.engine.sampling import SamplingParams
 from msinfer.engine.scheduler import Scheduler
 from msinfer.engine.sequence import Sequence, Status
 from msinfer.errors import MsinferError
-from msinfer.sampling import SamplingParams
+from msinfer.planning.kv_layout import TRASH_BLOCK, CacheLayout
 
 
 def layout(blocks, block_size=4):

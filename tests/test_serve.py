@@ -15,8 +15,8 @@ import httpx2 as httpx
 import openai
 import pytest
 
-from msinfer.distributed import free_port
-from msinfer.tiny_model import make_tiny_model
+from msinfer.parallel.distributed import free_port
+from msinfer.tools.tiny_model import make_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TP4 = os.path.join(ROOT, "strategies", "qwen2_tp4.yaml")

@@ -6,12 +6,11 @@ import threading
 import time
 
 import pytest
+from fake_engine import FakeEngine
 
-from msinfer.sampling import SamplingParams
+from msinfer.engine.sampling import SamplingParams
 from msinfer.server import handoff
 from msinfer.server.lockstep import EngineLoop, follow
-
-from fake_engine import FakeEngine
 
 
 def channels(followers, token=12345):

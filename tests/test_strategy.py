@@ -5,7 +5,8 @@ import pytest
 
 from msinfer.config import PRESETS, ModelConfig
 from msinfer.errors import MsinferError, PlanRefused
-from msinfer.strategy import TENSOR_PARALLEL_RULES, Strategy, decide_parallel_mode, load_strategy
+from msinfer.parallel.strategy import (TENSOR_PARALLEL_RULES, Strategy, decide_parallel_mode,
+                                       load_strategy)
 
 STRATEGIES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "strategies")
 SHIPPED = ["qwen2_tp1.yaml", "qwen2_tp2.yaml", "qwen2_tp4.yaml", "qwen2_tp8.yaml",

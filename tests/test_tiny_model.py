@@ -12,9 +12,10 @@ from safetensors.numpy import load_file
 
 from msinfer.config import PRESETS, ModelConfig
 from msinfer.errors import MsinferError
-from msinfer.tiny_model import (SHAPE_PRESETS, cli_arguments, default_intermediate,
-                                make_tiny_model, model_config_dict, register_cli,
-                                to_bfloat16_bits)
+from msinfer.cli.make_tiny_model import cli_arguments
+from msinfer.cli.make_tiny_model import register as register_cli
+from msinfer.tools.tiny_model import (SHAPE_PRESETS, default_intermediate, make_tiny_model,
+                                      model_config_dict, to_bfloat16_bits)
 
 SMALL = dict(layers=2, hidden=32, heads=4, kv_heads=2, vocab=300)
 

@@ -5,9 +5,9 @@ import shutil
 import pytest
 
 from msinfer.config import ModelConfig, eos_token_ids
+from msinfer.engine.tokenizer import IncrementalDecoder, Tokenizer, find_stop
 from msinfer.errors import MsinferError
-from msinfer.tiny_model import CHAT_TEMPLATE, make_tiny_model
-from msinfer.tokenizer import IncrementalDecoder, Tokenizer, find_stop
+from msinfer.tools.tiny_model import CHAT_TEMPLATE, make_tiny_model
 
 MESSAGES = [{"role": "user", "content": "Why is the sky blue?"}]
 

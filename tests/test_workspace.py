@@ -4,9 +4,8 @@ layer count, never fewer than one."""
 import pytest
 
 from msinfer.config import load_config
-from msinfer.engine.workspace import (largest_call_bytes, layer_activation_bytes,
-                                      layers_per_graph)
-from msinfer.strategy import Strategy
+from msinfer.parallel.strategy import Strategy
+from msinfer.planning.workspace import largest_call_bytes, layer_activation_bytes, layers_per_graph
 
 
 @pytest.mark.parametrize("layers,layer_bytes,budget,expected", [

@@ -16,11 +16,11 @@ import numpy as np
 
 from .. import log
 from ..errors import MsinferError
-from ..sampling import Sampler, SamplingParams
-from ..tokenizer import IncrementalDecoder, find_stop
-from .kv_cache import BlockManager
+from .block_manager import BlockManager
+from .sampling import Sampler, SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
+from .tokenizer import IncrementalDecoder, find_stop
 
 
 @dataclasses.dataclass

@@ -17,7 +17,7 @@ Each step:
 import collections
 import dataclasses
 
-from .kv_cache import BlockManager
+from .block_manager import BlockManager
 from .sequence import Sequence, Status
 
 

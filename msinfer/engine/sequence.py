@@ -4,7 +4,7 @@ import enum
 
 import numpy as np
 
-from ..sampling import SamplingParams
+from .sampling import SamplingParams
 
 
 class Status(enum.Enum):

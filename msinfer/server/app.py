@@ -18,11 +18,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import log
+from ..engine.sampling import SamplingParams
 from ..errors import MsinferError
-from ..sampling import SamplingParams
 from . import protocol as p
 from .lockstep import ServerBusy
-
 
 
 class ApiError(Exception):

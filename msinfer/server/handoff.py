@@ -31,9 +31,9 @@ def open_channel(dist):
     """Rank 0 gets a `Leader` (with no followers on one device), the others a `Follower`."""
     if dist.world_size == 1:
         return Leader([])
-    from ..distributed import _over_the_job
-
     import numpy as np
+
+    from ..parallel.distributed import _over_the_job
 
     listener = None
     mine = np.zeros(7, np.float32)
@@ -56,8 +56,8 @@ def _leader_host():
     """Where rank 0 listens: loopback when the whole job is on this host, else this host's
     address as the others reach it (as the mpirun bridge's scheduler does);
     MSINFER_HANDOFF_HOST overrides."""
-    from ..distributed import spans_hosts
-    from ..ranktable import host_ip
+    from ..parallel.distributed import spans_hosts
+    from ..parallel.ranktable import host_ip
 
     if os.environ.get("MSINFER_HANDOFF_HOST"):
         return socket.gethostbyname(os.environ["MSINFER_HANDOFF_HOST"])

@@ -14,8 +14,8 @@ import threading
 import time
 
 from .. import log
+from ..engine.sampling import SamplingParams
 from ..errors import MsinferError
-from ..sampling import SamplingParams
 
 
 class ServerBusy(Exception):

@@ -5,12 +5,12 @@ Every rank of a sharded job runs this same command; only rank 0 prints the resul
 import json
 import sys
 
-from .errors import MsinferError
-from .plan import add_engine_arguments, kv_cache_memory_from_args
-from .strategy import PARALLEL_MODES
+from ..errors import MsinferError
+from ..parallel.strategy import PARALLEL_MODES
+from .args import add_engine_arguments, kv_cache_memory_from_args
 
 
-def register_cli(subparsers):
+def register(subparsers):
     p = subparsers.add_parser(
         "generate", help="generate text from prompts",
         description="Generate from a Hugging Face Qwen2 checkpoint. Under mpirun/msrun every "
@@ -49,8 +49,8 @@ def _parse_ids(text):
 
 
 def run(args):
-    from .api import LLM
-    from .sampling import SamplingParams
+    from ..api import LLM
+    from ..engine.sampling import SamplingParams
 
     if not args.prompt and not args.prompt_ids:
         raise MsinferError("give at least one --prompt or --prompt-ids")

@@ -16,8 +16,8 @@ import jinja2.ext
 import jinja2.sandbox
 import tokenizers
 
-from .config import eos_token_ids, read_json_object
-from .errors import MsinferError
+from ..config import eos_token_ids, read_json_object
+from ..errors import MsinferError
 
 # The special tokens transformers hands a chat template as variables.
 _TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",

@@ -15,14 +15,14 @@ import socket
 import threading
 import time
 
-from . import log
-from .errors import MsinferError
-from .plan import add_engine_arguments
+from .. import log
+from ..errors import MsinferError
+from .args import add_engine_arguments
 
 _DEAD_RANK_GRACE = 2.0  # seconds /health reports the failure before rank 0 exits
 
 
-def register_cli(subparsers):
+def register(subparsers):
     p = subparsers.add_parser(
         "serve", help="serve a checkpoint over the OpenAI HTTP API",
         description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, "
@@ -60,9 +60,9 @@ def _check_args(args):
 
 
 def run(args):
-    from .api import LLM
-    from .server.handoff import PeerGone, log_summary, open_channel
-    from .server.lockstep import follow
+    from ..api import LLM
+    from ..server.handoff import PeerGone, log_summary, open_channel
+    from ..server.lockstep import follow
 
     _check_args(args)
     llm = LLM(args.model, strategy=args.strategy, hardware=args.hardware,
@@ -96,10 +96,10 @@ def _die(message):
 def _lead(args, llm, channel):
     import uvicorn
 
-    from .server.app import ServerConfig, build_app
-    from .server.handoff import log_summary
-    from .server.lockstep import EngineLoop
-    from .server.metrics import ServerMetrics
+    from ..server.app import ServerConfig, build_app
+    from ..server.handoff import log_summary
+    from ..server.lockstep import EngineLoop
+    from ..server.metrics import ServerMetrics
 
     logger = log.get()
     names = args.served_model_name or [args.model]

@@ -22,14 +22,14 @@ context of T cache slots: a prefill chunk is G=1 (the chunk's tokens, possibly o
 sequences, over the concatenation of their contexts, with a mask keeping each token to its own
 sequence's earlier positions); a decode step is G=batch, Q=1.
 """
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Zero
 from mindspore.ops.auto_generate import SiLU  # the primitive behind ops.silu (not in ops)
 
-from .parallel_layers import (Expand, ParallelEmbedding, ParallelLinear, SemiAutoLayout,
-                              cpu_kernel_forms, matmul_forms, shard)
+from ..layers.linear import (Expand, ParallelEmbedding, ParallelLinear, SemiAutoLayout,
+                             cpu_kernel_forms, matmul_forms, shard)
 
 # One decoder layer's weights, in the order DecoderLayer takes them.
 LAYER_WEIGHTS = ("input_layernorm.weight", "self_attn.qkv_proj.weight",

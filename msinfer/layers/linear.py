@@ -18,7 +18,7 @@ import dataclasses
 import mindspore as ms
 from mindspore import nn, ops
 
-from .hardware import cpu_matmul_forms
+from ..hardware import cpu_matmul_forms
 
 
 @dataclasses.dataclass(frozen=True)

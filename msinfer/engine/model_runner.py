@@ -21,10 +21,10 @@ from mindspore import Tensor
 
 from .. import log
 from ..hardware import DTYPE_BYTES
-from ..model import (Embedding, LayerStack, LMHead, head_weight_names,
-                     layer_weight_names, new_cache, rotary_tables)
-from .kv_cache import TRASH_BLOCK
-from .workspace import largest_call_bytes, layer_activation_bytes, layers_per_graph
+from ..models.qwen2 import (Embedding, LayerStack, LMHead, head_weight_names, layer_weight_names,
+                            new_cache, rotary_tables)
+from ..planning.kv_layout import TRASH_BLOCK
+from ..planning.workspace import largest_call_bytes, layer_activation_bytes, layers_per_graph
 
 MASKED = -1e30  # added to the float32 scores of context positions a query must not see
 

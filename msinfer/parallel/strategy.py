@@ -19,8 +19,8 @@ import re
 
 import yaml
 
-from .config import ModelConfig
-from .errors import MsinferError, PlanRefused, positive_int
+from ..config import ModelConfig
+from ..errors import MsinferError, PlanRefused, positive_int
 
 STYLES = ("colwise", "rowwise", "vocab", "colwise_gather", "replicate")
 PARALLEL_MODES = ("explicit", "semi_auto")

@@ -1,36 +1,30 @@
 """The `msinfer` command line: generate, serve, make-tiny-model, plan, ranktable, launch,
 doctor, commtest.
 
-Each feature module registers its own subcommand (`register_cli(subparsers)`), so this file
-only assembles them. Modules that need MindSpore import it inside their handlers: `plan` and
-`ranktable` stay fast and work on machines without MindSpore.
+One module of this package per subcommand, each defining its arguments beside the code they
+drive (`register(subparsers)`); this file only assembles them. Modules that need MindSpore
+import it inside their handlers: `plan` and `ranktable` stay fast and work on machines without
+MindSpore.
 """
 import argparse
 import importlib
 import os
 import sys
 
-from .errors import MsinferError
+from .. import __version__
+from ..errors import MsinferError
 
-_SUBCOMMAND_MODULES = (
-    "msinfer.commtest",
-    "msinfer.doctor",
-    "msinfer.generate_cli",
-    "msinfer.launch_cli",
-    "msinfer.layouts",
-    "msinfer.plan",
-    "msinfer.ranktable",
-    "msinfer.serve_cli",
-    "msinfer.tiny_model",
-)
+SUBCOMMANDS = ("generate", "serve", "launch", "plan", "ranktable", "layouts", "doctor",
+               "commtest", "make_tiny_model")
 
 
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="msinfer", description="Sharded, compiled Qwen2 inference with MindSpore.")
+    parser.add_argument("--version", action="version", version=f"msinfer {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in _SUBCOMMAND_MODULES:
-        importlib.import_module(name).register_cli(subparsers)
+    for name in SUBCOMMANDS:
+        importlib.import_module(f"{__package__}.{name}").register(subparsers)
     return parser
 
 

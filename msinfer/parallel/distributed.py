@@ -33,8 +33,8 @@ import subprocess
 import sys
 from typing import TYPE_CHECKING, Mapping
 
-from . import log
-from .errors import MsinferError
+from .. import log
+from ..errors import MsinferError
 
 if TYPE_CHECKING:
     import numpy as np

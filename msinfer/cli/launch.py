@@ -24,9 +24,9 @@ import subprocess
 import sys
 import threading
 
-from .distributed import (bridge_environment, detect_launcher, free_port, rank_environment,
-                          spans_hosts)
-from .errors import MsinferError, PlanRefused
+from ..errors import MsinferError, PlanRefused
+from ..parallel.distributed import (bridge_environment, detect_launcher, free_port,
+                                    rank_environment, spans_hosts)
 
 # The msinfer commands that run inside every rank of a job; those that build a model
 # (MODEL_COMMANDS) are planned before anything starts.
@@ -37,7 +37,7 @@ _SHOWN = ("RANK_TABLE_FILE", "RANK_ID", "RANK_SIZE", "DEVICE_ID", "MS_ROLE", "MS
           "MS_SCHED_HOST", "MS_SCHED_PORT", "MS_NODE_ID", "MSINFER_MULTI_HOST")
 
 
-def register_cli(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "launch", help="check the plan, then run a sharded job under mpirun or msrun",
         description="Plan, then start NPROC ranks that each run the given msinfer command.")
@@ -61,7 +61,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .hardware import get_profile
+    from ..hardware import get_profile
 
     profile = get_profile(args.hardware)
     rank_args = list(args.command)
@@ -115,7 +115,7 @@ def _rank_table(args, profile):
             print(f"msinfer launch: rank-table mode with the exported RANK_TABLE_FILE {table}",
                   file=sys.stderr)
     if table:
-        from .ranktable import check_file
+        from ..parallel.ranktable import check_file
         problems = check_file(table, args.nproc, profile.devices_per_server)
         if problems:
             raise MsinferError(f"{table} is not a usable rank table:\n  " + "\n  ".join(problems))
@@ -151,9 +151,10 @@ def _with_option(argv, option, value):
 
 
 def _check_plan(args, command, rank, profile):
-    from .config import load_config
-    from .plan import check_plan_or_raise, format_plan, limits_from_args
-    from .strategy import load_strategy
+    from ..config import load_config
+    from ..parallel.strategy import load_strategy
+    from ..planning.planner import check_plan_or_raise, format_plan
+    from .args import limits_from_args
 
     strategy = load_strategy(getattr(rank, "strategy", None) or args.strategy)
     if args.nproc != strategy.world_size:

@@ -24,9 +24,9 @@ MindSpore splits its head axis over the tensor ranks.
 Block 0 is never handed out: padded tokens of a compiled call write there, and padded context
 positions read from there (their attention weight is masked to zero).
 
-This module owns all of that arithmetic; the runner and the planner call it.
+This module owns all of that arithmetic; the planner, the block manager and the model runner
+call it. Pure arithmetic: no MindSpore.
 """
-import collections
 import dataclasses
 
 import numpy as np
@@ -114,35 +114,3 @@ class CacheLayout:
         slots = np.asarray(slots, np.int64).reshape(groups, 1, -1)
         heads = np.arange(self.kv_heads, dtype=np.int64).reshape(1, -1, 1)
         return (slots * self.kv_heads + heads).reshape(-1)
-
-
-class BlockManager:
-    """Free list of cache blocks; a sequence holds `seq.block_table` and gives it back whole."""
-
-    def __init__(self, layout: CacheLayout):
-        self.layout = layout
-        self.free = collections.deque(b for b in range(layout.num_blocks) if b != TRASH_BLOCK)
-
-    @property
-    def num_usable(self) -> int:
-        return self.layout.num_blocks - 1
-
-    @property
-    def num_used(self) -> int:
-        return self.num_usable - len(self.free)
-
-    def can_hold(self, seq, tokens: int) -> bool:
-        """Whether `seq` can grow to `tokens` positions with the free blocks."""
-        return self.layout.blocks_for(tokens) - len(seq.block_table) <= len(self.free)
-
-    def grow(self, seq, tokens: int) -> None:
-        """Give `seq` blocks for positions 0..tokens-1 (check `can_hold` first)."""
-        need = self.layout.blocks_for(tokens) - len(seq.block_table)
-        if need > len(self.free):
-            raise RuntimeError(f"{need} blocks asked, {len(self.free)} free")
-        for _ in range(need):
-            seq.block_table.append(self.free.popleft())
-
-    def release(self, seq) -> None:
-        self.free.extend(seq.block_table)
-        seq.block_table = []

@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from .errors import MsinferError
+from ..errors import MsinferError
 
 # top-p looks for the nucleus among this many most likely tokens first (a partition, O(vocab))
 # and sorts the whole vocabulary only when they do not hold top_p of the mass.

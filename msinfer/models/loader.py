@@ -12,8 +12,8 @@ import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16" dtype that safeten
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from . import log
-from .errors import MsinferError
+from .. import log
+from ..errors import MsinferError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

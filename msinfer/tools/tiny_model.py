@@ -8,7 +8,6 @@ special tokens and ChatML chat template. Transformers loads it as Qwen2ForCausal
 Same arguments and seed, same bytes: every tensor draws from its own generator, seeded by
 (seed, tensor name), so sharding or dtype do not change the values either.
 """
-import argparse
 import json
 import os
 import zlib
@@ -17,9 +16,8 @@ import numpy as np
 import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from . import log
-from .config import ModelConfig
-from .errors import MsinferError, positive_int
+from ..config import ModelConfig
+from ..errors import MsinferError, positive_int
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Qwen2-Instruct's ChatML template, verbatim.
@@ -43,7 +41,7 @@ SHAPE_PRESETS = {
                              vocab=151936, tie=True, max_position=131072),
 }
 
-_DTYPES = {"float32": ("F32", 4), "float16": ("F16", 2), "bfloat16": ("BF16", 2)}
+DTYPES = {"float32": ("F32", 4), "float16": ("F16", 2), "bfloat16": ("BF16", 2)}
 
 
 def default_intermediate(hidden):
@@ -236,7 +234,7 @@ def _encode(values, dtype):
 
 def _write_weights(out_dir, shapes, dtype, seed, shards, progress):
     names = list(shapes)
-    code, itemsize = _DTYPES[dtype]
+    code, itemsize = DTYPES[dtype]
     sizes = [int(np.prod(shapes[n])) * itemsize for n in names]
     total = sum(sizes)
     # Contiguous groups in checkpoint order, cut near equal byte counts, none empty.
@@ -304,57 +302,7 @@ def _check_arguments(*, layers, hidden, heads, kv_heads, intermediate, vocab, dt
         bad(f"heads={heads} is not a multiple of kv_heads={kv_heads}")
     if vocab < MIN_VOCAB:
         bad(f"vocab={vocab} must be at least {MIN_VOCAB} (256 bytes + special tokens)")
-    if dtype not in _DTYPES:
-        bad(f"dtype={dtype!r} must be one of {', '.join(_DTYPES)}")
+    if dtype not in DTYPES:
+        bad(f"dtype={dtype!r} must be one of {', '.join(DTYPES)}")
     if config_style not in ("4", "5"):
         bad(f"config_style={config_style!r} must be '4' (transformers 4.x) or '5' (5.x)")
-
-
-def register_cli(subparsers):
-    p = subparsers.add_parser(
-        "make-tiny-model", help="write a random Qwen2 checkpoint (tests, benchmarks)",
-        description="Write a Hugging Face Qwen2 checkpoint with random weights and a small "
-                    "trained tokenizer into a new directory.")
-    p.add_argument("dir", help="output directory (must be new or empty)")
-    p.add_argument("--preset", choices=sorted(SHAPE_PRESETS),
-                   help="a published model's shape (flags given as well override it)")
-    p.add_argument("--layers", type=int)
-    p.add_argument("--hidden", type=int)
-    p.add_argument("--heads", type=int)
-    p.add_argument("--kv-heads", type=int)
-    p.add_argument("--intermediate", type=int, help="default: 2.75 x hidden, multiple of 8")
-    p.add_argument("--vocab", type=int)
-    p.add_argument("--tie", action=argparse.BooleanOptionalAction,
-                   help="tie lm_head to the embedding")
-    p.add_argument("--dtype", choices=sorted(_DTYPES))
-    p.add_argument("--shards", type=int)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--config-style", choices=("4", "5"),
-                   help="config.json as transformers 4.x or 5.x writes it (default 4)")
-    p.add_argument("--max-position", type=int)
-    p.set_defaults(func=_run_cli)
-
-
-def cli_arguments(args):
-    """make_tiny_model's keyword arguments: the preset's shape, then the flags given."""
-    kwargs = dict(SHAPE_PRESETS[args.preset]) if args.preset else {}
-    for key in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "tie",
-                "dtype", "shards", "seed", "config_style", "max_position"):
-        if getattr(args, key) is not None:
-            kwargs[key] = getattr(args, key)
-    return kwargs
-
-
-def _run_cli(args):
-    log.setup()
-    meters = {}
-
-    def progress(done, total, name):
-        # A logged line every few seconds and at the end: readable on a terminal, in a pipe
-        # and in a CI log alike (no carriage-return redraw per tensor).
-        meters.setdefault("weights", log.Progress("writing weights", total)).step(done)
-
-    config = make_tiny_model(args.dir, progress=progress, **cli_arguments(args))
-    print(f"wrote {args.dir}: {config.num_layers} layers, hidden {config.hidden_size}, "
-          f"{config.num_parameters():,} parameters, {config.torch_dtype}")
-    return 0

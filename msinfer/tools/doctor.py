@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import sys
 
-from .errors import MsinferError
+from ..errors import MsinferError
 
 PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
 DEFAULT_ASCEND_ROOT = "/usr/local/Ascend"
@@ -401,7 +401,7 @@ def environment_check(profile, strategy, rank_table_arg):
 
 
 def rank_table_check(path, profile, strategy, smi, hccn_conf):
-    from . import ranktable
+    from ..parallel import ranktable
 
     if path is None:
         return Check("launch.rank-table", SKIP,
@@ -455,7 +455,7 @@ def rank_table_check(path, profile, strategy, smi, hccn_conf):
 
 def _hccn_problem(server, hccn_conf):
     """The device IPs of this server's entry against /etc/hccn.conf (multi-server tables)."""
-    from . import ranktable
+    from ..parallel import ranktable
 
     devices = [int(d["device_id"]) for d in server["device"]]
     if not os.path.isfile(hccn_conf):
@@ -499,10 +499,10 @@ def launcher_check(profile):
 # ---- model ----
 
 def model_checks(model, strategy, profile):
-    from .config import load_config
-    from .hardware import DTYPE_BYTES, dtype_name
-    from .plan import make_plan
-    from .strategy import Strategy
+    from ..config import load_config
+    from ..hardware import DTYPE_BYTES, dtype_name
+    from ..parallel.strategy import Strategy
+    from ..planning.planner import make_plan
 
     config = load_config(model)
     strategy = strategy or Strategy.default(tensor=1)
@@ -616,33 +616,10 @@ def log_checks(directory):
 
 # ---- the command ----
 
-def register_cli(subparsers):
-    p = subparsers.add_parser(
-        "doctor", help="check this box (devices, software, launch setup, model, logs)",
-        description="Checks whether this box can run this plan: each check passes, warns, "
-                    "fails or is skipped, with one line saying what to do. Exit 1 if a check "
-                    "fails, 2 for bad input.")
-    p.add_argument("--hardware", default=None,
-                   help="hardware profile (default: detected from npu-smi, else cpu)")
-    p.add_argument("--strategy", help="strategy YAML the box must serve")
-    p.add_argument("--rank-table", help="HCCL rank table to check (default: RANK_TABLE_FILE)")
-    p.add_argument("--model", help="model directory or preset: plan it on this hardware")
-    p.add_argument("--logs", metavar="DIR", help="scan plog / device logs for known failures")
-    p.add_argument("--ascend-root", default=DEFAULT_ASCEND_ROOT,
-                   help=f"where driver, firmware and CANN are installed "
-                        f"(default {DEFAULT_ASCEND_ROOT})")
-    p.add_argument("--hccn-conf", default="/etc/hccn.conf",
-                   help="device NIC addresses, for multi-server rank tables")
-    p.add_argument("--skip", action="append", default=[], metavar="NAME",
-                   help="skip checks whose name starts with NAME (repeatable)")
-    p.add_argument("--json", action="store_true",
-                   help='print {"ok": bool, "checks": [{"name", "status", "detail"}]}')
-    p.set_defaults(func=run)
-
 
 def run_checks(args):
-    from .hardware import get_profile
-    from .strategy import load_strategy
+    from ..hardware import get_profile
+    from ..parallel.strategy import load_strategy
 
     if args.logs and not os.path.isdir(args.logs):
         raise MsinferError(f"--logs {args.logs}: no such directory")

@@ -34,9 +34,9 @@ import os
 import re
 import tempfile
 
-from .config import load_config
-from .errors import MsinferError, PlanRefused
-from .strategy import checkpoint_parts, load_strategy
+from ..config import load_config
+from ..errors import MsinferError, PlanRefused
+from ..parallel.strategy import checkpoint_parts, load_strategy
 
 # Primitives that take no strategy: graph plumbing, and Reshape (whose layout MindSpore derives
 # from its neighbours, inserting a redistribution where they disagree).
@@ -417,7 +417,7 @@ def resolve(strategy, config):
     """(plan for semi_auto, the raw rules, why the strategy parser refuses them or None).
     A raw rule msinfer does not run is replaced by its module's split style for building,
     and handed verbatim to the primitive."""
-    from . import strategy as strategies
+    from ..parallel import strategy as strategies
 
     raw = {p: r for p, r in strategy.rules.items() if not isinstance(r, str)}
     try:
@@ -445,11 +445,11 @@ def record(config, plan, dtype, ir_dir):
     the IR dump on, and returns their primitive calls."""
     import mindspore as ms
 
-    from .distributed import set_graph_mode
-    from .engine.kv_cache import CacheLayout
-    from .engine.runner import ModelRunner
-    from .model import Qwen2Model, head_weight_names, layer_weight_names
-    from .parallel_layers import ParallelContext
+    from ..engine.model_runner import ModelRunner
+    from ..layers.linear import ParallelContext
+    from ..models.qwen2 import Qwen2Model, head_weight_names, layer_weight_names
+    from ..parallel.distributed import set_graph_mode
+    from ..planning.kv_layout import CacheLayout
 
     set_graph_mode("CPU")
     ctx = ParallelContext(config=config, plan=plan, mode="semi_auto",
@@ -483,7 +483,7 @@ def record(config, plan, dtype, ir_dir):
 
 def run(model, strategy_path, hardware="cpu"):
     """The report of `msinfer layouts` as a dict."""
-    from .hardware import compute_dtype, get_profile
+    from ..hardware import compute_dtype, get_profile
 
     config = load_config(model)
     strategy = load_strategy(strategy_path)
@@ -572,32 +572,3 @@ def to_json(report):
         out["violations"] = [{"op": v.call.op, "source": v.call.source, "graph": v.call.graph,
                               "input": v.input, "rule": v.rule} for v in report["violations"]]
     return json.dumps(out, indent=2)
-
-
-def _run(args):
-    report = run(args.model, args.strategy, args.hardware)
-    print(to_json(report) if args.json else format_report(report))
-    return 1 if "refused" in report or report["violations"] else 0
-
-
-def register_cli(subparsers):
-    from .hardware import PROFILES
-
-    parser = subparsers.add_parser(
-        "layouts", help="check every semi_auto primitive's in_strategy against MindSpore's "
-                        "rules, on CPU",
-        description="Builds the semi_auto model stand-alone on CPU (reduced sizes that keep "
-                    "every split's divisibility), compiles a decode step and a prefill chunk, "
-                    "reads each primitive call's input shapes and in_strategy from the "
-                    "compiled graph and checks them with MindSpore 2.10's rules. Exit 0 clean, "
-                    "1 with every violation named (or a plan semi_auto refuses), 2 bad input.")
-    parser.add_argument("--model", required=True,
-                        help="model directory (with config.json) or qwen2-0.5b, qwen2-1.5b, "
-                             "qwen2-7b, qwen2-72b")
-    parser.add_argument("--strategy", required=True, help="strategy file, e.g. "
-                                                          "strategies/qwen2_tp4.yaml")
-    parser.add_argument("--hardware", default="cpu", choices=sorted(PROFILES),
-                        help="hardware profile: its compute dtype (default cpu)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.set_defaults(func=_run)
-

@@ -18,7 +18,7 @@ import shutil
 import socket
 import subprocess
 
-from .errors import MsinferError
+from ..errors import MsinferError
 
 VERSION = "1.0"
 DEFAULT_HCCN_CONF = "/etc/hccn.conf"
@@ -70,7 +70,7 @@ def split_device_ips(text: str, devices: list[int]) -> dict[int, str]:
         raise MsinferError(f"--device-ips has {len(ips)} addresses for {len(devices)} devices "
                            f"({_join(devices)})")
     for ip in ips:
-        if not _is_ipv4(ip):
+        if not is_ipv4(ip):
             raise MsinferError(f"--device-ips: {ip!r} is not an IPv4 address")
     return dict(zip(devices, ips))
 
@@ -86,7 +86,7 @@ def read_hccn_conf(path: str, devices: list[int]) -> dict[int, str]:
     for lineno, line in enumerate(lines, 1):
         entry = re.fullmatch(r"\s*address_([0-9]+)\s*=\s*(.*?)\s*", line)
         if entry and int(entry[1]) in devices:
-            if not _is_ipv4(entry[2]):
+            if not is_ipv4(entry[2]):
                 raise MsinferError(
                     f"{path}:{lineno}: address_{entry[1]}={entry[2]!r} is not an IPv4 address")
             found[int(entry[1])] = entry[2]
@@ -112,10 +112,32 @@ def query_hccn_tool(devices: list[int], tool: str = HCCN_TOOL) -> dict[int, str]
             raise MsinferError(
                 f"{shown} gave no ipaddr (exit {done.returncode}: {said!r}); give --device-ips "
                 f"or --hccn-conf, or --no-device-ip for a job on one 310P server")
-        if not _is_ipv4(answer[1]):
+        if not is_ipv4(answer[1]):
             raise MsinferError(f"{shown} gave ipaddr {answer[1]!r}, not an IPv4 address")
         ips[d] = answer[1]
     return ips
+
+
+def find_device_ips(devices: list[int], device_ips: str | None = None,
+                    hccn_conf: str | None = None, no_device_ip: bool = False):
+    """(device IPs by device or None, where they came from): the IPs given, else the hccn.conf
+    given, else hccn_tool on PATH, else /etc/hccn.conf; None (310P, one server) when asked."""
+    tool = shutil.which(HCCN_TOOL)
+    if no_device_ip:
+        return None, ("no device_ip: this table is valid only for a job on this one server "
+                      "(310P cards without RoCE addresses)")
+    if device_ips:
+        return split_device_ips(device_ips, devices), "device IPs from --device-ips"
+    if hccn_conf:
+        return read_hccn_conf(hccn_conf, devices), f"device IPs from {hccn_conf}"
+    if tool:
+        return query_hccn_tool(devices, tool), f"device IPs from {tool}"
+    if os.path.exists(DEFAULT_HCCN_CONF):
+        return (read_hccn_conf(DEFAULT_HCCN_CONF, devices),
+                f"device IPs from {DEFAULT_HCCN_CONF}")
+    raise MsinferError(
+        f"no device IPs: {HCCN_TOOL} is not on PATH and {DEFAULT_HCCN_CONF} does not exist; "
+        f"give --device-ips or --hccn-conf, or --no-device-ip for a job on one 310P server")
 
 
 def host_ip() -> str:
@@ -153,7 +175,7 @@ def build(devices: list[int], server_ip: str, device_ips: dict[int, str] | None 
         entries.append(entry)
     table = _table([{"server_id": server_ip, "device": entries, "host_nic_ip": "reserve"}])
     source = f"the rank table for server {server_ip}"
-    _raise_problems(validate(table, source=source), source)
+    raise_problems(validate(table, source=source), source)
     return table
 
 
@@ -322,7 +344,7 @@ def _check_rank_numbering(found):
 def check_file(path: str, world_size: int | None = None,
                devices_per_server: int | None = None) -> list[str]:
     """Problems of a rank-table file, JSON syntax (with line:column) included; [] when clean."""
-    table, problems = _parse(path)
+    table, problems = parse_file(path)
     if table is _UNPARSED:
         return problems
     return problems + validate(table, world_size, devices_per_server, source=str(path))
@@ -330,10 +352,10 @@ def check_file(path: str, world_size: int | None = None,
 
 def load(path: str) -> dict:
     """A valid table from a file; MsinferError listing every problem otherwise."""
-    table, problems = _parse(path)
+    table, problems = parse_file(path)
     if table is not _UNPARSED:
         problems += validate(table, source=str(path))
-    _raise_problems(problems, path)
+    raise_problems(problems, path)
     return table
 
 
@@ -354,7 +376,7 @@ def merge(tables: list[dict], sources: list[str] | None = None,
     servers, server_source = [], {}
     for table, source in zip(tables, sources):
         table = _as_strings(table)
-        _raise_problems(validate(table, source=source), source)
+        raise_problems(validate(table, source=source), source)
         for server in table["server_list"]:
             server_id = server["server_id"]
             if server_id in server_source:
@@ -378,7 +400,7 @@ def merge(tables: list[dict], sources: list[str] | None = None,
         server_list.append({"server_id": server["server_id"], "device": entries,
                             "host_nic_ip": "reserve"})
     merged = _table(server_list)
-    _raise_problems(validate(merged, source="merged table"), f"the merge of {', '.join(sources)}")
+    raise_problems(validate(merged, source="merged table"), f"the merge of {', '.join(sources)}")
     return merged
 
 
@@ -386,7 +408,7 @@ def device_for_rank(path_or_table: str | os.PathLike | dict, rank: int | str) ->
     """The server, device id and device IP of `rank` (an int, or a string like RANK_ID's)."""
     if isinstance(path_or_table, dict):
         source = "rank table"
-        _raise_problems(validate(path_or_table, source=source), source)
+        raise_problems(validate(path_or_table, source=source), source)
         table = path_or_table
     else:
         source = os.fspath(path_or_table)
@@ -416,134 +438,13 @@ def write(table: dict, path: str) -> None:
         raise MsinferError(f"cannot write {path}: {e}") from None
 
 
-# ---- command line: msinfer ranktable generate | check | merge ----
-
-def register_cli(subparsers):
-    parser = subparsers.add_parser(
-        "ranktable", help="generate, check or merge HCCL rank tables (RANK_TABLE_FILE)")
-    commands = parser.add_subparsers(dest="ranktable_command", metavar="ACTION", required=True)
-
-    generate = commands.add_parser("generate", help="a rank table for this server's devices")
-    generate.add_argument("devices", help="device ids: 0-3, 0,1,2,3 or [0,4)")
-    generate.add_argument("--server-ip", help="this server's IPv4 address "
-                                              "(default: the address of its default route)")
-    source = generate.add_mutually_exclusive_group()
-    source.add_argument("--device-ips", metavar="IP,IP,...",
-                        help="device IPs in ascending device order")
-    source.add_argument("--hccn-conf", metavar="PATH",
-                        help="read the address_N= lines of this hccn.conf")
-    source.add_argument("--no-device-ip", action="store_true",
-                        help="write no device_ip (one server with 310P cards only)")
-    generate.add_argument("-o", "--output", metavar="FILE",
-                          help="default: hccl_{N}p_{ids}_{server_ip}.json as hccl_tools names it")
-    generate.set_defaults(func=_generate_command)
-
-    check = commands.add_parser("check", help="report every problem of a rank table")
-    check.add_argument("file")
-    check.add_argument("--strategy", metavar="YAML", help="the ranks must match its world_size")
-    check.add_argument("--hardware", metavar="NAME",
-                       help="device ids must lie within its devices per server")
-    check.set_defaults(func=_check_command)
-
-    merger = commands.add_parser("merge", help="one table for several servers")
-    merger.add_argument("files", nargs="+", metavar="FILE")
-    merger.add_argument("--sort", choices=["server_id"],
-                        help="order servers by address instead of as given")
-    merger.add_argument("-o", "--output", metavar="FILE",
-                        help="default: hccl_{S}s_{N}p.json as merge_hccl names it")
-    merger.set_defaults(func=_merge_command)
-
-
-def _generate_command(args):
-    devices = parse_devices(args.devices)
-    if args.server_ip:
-        server_ip = args.server_ip
-        print(f"server_id {server_ip}")
-    else:
-        server_ip = host_ip()
-        print(f"server_id {server_ip} (this host's address; --server-ip sets another)")
-    if not _is_ipv4(server_ip):
-        raise MsinferError(f"--server-ip {server_ip!r} is not an IPv4 address")
-
-    tool = shutil.which(HCCN_TOOL)
-    if args.no_device_ip:
-        device_ips = None
-        print("no device_ip: this table is valid only for a job on this one server "
-              "(310P cards without RoCE addresses)")
-    elif args.device_ips:
-        device_ips = split_device_ips(args.device_ips, devices)
-        print("device IPs from --device-ips")
-    elif args.hccn_conf:
-        device_ips = read_hccn_conf(args.hccn_conf, devices)
-        print(f"device IPs from {args.hccn_conf}")
-    elif tool:
-        device_ips = query_hccn_tool(devices, tool)
-        print(f"device IPs from {tool}")
-    elif os.path.exists(DEFAULT_HCCN_CONF):
-        device_ips = read_hccn_conf(DEFAULT_HCCN_CONF, devices)
-        print(f"device IPs from {DEFAULT_HCCN_CONF}")
-    else:
-        raise MsinferError(
-            f"no device IPs: {HCCN_TOOL} is not on PATH and {DEFAULT_HCCN_CONF} does not exist; "
-            f"give --device-ips or --hccn-conf, or --no-device-ip for a job on one 310P server")
-
-    table = build(devices, server_ip, device_ips)
-    for device in table["server_list"][0]["device"]:
-        print(f"  rank {device['rank_id']}: device {device['device_id']}"
-              + (f", device_ip {device['device_ip']}" if "device_ip" in device else ""))
-    path = args.output or default_file_name(table)
-    write(table, path)
-    print(f"wrote {path}")
-    return 0
-
-
-def _check_command(args):
-    world_size = devices_per_server = None
-    if args.strategy:
-        # Imported here: the strategy and hardware modules are only needed for these options.
-        from .strategy import load_strategy
-        world_size = load_strategy(args.strategy).world_size
-    if args.hardware:
-        from .hardware import get_profile
-        devices_per_server = get_profile(args.hardware).devices_per_server
-    problems = check_file(args.file, world_size, devices_per_server)
-    for problem in problems:
-        print(problem)
-    if problems:
-        print(f"{args.file}: {len(problems)} problem{'s' if len(problems) > 1 else ''}")
-        return 1
-    table = load(args.file)
-    ranks = sum(len(server["device"]) for server in table["server_list"])
-    print(f"{args.file}: ok ({len(table['server_list'])} server"
-          f"{'s' if len(table['server_list']) > 1 else ''}, {ranks} ranks)")
-    return 0
-
-
-def _merge_command(args):
-    # Not load(): merge takes the integer ids of older tools and writes them back as strings.
-    tables = []
-    for path in args.files:
-        table, problems = _parse(path)
-        _raise_problems(problems, path)
-        tables.append(table)
-    merged = merge(tables, sources=args.files, sort_by=args.sort)
-    path = args.output or default_file_name(merged)
-    write(merged, path)
-    first = 0
-    for server in merged["server_list"]:
-        last = first + len(server["device"]) - 1
-        print(f"  server {server['server_id']}: ranks {first}..{last}")
-        first = last + 1
-    print(f"wrote {path}")
-    return 0
-
 
 # ---- helpers ----
 
 _UNPARSED = object()
 
 
-def _parse(path):
+def parse_file(path):
     """(table, problems) of a file; table is _UNPARSED when it is not JSON at all."""
     try:
         with open(path, "rb") as f:
@@ -631,7 +532,7 @@ def _record_unique_ipv4(report, at, field, value, seen, duplicate):
     `at` and return True). `duplicate` names the clash, `{}` standing for the first place."""
     if not isinstance(value, str):
         report(at, f"{field} is {_describe(value)}; HCCL expects a string")
-    elif not _is_ipv4(value):
+    elif not is_ipv4(value):
         report(at, f"{field} {value!r} is not an IPv4 address")
     elif value in seen:
         report(at, duplicate.format(seen[value]))
@@ -641,7 +542,7 @@ def _record_unique_ipv4(report, at, field, value, seen, duplicate):
     return False
 
 
-def _is_ipv4(text):
+def is_ipv4(text):
     if not isinstance(text, str):
         return False
     try:
@@ -655,6 +556,6 @@ def _join(numbers):
     return ", ".join(str(n) for n in numbers)
 
 
-def _raise_problems(problems, source):
+def raise_problems(problems, source):
     if problems:
         raise MsinferError(f"{source} is not a usable rank table:\n  " + "\n  ".join(problems))

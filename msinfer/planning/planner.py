@@ -1,7 +1,7 @@
-"""`msinfer plan`: before launch, is this (model, strategy, hardware) legal, and does it fit?
+"""The planner: before launch, is this (model, strategy, hardware) legal, and does it fit?
 
 Per device it counts what the engine allocates, from the same functions the engine sizes
-itself with (`engine_memory`): the weight bytes exactly (from the config and the shard plan),
+itself with (memory.py's `engine_memory`): the weight bytes exactly (from the config and the shard plan),
 the paged KV cache pool (blocks, tokens, how many max-len sequences it holds), and a stated
 workspace estimate bounded by one layer of one prefill chunk, against the profile's usable
 memory. It lists the collectives each decoded token costs, the dtype and why, and the decode
@@ -9,118 +9,21 @@ speed that memory bandwidth allows. It refuses what would fail on the hardware, 
 fix it.
 
 Three things are easy to confuse: a `Strategy` (the YAML: degrees and rules), the `ShardPlan`
-it resolves to for one model (what each rank holds: strategy.py), and the `PlanReport` made
+it resolves to for one model (what each rank holds: parallel/strategy.py), and the `PlanReport` made
 here (is that ShardPlan legal on this hardware, in this parallel mode, and does it fit).
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import textwrap
 
-from .config import ModelConfig, load_config
-from .engine.kv_cache import DEFAULT_BLOCK_SIZE, CacheLayout
-from .engine.workspace import largest_call_bytes
-from .errors import MsinferError, PlanRefused, positive_int
-from .hardware import (DTYPE_BYTES, PROFILES, GiB, HardwareProfile, compute_dtype, dtype_name,
-                       get_profile)
-from .strategy import PARALLEL_MODES, ShardPlan, Strategy, decide_parallel_mode, load_strategy
+from ..config import ModelConfig
+from ..errors import PlanRefused
+from ..hardware import DTYPE_BYTES, GiB, HardwareProfile, compute_dtype, dtype_name
+from ..parallel.strategy import ShardPlan, Strategy, decide_parallel_mode
+from .memory import EngineLimits, engine_memory
 
-DEFAULT_MAX_LEN = 4096  # the longest sequence when none is asked for
-DEFAULT_MAX_NUM_SEQS = 16
-DEFAULT_MAX_PREFILL_TOKENS = 256
-# Share of the memory weights and workspace leave that the KV cache takes by default (the
-# rest absorbs what the workspace estimate misses), as vLLM's gpu_memory_utilization.
-KV_CACHE_UTILIZATION = 0.9
 _TIGHT_MARGIN = 0.10  # below this share of capacity to spare, say that the workspace is a guess
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineLimits:
-    """The engine's knobs that decide its memory: the longest sequence, the KV block size, the
-    prefill chunk, the sequences decoded together, and the KV cache budget (None: what is
-    left on the device)."""
-
-    max_len: int = DEFAULT_MAX_LEN
-    block_size: int = DEFAULT_BLOCK_SIZE
-    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
-    kv_cache_memory: int = None
-
-    def __post_init__(self):
-        for field in ("max_len", "block_size", "max_prefill_tokens", "max_num_seqs"):
-            positive_int(getattr(self, field), field)
-        if self.kv_cache_memory is not None:
-            positive_int(self.kv_cache_memory, "kv_cache_memory")
-
-    @classmethod
-    def for_model(cls, config, max_len=None, block_size=None, max_prefill_tokens=None,
-                  max_num_seqs=None, kv_cache_memory=None):
-        """Defaults filled in; max_len at most the model's max_position_embeddings."""
-        if max_len is None:
-            max_len = default_max_len(config)
-        positive_int(max_len, "max_len")
-        if max_len > config.max_position_embeddings:
-            raise MsinferError(f"max_len {max_len} exceeds the model's "
-                               f"max_position_embeddings {config.max_position_embeddings}")
-        def given(value, default):
-            return default if value is None else value
-
-        max_prefill_tokens = given(max_prefill_tokens, DEFAULT_MAX_PREFILL_TOKENS)
-        if isinstance(max_prefill_tokens, int) and isinstance(max_len, int):
-            max_prefill_tokens = min(max_prefill_tokens, max_len)  # no chunk beyond a sequence
-        return cls(max_len=max_len, block_size=given(block_size, DEFAULT_BLOCK_SIZE),
-                   max_prefill_tokens=max_prefill_tokens,
-                   max_num_seqs=given(max_num_seqs, DEFAULT_MAX_NUM_SEQS),
-                   kv_cache_memory=kv_cache_memory)
-
-
-@dataclasses.dataclass
-class EngineMemory:
-    """What one rank of the engine allocates, in bytes, and its KV cache layout."""
-
-    weights_bytes: int
-    workspace_bytes: int
-    capacity_bytes: int
-    layout: CacheLayout = None  # None: no KV block fits beside the weights and workspace
-    kv_budget_bytes: int = 0
-
-    @property
-    def kv_cache_bytes(self):
-        return self.layout.total_bytes if self.layout else 0
-
-
-def engine_memory(shard, profile, dtype, limits, tensor_rank=0, strict=True):
-    """The engine's allocations on tensor rank `tensor_rank`: its weight slices, the workspace
-    of its largest call, and the KV cache pool sized from the budget (kv_cache_memory, else
-    KV_CACHE_UTILIZATION of what weights and workspace leave of the device, or of this rank's
-    share of the host on CPU), never more than max_num_seqs sequences of max_len can use.
-    `strict`: raise when not even one block fits (the engine); else layout None (the planner).
-    """
-    config = shard.config
-    dtype_bytes = DTYPE_BYTES[dtype]
-    weights = 0
-    for name in config.parameter_shapes():
-        count = 1
-        for s in shard.slices(name, tensor_rank):
-            count *= s.stop - s.start
-        weights += count * dtype_bytes
-    workspace = _workspace_bytes(shard, profile, dtype_bytes, limits)
-    capacity = profile.usable_bytes
-    if profile.shared_host_memory:
-        capacity //= shard.world_size
-    budget = limits.kv_cache_memory
-    if budget is None:
-        budget = int(max(0, capacity - weights - workspace) * KV_CACHE_UTILIZATION)
-    cap = limits.max_num_seqs * -(-limits.max_len // limits.block_size)
-    args = (config.num_layers, shard.local_kv_heads, config.head_dim, limits.block_size,
-            dtype_bytes)
-    per_block = CacheLayout.bytes_per_block(*args)
-    layout = None
-    if strict or budget >= 2 * per_block:
-        layout = CacheLayout.from_budget(budget, *args, max_blocks=cap)
-    return EngineMemory(weights_bytes=weights, workspace_bytes=workspace,
-                        capacity_bytes=capacity, layout=layout, kv_budget_bytes=budget)
 
 
 @dataclasses.dataclass
@@ -187,12 +90,6 @@ class PlanReport:
 
     def to_dict(self) -> dict:
         return {"fits": self.fits, **dataclasses.asdict(self)}
-
-
-def default_max_len(config: ModelConfig) -> int:
-    """The longest sequence when none is asked for: DEFAULT_MAX_LEN, or fewer when the
-    model's max_position_embeddings is smaller."""
-    return min(config.max_position_embeddings, DEFAULT_MAX_LEN)
 
 
 def make_plan(config: ModelConfig, strategy: Strategy, profile: HardwareProfile,
@@ -293,18 +190,6 @@ def _device_memory(shard, profile, dtype, limits):
             workspace_bytes=memory.workspace_bytes, total_bytes=total,
             capacity_bytes=memory.capacity_bytes))
     return devices, layout
-
-
-def _workspace_bytes(shard, profile, dtype_bytes, limits):
-    """Runtime reserve plus the activations of one decoder layer of the engine's largest call
-    (`min_layers_per_graph` layers: two on CPU) (a prefill chunk of max_prefill_tokens, or a decode step of max_num_seqs sequences, over
-    max_len of context; an upper estimate: engine/workspace.py), which bounds every compiled
-    graph's activations (a graph runs no more layers than fit), plus float32 logits of
-    max_num_seqs rows over the whole vocabulary."""
-    largest = largest_call_bytes(shard, dtype_bytes, limits.max_len, limits.max_prefill_tokens,
-                                 limits.max_num_seqs, layers=profile.min_layers_per_graph)
-    logits = limits.max_num_seqs * shard.config.vocab_size * 4
-    return profile.runtime_reserve_bytes + largest + logits
 
 
 def _workspace_formula(profile, limits):
@@ -525,83 +410,3 @@ def format_plan(plan: PlanReport) -> str:
     else:
         lines.append("REFUSED: see the error above.")
     return "\n".join(lines)
-
-
-def _run(args):
-    config = load_config(args.model)
-    strategy = load_strategy(args.strategy)
-    profile = get_profile(args.hardware)
-    plan = make_plan(config, strategy, profile, limits_from_args(config, args), args.dtype,
-                     args.parallel_mode)
-    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
-    return 0 if plan.fits else 1
-
-
-def register_cli(subparsers):
-    parser = subparsers.add_parser(
-        "plan", help="check a strategy against a model and hardware before launch",
-        description="Says whether a shard plan is legal on the hardware and whether it fits: "
-                    "memory per device, collectives per token, dtype, decode speed bound. "
-                    "Exit 0 when it fits, 1 when it does not fit or is refused, 2 for bad input.")
-    parser.add_argument("--model", required=True,
-                        help="model directory (with config.json) or qwen2-0.5b, qwen2-1.5b, "
-                             "qwen2-7b, qwen2-72b")
-    parser.add_argument("--strategy", required=True, help="strategy file, e.g. "
-                                                          "strategies/qwen2_tp4.yaml")
-    parser.add_argument("--hardware", required=True, choices=sorted(PROFILES),
-                        help="hardware profile")
-    add_engine_arguments(parser)
-    parser.add_argument("--parallel-mode", choices=PARALLEL_MODES, default=None,
-                        help="default: the strategy's parallel_mode, else explicit")
-    parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES),
-                        help="compute dtype (default: the hardware's policy)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.set_defaults(func=_run)
-
-
-def parse_bytes(text):
-    """'536870912', '512MiB', '2GiB', '1.5GB' -> bytes."""
-    units = {"kib": 1024, "mib": 1024 ** 2, "gib": GiB, "kb": 1e3, "mb": 1e6, "gb": 1e9,
-             "b": 1}
-    value = str(text).strip().lower()
-    for unit, scale in units.items():
-        if value.endswith(unit):
-            value, factor = value[:-len(unit)], scale
-            break
-    else:
-        factor = 1
-    try:
-        result = int(float(value) * factor)
-    except ValueError:
-        raise MsinferError(f"--kv-cache-memory {text!r}: expected bytes like 536870912, "
-                           f"512MiB or 2GiB") from None
-    if result < 1:
-        raise MsinferError(f"--kv-cache-memory {text!r}: must be positive")
-    return result
-
-
-def add_engine_arguments(parser):
-    """The engine knobs, the same for plan, generate, serve (and launch reads them)."""
-    parser.add_argument("--max-len", type=int, default=None,
-                        help=f"longest sequence, prompt plus generated tokens (default: "
-                             f"min(max_position_embeddings, {DEFAULT_MAX_LEN}))")
-    parser.add_argument("--max-num-seqs", type=int, default=None,
-                        help=f"sequences decoded together (default {DEFAULT_MAX_NUM_SEQS})")
-    parser.add_argument("--max-prefill-tokens", type=int, default=None,
-                        help=f"tokens per prefill chunk (default {DEFAULT_MAX_PREFILL_TOKENS})")
-    parser.add_argument("--block-size", type=int, default=None,
-                        help=f"tokens per KV cache block (default {DEFAULT_BLOCK_SIZE})")
-    parser.add_argument("--kv-cache-memory", default=None, metavar="BYTES",
-                        help="KV cache per rank, e.g. 2GiB (default: "
-                             f"{KV_CACHE_UTILIZATION:.0%}% of what weights and workspace leave)")
-
-
-def limits_from_args(config, args):
-    return EngineLimits.for_model(config, max_len=args.max_len, block_size=args.block_size,
-                                  max_prefill_tokens=args.max_prefill_tokens,
-                                  max_num_seqs=args.max_num_seqs,
-                                  kv_cache_memory=kv_cache_memory_from_args(args))
-
-
-def kv_cache_memory_from_args(args):
-    return None if args.kv_cache_memory is None else parse_bytes(args.kv_cache_memory)

@@ -27,11 +27,11 @@ import time
 
 import numpy as np
 
-from . import log
-from .errors import MsinferError
+from .. import log
+from ..errors import MsinferError
 
 OPS = ("AllReduce", "AllGather")
-_DTYPES = {"float32": np.float32, "float16": np.float16}
+DTYPES = {"float32": np.float32, "float16": np.float16}
 _UNITS = {"": 1, "K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}
 DEFINITIONS = {
     "size": "AllReduce: bytes each rank sends and receives; AllGather: bytes each rank "
@@ -43,38 +43,6 @@ DEFINITIONS = {
              "n = ranks per group",
     "check": "every rank's last result equals the expected values exactly",
 }
-
-
-def register_cli(subparsers):
-    p = subparsers.add_parser(
-        "commtest", help="time and check AllReduce/AllGather on the job's groups (every rank)",
-        description="Run inside every rank (msinfer launch --nproc N -- commtest). Rank 0 "
-                    "prints per size: avg time, algorithm and bus bandwidth (nccl-tests "
-                    "definitions) and a success/failed check. Exit 1 if a check fails.")
-    p.add_argument("--strategy", default=None,
-                   help="strategy YAML: its tensor groups are measured too (default: the "
-                        "world only)")
-    p.add_argument("--hardware", default="cpu", help="hardware profile (default: cpu)")
-    p.add_argument("--model", default=None,
-                   help="model directory or preset: also estimate the time its collectives "
-                        "take per decoded token from the measured sizes")
-    p.add_argument("--rank-table", default=None, help="HCCL rank table (rank-table mode)")
-    p.add_argument("--min-bytes", default="8", help="smallest message (default 8, as hccl_test)")
-    p.add_argument("--max-bytes", default=None,
-                   help="largest message, K/M/G = KiB/MiB/GiB (default 64M as hccl_test; "
-                        "1M on --hardware cpu, where every byte crosses host sockets)")
-    p.add_argument("--factor", type=int, default=2, help="size step factor (default 2)")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
-                   help="element type (default: the hardware's compute dtype)")
-    p.add_argument("--iters", type=int, default=20, help="timed calls per size (default 20)")
-    p.add_argument("--warmup", type=int, default=5,
-                   help="untimed calls first, at least one (it compiles); default 5")
-    p.add_argument("--pairs", action="store_true",
-                   help="also measure same-card vs cross-card pairs with two chips per card "
-                        "(devices 2k and 2k+1 share a card); on by default on a 300I Duo")
-    p.add_argument("--json", action="store_true", help="rank 0 prints one JSON object instead")
-    p.add_argument("--output", metavar="FILE", help="rank 0 also writes the JSON to FILE")
-    p.set_defaults(func=run)
 
 
 def parse_size(text):
@@ -146,8 +114,8 @@ def pair_groups(chips, per_card=2):
 
 
 def run(args):
-    from .distributed import all_gather_rows, init_distributed
-    from .hardware import get_profile
+    from ..hardware import get_profile
+    from ..parallel.distributed import all_gather_rows, init_distributed
 
     profile = get_profile(args.hardware)
     min_bytes = parse_size(args.min_bytes)
@@ -156,7 +124,7 @@ def run(args):
     if args.iters < 1 or args.warmup < 0:
         raise MsinferError(f"--iters {args.iters} / --warmup {args.warmup}: need iters >= 1 "
                            f"and warmup >= 0")
-    dtype = args.dtype or next((d for d in profile.dtypes if d in _DTYPES), "float16")
+    dtype = args.dtype or next((d for d in profile.dtypes if d in DTYPES), "float16")
     strategy, plan = _strategy_and_plan(args)
     info = init_distributed(profile.device_target, strategy.world_size, args.rank_table)
     if info.world_size < 2:
@@ -172,8 +140,8 @@ def run(args):
         chips, chips_note = list(range(info.world_size)), "chip ids taken as rank numbers"
     groups, skipped, names = _groups(info, plan, chips, profile, args.pairs)
 
-    runner = _Runner(info, _DTYPES[dtype], args.iters, args.warmup, corrupt, names)
-    itemsize = np.dtype(_DTYPES[dtype]).itemsize
+    runner = _Runner(info, DTYPES[dtype], args.iters, args.warmup, corrupt, names)
+    itemsize = np.dtype(DTYPES[dtype]).itemsize
     results = []
     for scope, members in groups.items():
         mine = next((g for g in members if info.rank in g), None)
@@ -217,8 +185,8 @@ def run(args):
 
 
 def _strategy_and_plan(args):
-    from .config import load_config
-    from .strategy import Strategy, load_strategy
+    from ..config import load_config
+    from ..parallel.strategy import Strategy, load_strategy
 
     if args.strategy:
         strategy = load_strategy(args.strategy)
@@ -231,7 +199,7 @@ def _strategy_and_plan(args):
 
 def _job_size():
     """The number of ranks the launcher started, read before joining the job."""
-    from .distributed import mpi_world
+    from ..parallel.distributed import mpi_world
 
     world = mpi_world()
     if world:
@@ -245,7 +213,7 @@ def _job_size():
 def _groups(info, plan, chips, profile, pairs):
     """{scope: [ranks of each group]} measured, what is not measured and why, and the name
     of this rank's tensor group (created by the model's own `tensor_group`)."""
-    from .distributed import tensor_group
+    from ..parallel.distributed import tensor_group
 
     world = list(range(info.world_size))
     groups = {"world": [world]}
@@ -418,8 +386,9 @@ def model_estimate(model, strategy, profile, dtype, rows):
     """The collectives one decoded token of `model` costs (batch 1 per replica, from the
     planner), each timed at the measured size nearest above its payload, in the tensor group
     (or the world when that is the tensor group)."""
-    from .config import load_config
-    from .plan import EngineLimits, make_plan
+    from ..config import load_config
+    from ..planning.memory import EngineLimits
+    from ..planning.planner import make_plan
 
     # One sequence per data replica: replicas decode side by side, each in its own group.
     config = load_config(model)

@@ -1,0 +1,1 @@
+"""The `msinfer` command line: main.py assembles one module per subcommand."""

@@ -1,0 +1,32 @@
+"""Options several subcommands share: the engine's limits (plan, generate, serve; launch
+reads them from the rank command)."""
+from ..planning.kv_layout import DEFAULT_BLOCK_SIZE
+from ..planning.memory import (DEFAULT_MAX_LEN, DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_PREFILL_TOKENS,
+                               KV_CACHE_UTILIZATION, EngineLimits, parse_bytes)
+
+
+def add_engine_arguments(parser):
+    """The engine knobs, the same for plan, generate, serve (and launch reads them)."""
+    parser.add_argument("--max-len", type=int, default=None,
+                        help=f"longest sequence, prompt plus generated tokens (default: "
+                             f"min(max_position_embeddings, {DEFAULT_MAX_LEN}))")
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help=f"sequences decoded together (default {DEFAULT_MAX_NUM_SEQS})")
+    parser.add_argument("--max-prefill-tokens", type=int, default=None,
+                        help=f"tokens per prefill chunk (default {DEFAULT_MAX_PREFILL_TOKENS})")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help=f"tokens per KV cache block (default {DEFAULT_BLOCK_SIZE})")
+    parser.add_argument("--kv-cache-memory", default=None, metavar="BYTES",
+                        help="KV cache per rank, e.g. 2GiB (default: "
+                             f"{KV_CACHE_UTILIZATION:.0%}% of what weights and workspace leave)")
+
+
+def limits_from_args(config, args):
+    return EngineLimits.for_model(config, max_len=args.max_len, block_size=args.block_size,
+                                  max_prefill_tokens=args.max_prefill_tokens,
+                                  max_num_seqs=args.max_num_seqs,
+                                  kv_cache_memory=kv_cache_memory_from_args(args))
+
+
+def kv_cache_memory_from_args(args):
+    return None if args.kv_cache_memory is None else parse_bytes(args.kv_cache_memory)

@@ -1,0 +1,40 @@
+"""The block manager: hands out the KV cache's blocks to sequences and takes them back.
+
+The cache's layout and slot arithmetic are planning/kv_layout.py's (the planner sizes the same
+pool); this module only keeps the free list.
+"""
+import collections
+
+from ..planning.kv_layout import TRASH_BLOCK, CacheLayout
+
+
+class BlockManager:
+    """Free list of cache blocks; a sequence holds `seq.block_table` and gives it back whole."""
+
+    def __init__(self, layout: CacheLayout):
+        self.layout = layout
+        self.free = collections.deque(b for b in range(layout.num_blocks) if b != TRASH_BLOCK)
+
+    @property
+    def num_usable(self) -> int:
+        return self.layout.num_blocks - 1
+
+    @property
+    def num_used(self) -> int:
+        return self.num_usable - len(self.free)
+
+    def can_hold(self, seq, tokens: int) -> bool:
+        """Whether `seq` can grow to `tokens` positions with the free blocks."""
+        return self.layout.blocks_for(tokens) - len(seq.block_table) <= len(self.free)
+
+    def grow(self, seq, tokens: int) -> None:
+        """Give `seq` blocks for positions 0..tokens-1 (check `can_hold` first)."""
+        need = self.layout.blocks_for(tokens) - len(seq.block_table)
+        if need > len(self.free):
+            raise RuntimeError(f"{need} blocks asked, {len(self.free)} free")
+        for _ in range(need):
+            seq.block_table.append(self.free.popleft())
+
+    def release(self, seq) -> None:
+        self.free.extend(seq.block_table)
+        seq.block_table = []

@@ -1,0 +1,154 @@
+"""What one rank of the engine allocates: the engine's limits, its weights, its workspace and
+its KV cache pool, from the same formulas the planner reports and the engine sizes itself with.
+
+Pure arithmetic over a ShardPlan and a hardware profile: no MindSpore, no tokenizer, so
+`msinfer plan` runs on a machine where neither is installed.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ..errors import MsinferError, positive_int
+from ..hardware import DTYPE_BYTES, GiB
+from .kv_layout import DEFAULT_BLOCK_SIZE, CacheLayout
+from .workspace import largest_call_bytes
+
+DEFAULT_MAX_LEN = 4096  # the longest sequence when none is asked for
+
+
+DEFAULT_MAX_NUM_SEQS = 16
+
+
+DEFAULT_MAX_PREFILL_TOKENS = 256
+
+
+# Share of the memory weights and workspace leave that the KV cache takes by default (the
+# rest absorbs what the workspace estimate misses), as vLLM's gpu_memory_utilization.
+KV_CACHE_UTILIZATION = 0.9
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineLimits:
+    """The engine's knobs that decide its memory: the longest sequence, the KV block size, the
+    prefill chunk, the sequences decoded together, and the KV cache budget (None: what is
+    left on the device)."""
+
+    max_len: int = DEFAULT_MAX_LEN
+    block_size: int = DEFAULT_BLOCK_SIZE
+    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    kv_cache_memory: int = None
+
+    def __post_init__(self):
+        for field in ("max_len", "block_size", "max_prefill_tokens", "max_num_seqs"):
+            positive_int(getattr(self, field), field)
+        if self.kv_cache_memory is not None:
+            positive_int(self.kv_cache_memory, "kv_cache_memory")
+
+    @classmethod
+    def for_model(cls, config, max_len=None, block_size=None, max_prefill_tokens=None,
+                  max_num_seqs=None, kv_cache_memory=None):
+        """Defaults filled in; max_len at most the model's max_position_embeddings."""
+        if max_len is None:
+            max_len = default_max_len(config)
+        positive_int(max_len, "max_len")
+        if max_len > config.max_position_embeddings:
+            raise MsinferError(f"max_len {max_len} exceeds the model's "
+                               f"max_position_embeddings {config.max_position_embeddings}")
+        def given(value, default):
+            return default if value is None else value
+
+        max_prefill_tokens = given(max_prefill_tokens, DEFAULT_MAX_PREFILL_TOKENS)
+        if isinstance(max_prefill_tokens, int) and isinstance(max_len, int):
+            max_prefill_tokens = min(max_prefill_tokens, max_len)  # no chunk beyond a sequence
+        return cls(max_len=max_len, block_size=given(block_size, DEFAULT_BLOCK_SIZE),
+                   max_prefill_tokens=max_prefill_tokens,
+                   max_num_seqs=given(max_num_seqs, DEFAULT_MAX_NUM_SEQS),
+                   kv_cache_memory=kv_cache_memory)
+
+
+@dataclasses.dataclass
+class EngineMemory:
+    """What one rank of the engine allocates, in bytes, and its KV cache layout."""
+
+    weights_bytes: int
+    workspace_bytes: int
+    capacity_bytes: int
+    layout: CacheLayout = None  # None: no KV block fits beside the weights and workspace
+    kv_budget_bytes: int = 0
+
+    @property
+    def kv_cache_bytes(self):
+        return self.layout.total_bytes if self.layout else 0
+
+
+def engine_memory(shard, profile, dtype, limits, tensor_rank=0, strict=True):
+    """The engine's allocations on tensor rank `tensor_rank`: its weight slices, the workspace
+    of its largest call, and the KV cache pool sized from the budget (kv_cache_memory, else
+    KV_CACHE_UTILIZATION of what weights and workspace leave of the device, or of this rank's
+    share of the host on CPU), never more than max_num_seqs sequences of max_len can use.
+    `strict`: raise when not even one block fits (the engine); else layout None (the planner).
+    """
+    config = shard.config
+    dtype_bytes = DTYPE_BYTES[dtype]
+    weights = 0
+    for name in config.parameter_shapes():
+        count = 1
+        for s in shard.slices(name, tensor_rank):
+            count *= s.stop - s.start
+        weights += count * dtype_bytes
+    workspace = workspace_bytes(shard, profile, dtype_bytes, limits)
+    capacity = profile.usable_bytes
+    if profile.shared_host_memory:
+        capacity //= shard.world_size
+    budget = limits.kv_cache_memory
+    if budget is None:
+        budget = int(max(0, capacity - weights - workspace) * KV_CACHE_UTILIZATION)
+    cap = limits.max_num_seqs * -(-limits.max_len // limits.block_size)
+    args = (config.num_layers, shard.local_kv_heads, config.head_dim, limits.block_size,
+            dtype_bytes)
+    per_block = CacheLayout.bytes_per_block(*args)
+    layout = None
+    if strict or budget >= 2 * per_block:
+        layout = CacheLayout.from_budget(budget, *args, max_blocks=cap)
+    return EngineMemory(weights_bytes=weights, workspace_bytes=workspace,
+                        capacity_bytes=capacity, layout=layout, kv_budget_bytes=budget)
+
+
+def workspace_bytes(shard, profile, dtype_bytes, limits):
+    """Runtime reserve plus the activations of one decoder layer of the engine's largest call
+    (`min_layers_per_graph` layers: two on CPU) (a prefill chunk of max_prefill_tokens, or a decode step of max_num_seqs sequences, over
+    max_len of context; an upper estimate: engine/workspace.py), which bounds every compiled
+    graph's activations (a graph runs no more layers than fit), plus float32 logits of
+    max_num_seqs rows over the whole vocabulary."""
+    largest = largest_call_bytes(shard, dtype_bytes, limits.max_len, limits.max_prefill_tokens,
+                                 limits.max_num_seqs, layers=profile.min_layers_per_graph)
+    logits = limits.max_num_seqs * shard.config.vocab_size * 4
+    return profile.runtime_reserve_bytes + largest + logits
+
+
+def default_max_len(config) -> int:
+    """The longest sequence when none is asked for: DEFAULT_MAX_LEN, or fewer when the
+    model's max_position_embeddings is smaller."""
+    return min(config.max_position_embeddings, DEFAULT_MAX_LEN)
+
+
+def parse_bytes(text):
+    """'536870912', '512MiB', '2GiB', '1.5GB' -> bytes."""
+    units = {"kib": 1024, "mib": 1024 ** 2, "gib": GiB, "kb": 1e3, "mb": 1e6, "gb": 1e9,
+             "b": 1}
+    value = str(text).strip().lower()
+    for unit, scale in units.items():
+        if value.endswith(unit):
+            value, factor = value[:-len(unit)], scale
+            break
+    else:
+        factor = 1
+    try:
+        result = int(float(value) * factor)
+    except ValueError:
+        raise MsinferError(f"--kv-cache-memory {text!r}: expected bytes like 536870912, "
+                           f"512MiB or 2GiB") from None
+    if result < 1:
+        raise MsinferError(f"--kv-cache-memory {text!r}: must be positive")
+    return result
