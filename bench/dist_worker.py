@@ -87,14 +87,19 @@ def without_collectives(llm):
                 cell.vocab_gather = None
         return graph
 
+    class _StrippedStacks(dict):
+        """The runner's stacks, built again on first use (it stores each one it builds
+        here) and stripped as they are stored."""
+
+        def __setitem__(self, count, stack):
+            super().__setitem__(count, strip(stack))
+
     runner = llm.engine.runner
     strip(runner.embedding)
     strip(runner.head)
     runner.embedding = _EmbeddingGraph(runner.embedding)
     runner.head = _HeadGraph(runner.head)
-    build = runner.new_stack
-    runner.new_stack = lambda count: strip(build(count))
-    runner.stacks = {}  # built again, stripped, on first use
+    runner.stacks = _StrippedStacks()
 
 
 def param_bytes(runner):

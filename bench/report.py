@@ -178,6 +178,17 @@ def table(results):
                  + ", ".join(f"{lib['internal_api']} {lib['version']} {lib['architecture']}"
                              for lib in bwp["blas"].get("libraries", [])))
 
+    if results.get("profile"):
+        lines.append("")
+        lines.append("where an msinfer decode step goes (--profile; each call's output copied "
+                     "to the host), ms")
+        for p in results["profile"].values():
+            lines.append(
+                f"batch {p['batch']:>2}: step {p['step_seconds'] * 1e3:.1f} = embedding "
+                f"{p['embedding_seconds'] * 1e3:.1f} + {p['stack_calls_per_step']} call(s) of "
+                f"{p['layers_per_stack_call']} layers x {p['stack_call_seconds'] * 1e3:.2f} + "
+                f"lm_head {p['head_seconds'] * 1e3:.1f} + host {p['host_seconds'] * 1e3:.1f}")
+
     dist = results["distributed"]
     lines.append("")
     lines.append(f"tensor parallel under mpirun ({dist['model']['dir']}: "

@@ -1,6 +1,6 @@
 """msinfer vs HF transformers on this machine, against its memory-bandwidth limit.
 
-    python bench/run.py [--quick] [--out bench/results]
+    python bench/run.py [--quick] [--profile] [--out bench/results]
 
 One command: makes the random Qwen2 checkpoints if missing (models/, git-ignored), measures
 the machine's streaming bandwidth, runs msinfer and HF transformers side by side on the same
@@ -391,6 +391,9 @@ def main(argv=None):
                         f"load the machine (default {RETRIES})")
     p.add_argument("--threads-variants", action="store_true",
                    help="also run tp2/tp4 with runtime_num_threads = cores / ranks")
+    p.add_argument("--profile", action="store_true",
+                   help="after the decode cases, time each graph call of one more msinfer "
+                        "generate per batch: where a decode step goes")
     args = p.parse_args(argv)
     cfg = dict(QUICK if args.quick else FULL)
     if args.reps:
@@ -446,10 +449,11 @@ def main(argv=None):
     memory_trace = {s.name: [("load", s.hello["rss_bytes"])] for s in sides}
     memory_trace["msinfer"].append(("compile pass", msinfer.ask(op="memory")["rss_bytes"]))
 
-    cases = {}
+    cases, decode_prompts = {}, {}
     for batch, tokens in cfg["decode_tokens"].items():
         log(f"decode, batch {batch}: {tokens} tokens after a {cfg['prompt_len']}-token prompt")
-        prompts = prompts_for(rng, batch, cfg["prompt_len"], config.vocab_size)
+        prompts = decode_prompts[batch] = prompts_for(rng, batch, cfg["prompt_len"],
+                                                      config.vocab_size)
         cases[f"decode_b{batch}"] = run_pair(sides, prompts, tokens, cfg["reps"], log)
         for s in sides:
             memory_trace[s.name].append((f"decode_b{batch}", s.ask(op="memory")["rss_bytes"]))
@@ -462,6 +466,12 @@ def main(argv=None):
     results["cases"] = cases
     results["memory"] = {s.name: dict(s.ask(op="memory"), rss_bytes_after=memory_trace[s.name])
                          for s in sides}
+    if args.profile:  # after the figures above, on shapes their cases compiled
+        results["profile"] = {}
+        for batch, tokens in cfg["decode_tokens"].items():
+            log(f"profile, batch {batch}")
+            results["profile"][f"decode_b{batch}"] = msinfer.ask(
+                op="profile", prompts=decode_prompts[batch], max_tokens=tokens)
     for s in sides:
         s.close()
 

@@ -9,6 +9,9 @@ Requests:
       greedy, ignore_eos: exactly N new tokens per prompt; answers seconds (wall time around
       the generate call), token_ids, and for msinfer the runner's graph timings and
       compilations
+  {"op": "profile", "prompts": [[ids], ...], "max_tokens": N}
+      msinfer only: one such generate with every graph call of its decode steps timed
+      (MsinferSide.profile)
   {"op": "memory"}  -> current and peak RSS of this process
   {"op": "exit"}
 The first answer, sent unasked, reports the load: seconds to load the weights, versions, and
@@ -17,6 +20,7 @@ for msinfer its buckets and allocations (weights, KV pool, workspace).
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -67,8 +71,10 @@ def load_hf(model_dir):
 
 
 def greedy(max_tokens):
-    """msinfer's SamplingParams for exactly max_tokens greedy tokens, no end-of-sequence stop."""
-    from msinfer.engine.sampling import SamplingParams
+    """msinfer's SamplingParams for exactly max_tokens greedy tokens, no end-of-sequence stop.
+    Imported from the package's top level, the one place both this package and the old
+    static-batch engine (bench/engine.py's old side, commit 8717a73) export it."""
+    from msinfer import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
 
@@ -122,6 +128,74 @@ class MsinferSide:
         return {"seconds": seconds, "token_ids": [o.token_ids for o in outputs],
                 "engine_stats": stats, "new_compilations": self.llm.compilations - compiled,
                 "compilations": self.llm.compilations}
+
+    def profile(self, prompts, max_tokens):
+        """Where a decode step goes (run.py --profile): one generate with each graph call of
+        its decode steps timed, its output copied to the host so that the time is the call's
+        own. Answers, over the steps that decode the whole batch, the medians of the step
+        (runner.decode), its embedding, each stack call (and how many a step makes) and
+        its lm_head; host = step - the calls (inputs built, logits sliced)."""
+        runner = self.llm.engine.runner
+        steps, decoding = [], []
+
+        def record(name, seconds):
+            if decoding:
+                steps[-1][name].append(seconds)
+
+        def decode(seqs):
+            steps.append({"batch": len(seqs), "embedding": [], "stack": [], "head": []})
+            decoding.append(True)
+            start = time.perf_counter()
+            try:
+                return plain_decode(seqs)
+            finally:
+                steps[-1]["step"] = time.perf_counter() - start
+                decoding.clear()
+
+        graphs = runner.embedding, runner.stacks, runner.head
+        plain_decode, compiled = runner.decode, self.llm.compilations
+        runner.embedding = Timed(graphs[0], "embedding", record)
+        runner.stacks = {k: Timed(g, "stack", record) for k, g in graphs[1].items()}
+        runner.head = Timed(graphs[2], "head", record)
+        runner.decode = decode
+        try:
+            self.llm.generate(prompts, greedy(max_tokens))
+        finally:
+            del runner.decode
+            for k, g in runner.stacks.items():  # a stack built meanwhile is kept, untimed
+                graphs[1][k] = g.graph if isinstance(g, Timed) else g
+            runner.embedding, runner.stacks, runner.head = graphs
+        full = [s for s in steps if s["batch"] == len(prompts)]
+        med = statistics.median
+        figures = {"batch": len(prompts), "decode_steps": len(full),
+                   "step_seconds": med(s["step"] for s in full),
+                   "embedding_seconds": med(sum(s["embedding"]) for s in full),
+                   "stack_calls_per_step": len(full[0]["stack"]),
+                   "layers_per_stack_call": runner.num_layers // len(full[0]["stack"]),
+                   "stack_call_seconds": med(t for s in full for t in s["stack"]),
+                   "head_seconds": med(sum(s["head"]) for s in full),
+                   "new_compilations": self.llm.compilations - compiled}
+        figures["host_seconds"] = med(s["step"] - sum(s["embedding"]) - sum(s["stack"])
+                                      - sum(s["head"]) for s in full)
+        return figures
+
+
+class Timed:
+    """Stands in for one of the runner's graphs (its other attributes pass through): each
+    call's wall time, the output copied to the host first, goes to record(name, seconds)."""
+
+    def __init__(self, graph, name, record):
+        self.graph, self.name, self.record = graph, name, record
+
+    def __getattr__(self, attr):  # compile_cache, transposed_for, ...
+        return getattr(self.graph, attr)
+
+    def __call__(self, *args):
+        start = time.perf_counter()
+        out = self.graph(*args)
+        out.asnumpy()
+        self.record(self.name, time.perf_counter() - start)
+        return out
 
 
 class HFSide:
