@@ -9,8 +9,8 @@ import pytest
 
 from msinfer.errors import MsinferError
 from msinfer.parallel import ranktable
-from msinfer.parallel.distributed import (bridge_environment, detect_launcher, rank_environment,
-                                          scheduler_host, spans_hosts)
+from msinfer.parallel.distributed import (bridge_environment, detect_launcher, rank0_host,
+                                          rank_environment, spans_hosts)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -118,11 +118,20 @@ def test_mpirun_on_cpu_bridges_to_mindspore_cluster_and_refuses_a_rank_table(tab
 def test_bridge_listens_on_loopback_on_one_host_and_on_the_host_address_across_hosts():
     one_host = mpirun_env(0, 4)
     assert not spans_hosts(one_host)
-    assert scheduler_host(one_host) == "127.0.0.1"
+    assert rank0_host(one_host) == "127.0.0.1"
     # `msinfer launch --hostfile` exports MSINFER_MULTI_HOST=1; mpirun's local size says it too.
     for env in (mpirun_env(0, 8, MSINFER_MULTI_HOST="1"), mpirun_env(0, 8, local_size=4)):
         assert spans_hosts(env)
-        assert scheduler_host(env) == ranktable.host_ip()
+        assert rank0_host(env) == ranktable.host_ip()
+
+
+def test_the_handoff_listens_where_the_scheduler_is_reached_unless_told_otherwise():
+    # msrun across hosts (or the bridge once joined) says so by its scheduler's address
+    assert rank0_host({"MS_SCHED_HOST": "127.0.0.1"}) == "127.0.0.1"
+    assert rank0_host({"MS_SCHED_HOST": "10.0.0.7"}) == ranktable.host_ip()
+    told = {"MSINFER_HANDOFF_HOST": "localhost", "MSINFER_MULTI_HOST": "1"}
+    assert rank0_host(told, override="MSINFER_HANDOFF_HOST") == "127.0.0.1"
+    assert rank0_host(told) == ranktable.host_ip()  # the override only where asked for
 
 
 def test_device_id_from_the_table_wins_over_the_one_mindspore_read_from_mpi(table, tmp_path):

@@ -270,7 +270,7 @@ def _join_dynamic_cluster():
     rank, size = comm.Get_rank(), comm.Get_size()
     address = None
     if rank == 0:
-        address = (scheduler_host(), free_port())
+        address = (rank0_host(), free_port())
     host, port = comm.bcast(address, root=0)
     apply_environment(rank_environment("mpirun-bridge", os.environ))
     cluster = bridge_environment(rank, size, host, port)
@@ -281,13 +281,22 @@ def _join_dynamic_cluster():
     apply_environment(cluster)
 
 
-def scheduler_host(env: Mapping[str, str] | None = None) -> str:
-    """Where rank 0 of the bridge listens: loopback when every rank is on this host, else this
-    host's address as the others reach it (the source address of its default route)."""
-    if not spans_hosts(env):
-        return "127.0.0.1"
-    from .ranktable import host_ip
-    return host_ip()
+def rank0_host(env: Mapping[str, str] | None = None, override: str | None = None) -> str:
+    """Where rank 0 listens for the other ranks of its job (the bridge's scheduler, the
+    server's hand-off channel): loopback when every rank is on this host, else this host's
+    address as the others reach it (the source address of its default route).
+
+    The job spans hosts when `spans_hosts` says so, or when MindSpore's scheduler is not on
+    loopback (MS_SCHED_HOST: msrun across hosts, or the bridge's scheduler once joined).
+    override: an environment variable that, when set, names the host instead (its address is
+    returned)."""
+    env = os.environ if env is None else env
+    if override and env.get(override):
+        return socket.gethostbyname(env[override])
+    if spans_hosts(env) or not env.get("MS_SCHED_HOST", "127.0.0.1").startswith("127."):
+        from .ranktable import host_ip
+        return host_ip()
+    return "127.0.0.1"
 
 
 def _start_scheduler(env):
@@ -305,18 +314,31 @@ def _start_scheduler(env):
 
 
 def job_seed(info: DistInfo) -> int:
-    """A random seed that every rank of the job agrees on (rank 0's, shared by AllReduce).
+    """A random seed that every rank of the job agrees on (rank 0's).
 
     Requests without a seed still have to sample the same token on every rank, or the ranks
     would feed different ids into the next step's collectives."""
+    seed = int.from_bytes(os.urandom(3), "little")  # < 2**24, as broadcast_from_rank0 needs
+    return broadcast_from_rank0(info, [seed])[0]
+
+
+def broadcast_from_rank0(info: DistInfo, values: list[int]) -> list[int]:
+    """Rank 0's `values` on every rank of the job, through one AllReduce over the job to
+    which the other ranks add zeros (the values they pass only give the length).
+
+    Only for a few small non-negative integers below 2**24: they travel as float32 (MindSpore's
+    CPU AllReduce takes no int32), which carries exactly the integers up to 2**24. Alone
+    (world size 1) no collective runs."""
+    values = [int(v) for v in values]
+    if info.rank == 0 and not all(0 <= v < 1 << 24 for v in values):
+        raise ValueError(f"broadcast_from_rank0 carries integers in 0..2**24-1 exactly, "
+                         f"not {values}")
+    if info.world_size == 1:
+        return values
     import numpy as np
 
-    seed = int.from_bytes(os.urandom(3), "little")  # < 2**24: exact in float32
-    if info.world_size == 1:
-        return seed
-    # float32: MindSpore's CPU AllReduce takes no int32
-    mine = np.array([seed if info.rank == 0 else 0], np.float32)
-    return int(_over_the_job("AllReduce", mine)[0])
+    mine = np.array(values if info.rank == 0 else [0] * len(values), np.float32)
+    return [int(v) for v in _over_the_job("AllReduce", mine)]
 
 
 def tensor_group(info: DistInfo, shard_plan: ShardPlan) -> str | None:

@@ -21,6 +21,7 @@ import time
 
 from .. import log
 from ..errors import MsinferError
+from ..parallel.distributed import broadcast_from_rank0, rank0_host
 
 WATCH_INTERVAL = 0.5  # seconds between checks that the peers are still there
 _HEADER = struct.Struct(">I")
@@ -31,39 +32,23 @@ def open_channel(dist):
     """Rank 0 gets a `Leader` (with no followers on one device), the others a `Follower`."""
     if dist.world_size == 1:
         return Leader([])
-    import numpy as np
-
-    from ..parallel.distributed import _over_the_job
-
     listener = None
-    mine = np.zeros(7, np.float32)
+    mine = [0] * 7
     if dist.rank == 0:
-        host = _leader_host()
+        # loopback when the whole job is on this host, else this host's address as the others
+        # reach it (where the mpirun bridge's scheduler listens); MSINFER_HANDOFF_HOST overrides
+        host = rank0_host(override="MSINFER_HANDOFF_HOST")
         listener = socket.create_server((host, 0), backlog=dist.world_size)
         port = listener.getsockname()[1]
         token = int.from_bytes(os.urandom(6), "little")
-        # float32 carries integers below 2**24 exactly: split the token into two halves
-        mine[:] = [*socket.inet_aton(host), port, token >> 24, token & 0xFFFFFF]
-    agreed = _over_the_job("AllReduce", mine).astype(np.int64)
-    host, port = socket.inet_ntoa(bytes(int(b) for b in agreed[:4])), int(agreed[4])
-    token = (int(agreed[5]) << 24) | int(agreed[6])
+        # broadcast_from_rank0 carries integers below 2**24: the token travels in two halves
+        mine = [*socket.inet_aton(host), port, token >> 24, token & 0xFFFFFF]
+    agreed = broadcast_from_rank0(dist, mine)
+    host, port = socket.inet_ntoa(bytes(agreed[:4])), agreed[4]
+    token = (agreed[5] << 24) | agreed[6]
     if dist.rank == 0:
         return Leader(_accept_followers(listener, dist.world_size - 1, token))
     return Follower(_connect(host, port, token, dist.rank), local=host == "127.0.0.1")
-
-
-def _leader_host():
-    """Where rank 0 listens: loopback when the whole job is on this host, else this host's
-    address as the others reach it (as the mpirun bridge's scheduler does);
-    MSINFER_HANDOFF_HOST overrides."""
-    from ..parallel.distributed import spans_hosts
-    from ..parallel.ranktable import host_ip
-
-    if os.environ.get("MSINFER_HANDOFF_HOST"):
-        return socket.gethostbyname(os.environ["MSINFER_HANDOFF_HOST"])
-    if spans_hosts() or not os.environ.get("MS_SCHED_HOST", "127.0.0.1").startswith("127."):
-        return host_ip()
-    return "127.0.0.1"
 
 
 def _accept_followers(listener, count, token):
@@ -151,10 +136,6 @@ class Leader:
         self.bytes = 0
         self.seconds = 0.0
         self._done = False
-
-    @property
-    def world_size(self):
-        return len(self.followers) + 1
 
     def send(self, frame):
         """Hand one step's frame to every rank; returns the seconds it took (0 alone)."""
