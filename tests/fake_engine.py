@@ -1,16 +1,20 @@
 """A stand-in for `LLM` and its engine, for fast HTTP and protocol tests of `msinfer serve`.
 
-Same interface as msinfer's LLMEngine (add_request / abort_request / step / stats), with the
-same refusals, a KV pool counted in blocks, a running-batch limit and a step delay, but no
-model: a request's tokens are the UTF-8 bytes of a fixed text (with multi-byte characters, so
-streaming meets incomplete characters), starting at an offset its prompt chooses.
+Same interface as msinfer's LLMEngine (add_request / abort_request / step / stats), with its
+refusals (`check_request_limits`) and stop-string cut (`find_stop`), a KV pool counted in
+blocks, a running-batch limit and a step delay, but no model: a request's tokens are the UTF-8
+bytes of a fixed text (with multi-byte characters, so streaming meets incomplete characters),
+starting at an offset its prompt chooses.
 """
 import math
 import time
 import types
 
 from msinfer.engine import EngineStats, RequestOutput  # the real engine's output types
+from msinfer.engine.llm_engine import check_request_limits
+from msinfer.engine.tokenizer import find_stop
 from msinfer.errors import MsinferError
+from msinfer.planning.kv_layout import CacheLayout
 
 TEXT = "Hello wörld, ünïcode → ok. ".encode()
 
@@ -50,6 +54,9 @@ class FakeEngine:
                  step_delay=0.01, vocab_size=300):
         self.max_model_len, self.num_blocks, self.block_size = max_model_len, num_blocks, block_size
         self.max_num_seqs, self.step_delay, self.vocab_size = max_num_seqs, step_delay, vocab_size
+        # what the engine's refusals read of its KV cache: num_blocks besides the reserved one
+        self.layout = CacheLayout(num_layers=1, kv_heads=1, head_dim=1, block_size=block_size,
+                                  num_blocks=num_blocks + 1, dtype_bytes=1)
         self.tokenizer = ByteTokenizer()
         self.waiting, self.running = [], []
         self.aborted_ids = []
@@ -62,20 +69,10 @@ class FakeEngine:
 
     def add_request(self, request_id, prompt_token_ids, params, prompt=None):
         ids = list(prompt_token_ids)
-        if not ids:
-            raise MsinferError("prompt is empty: give at least one token")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise MsinferError(f"token id {bad[0]} is outside the vocabulary "
-                               f"(0..{self.vocab_size - 1})")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise MsinferError(f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} "
-                               f"exceeds max_model_len {self.max_model_len}")
-        if self._blocks(len(ids)) > self.num_blocks:
-            raise MsinferError(f"prompt of {len(ids)} tokens needs {self._blocks(len(ids))} "
-                               f"KV blocks; the pool has {self.num_blocks}")
+        check_request_limits(ids, params, self.vocab_size, self.max_model_len, self.layout,
+                             has_tokenizer=True, name=f"request {request_id!r}")
         if any(r.request_id == request_id for r in self.waiting + self.running):
-            raise MsinferError(f"request id {request_id!r} is already in use")
+            raise MsinferError(f"request id {request_id!r} is already running")
         self.waiting.append(_Request(request_id, ids, params, prompt))
 
     def abort_request(self, request_id):
@@ -117,8 +114,7 @@ class FakeEngine:
                                                      range(250, 250 + n) if t != token}})
             reason = None
             text = self.tokenizer.decode(r.generated)
-            stop_at = min((text.find(s) for s in r.params.stop if s in text), default=-1)
-            if stop_at >= 0 or token in r.params.stop_token_ids:
+            if token in r.params.stop_token_ids or find_stop(text, r.params.stop) is not None:
                 reason = "stop"
             elif len(r.generated) == r.params.max_tokens:
                 reason = "length"
@@ -129,9 +125,9 @@ class FakeEngine:
 
     def _output(self, r, reason):
         text = self.tokenizer.decode(r.generated)
-        stops = [text.find(s) for s in r.params.stop if s in text]
-        if stops:
-            text = text[:min(stops)]
+        cut = find_stop(text, r.params.stop)
+        if cut is not None:
+            text = text[:cut]
         n = getattr(r.params, "logprobs", None)
         return RequestOutput(r.request_id, r.prompt, r.prompt_ids, list(r.generated), text,
                              reason is not None, reason,

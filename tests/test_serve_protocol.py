@@ -13,10 +13,11 @@ import openai
 import pytest
 import uvicorn
 
-from msinfer.server.app import ServerConfig, build_app
+from msinfer.server.app import build_app
 from msinfer.server.handoff import Leader
 from msinfer.server.lockstep import EngineLoop
 from msinfer.server.metrics import ServerMetrics
+from msinfer.server.serving import ServerConfig
 
 from fake_engine import expected_ids, fake_llm
 
@@ -114,11 +115,17 @@ def test_chat_uses_the_template_and_streams_a_role_first(server):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
-def test_chat_without_max_tokens_may_fill_the_context(server):
-    out = server.client().chat.completions.create(model=MODEL, messages=[
-        {"role": "user", "content": "x"}])
-    prompt = len("<user>x\n<assistant>")
-    assert out.usage.completion_tokens == server.engine.max_model_len - prompt
+def test_chat_without_max_tokens_may_fill_the_context():
+    # a KV pool that holds a whole context, as the planner sizes a real engine's (the module's
+    # server, with a smaller one, refuses prompt + max_tokens beyond its pool, as the engine)
+    server = RunningServer()
+    try:
+        out = server.client().chat.completions.create(model=MODEL, messages=[
+            {"role": "user", "content": "x"}])
+        prompt = len("<user>x\n<assistant>")
+        assert out.usage.completion_tokens == server.engine.max_model_len - prompt
+    finally:
+        server.stop()
 
 
 def test_stop_strings_cut_the_text_and_never_leak_while_streaming(server):
@@ -158,12 +165,12 @@ def raw(server, path, body=None, headers=None, method="POST"):
     ({"model": MODEL, "prompt": "hi", "temperature": [1]}, 400, "temperature"),
     ({"model": MODEL, "prompt": "hi", "frobnicate": 1}, 400, "Unrecognized request argument"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
-    ({"model": MODEL, "prompt": "hi", "max_tokens": 10 ** 9}, 400, "max_model_len"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 10 ** 9}, 400, "max_len"),
     ({"model": MODEL, "prompt": ""}, 400, "empty"),
     ({"model": MODEL, "prompt": [[]]}, 400, "empty"),
     ({"model": MODEL, "prompt": [5, 100000]}, 400, "100000"),
-    ({"model": MODEL, "prompt": "x" * 85, "max_tokens": 1}, 400, "KV blocks"),
-    ({"model": MODEL, "prompt": "x" * 200, "max_tokens": 1}, 400, "max_model_len"),
+    ({"model": MODEL, "prompt": "x" * 85, "max_tokens": 1}, 400, "KV cache"),
+    ({"model": MODEL, "prompt": "x" * 200, "max_tokens": 1}, 400, "max_len"),
     ({"model": "gpt-4", "prompt": "hi"}, 404, "gpt-4"),
     ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
     ({"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo"),
@@ -197,7 +204,7 @@ def test_bad_chat_requests_get_400(server, body, needle):
 def test_the_openai_client_sees_errors_as_its_exceptions(server):
     with pytest.raises(openai.NotFoundError):
         server.client().completions.create(model="nope", prompt="x")
-    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+    with pytest.raises(openai.BadRequestError, match="max_len"):
         server.client().completions.create(model=MODEL, prompt="x", max_tokens=500)
 
 

@@ -46,6 +46,34 @@ class EngineStats:
     generation_tokens_total: int
 
 
+def check_request_limits(ids, params, vocab_size, max_model_len, layout, *, has_tokenizer,
+                         name="prompt"):
+    """Refuse a request that could never run (MsinferError, with the numbers): an empty
+    prompt, a token id outside the vocabulary, prompt + max_tokens beyond max_model_len or
+    beyond the whole KV cache of `layout`, stop strings without a tokenizer."""
+    if not ids:
+        raise MsinferError(f"{name}: empty prompt: give at least one token")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise MsinferError(f"{name}: token id {bad[0]} is outside the vocabulary "
+                           f"(0..{vocab_size - 1})")
+    total = len(ids) + params.max_tokens
+    if total > max_model_len:
+        raise MsinferError(
+            f"{name}: prompt of {len(ids)} tokens + max_tokens {params.max_tokens} = "
+            f"{total} exceeds the longest sequence, max_len {max_model_len}; "
+            f"shorten the prompt, lower max_tokens or raise max_len")
+    pool = layout.usable_tokens
+    if total > pool:
+        raise MsinferError(
+            f"{name}: prompt of {len(ids)} tokens + max_tokens {params.max_tokens} = "
+            f"{total} exceeds the whole KV cache of {pool} tokens "
+            f"({layout.num_blocks - 1} blocks of {layout.block_size}); "
+            f"raise kv_cache_memory or lower max_tokens")
+    if params.stop and not has_tokenizer:
+        raise MsinferError(f"{name}: stop strings need the checkpoint's tokenizer.json")
+
+
 class LLMEngine:
     def __init__(self, runner, layout, vocab_size: int, max_model_len: int, eos_token_ids,
                  max_num_seqs: int, max_prefill_tokens: int, seed: int, tokenizer=None):
@@ -93,27 +121,8 @@ class LLMEngine:
 
     def check_request(self, ids, params, name="prompt"):
         """Refuse what could never run, with the numbers, before anything is queued."""
-        if not ids:
-            raise MsinferError(f"{name}: empty prompt: give at least one token")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise MsinferError(f"{name}: token id {bad[0]} is outside the vocabulary "
-                               f"(0..{self.vocab_size - 1})")
-        total = len(ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise MsinferError(
-                f"{name}: prompt of {len(ids)} tokens + max_tokens {params.max_tokens} = "
-                f"{total} exceeds the longest sequence, max_len {self.max_model_len}; "
-                f"shorten the prompt, lower max_tokens or raise max_len")
-        pool = self.layout.usable_tokens
-        if total > pool:
-            raise MsinferError(
-                f"{name}: prompt of {len(ids)} tokens + max_tokens {params.max_tokens} = "
-                f"{total} exceeds the whole KV cache of {pool} tokens "
-                f"({self.layout.num_blocks - 1} blocks of {self.layout.block_size}); "
-                f"raise kv_cache_memory or lower max_tokens")
-        if params.stop and self._tokenizer is None:
-            raise MsinferError(f"{name}: stop strings need the checkpoint's tokenizer.json")
+        check_request_limits(ids, params, self.vocab_size, self.max_model_len, self.layout,
+                             has_tokenizer=self._tokenizer is not None, name=name)
 
     def abort_request(self, request_id: str) -> None:
         seq = self._requests.get(request_id)

@@ -1,0 +1,274 @@
+"""What completions and chat share: submitting prompts to the engine loop and turning its
+outputs into one JSON response or a stream of server-sent events.
+
+An endpoint (serving_completion.py, serving_chat.py) makes token ids and SamplingParams of its
+request and a format of its response; `Serving.generate` submits every prompt to the engine
+loop (`lockstep.EngineLoop`), whose RequestOutputs come back through an asyncio queue, and
+follows each engine request with a `RequestStream` until all have finished or the client has
+left (then it aborts them). Refusals are `ApiError`s, which the app answers as OpenAI-shaped
+errors.
+
+A format has `id` (the response's), `body` (the request), `opening_chunks(n)`,
+`chunk(index, delta, finish_reason)`, `usage_chunk(usage)` and `response(streams, usage)`.
+"""
+import asyncio
+import dataclasses
+import time
+
+from fastapi.responses import Response, StreamingResponse
+
+from ..engine.sampling import SamplingParams
+from ..errors import MsinferError
+from . import protocol as p
+from .lockstep import ServerBusy
+
+
+class ApiError(Exception):
+    def __init__(self, status, message, type_="invalid_request_error", param=None, code=None,
+                 headers=None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+        self.code, self.headers = code, headers
+
+
+@dataclasses.dataclass
+class ServerConfig:
+    model_names: list  # the first is reported back in responses
+    max_model_len: int
+    api_key: str = None
+    max_queue: int = 1024
+
+
+class Serving:
+    """The engine loop as the endpoints see it: checks that a request may be taken, runs its
+    prompts, returns the response or the stream."""
+
+    def __init__(self, engine_loop, tokenizer, config, metrics):
+        self.engine_loop, self.tokenizer = engine_loop, tokenizer
+        self.config, self.metrics = config, metrics
+
+    @property
+    def model_name(self):
+        """The name responses report."""
+        return self.config.model_names[0]
+
+    def check(self, body):
+        """Refuse a request for another model, with a field msinfer does not do, or while the
+        loop does not take requests or its queue is full."""
+        config, engine_loop = self.config, self.engine_loop
+        if body.model not in config.model_names:
+            raise ApiError(404, f"The model `{body.model}` does not exist.",
+                           param="model", code="model_not_found")
+        unsupported = body.unsupported()
+        if unsupported:
+            raise ApiError(400, f"{unsupported[0]}: {unsupported[1]}", param=unsupported[0])
+        if not engine_loop.ready:
+            raise ApiError(503, "the server is not accepting requests: "
+                           + (engine_loop.failure or "warming up or shutting down"),
+                           "service_unavailable", headers={"Retry-After": "5"})
+        depth = engine_loop.queue_depth()
+        if depth >= config.max_queue:
+            raise ApiError(503, f"{depth} requests are waiting (--max-queue "
+                           f"{config.max_queue}); retry later", "service_unavailable",
+                           headers={"Retry-After": "1"})
+
+    async def generate(self, fmt, prompts, params, request):
+        """Run `prompts` ((text or None, token ids) each) with `params`; the response of
+        `fmt`, streamed when its request asks."""
+        for text, ids in prompts:
+            if not ids:
+                raise ApiError(400, "the prompt is empty: give at least one token",
+                               param="prompt")
+        loop = asyncio.get_running_loop()
+        outputs = asyncio.Queue()
+        arrival = time.monotonic()
+        streams = []
+        for index, (text, ids) in enumerate(prompts):
+            request_id = f"{fmt.id}-{index}"
+
+            def sink(out, index=index):
+                try:
+                    loop.call_soon_threadsafe(outputs.put_nowait, (index, out))
+                except RuntimeError:
+                    pass  # the event loop is closed: the server is going down
+            streams.append(RequestStream(request_id, ids, params, arrival, self.metrics))
+            try:
+                accepted = self.engine_loop.submit(request_id, ids, params, text, sink)
+            except ServerBusy as e:
+                self._abort(streams[:-1])
+                raise ApiError(503, str(e), "service_unavailable",
+                               headers={"Retry-After": "5"}) from None
+            try:
+                await asyncio.wrap_future(accepted)
+            except MsinferError as e:
+                self._abort(streams[:-1])
+                raise ApiError(400, str(e), param="prompt") from None
+            except ServerBusy as e:
+                self._abort(streams[:-1])
+                raise ApiError(503, str(e), "service_unavailable") from None
+            except asyncio.CancelledError:
+                self._abort(streams)
+                raise
+        if fmt.body.stream:
+            return StreamingResponse(self._stream(fmt, streams, outputs, request),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await self._collect(fmt, streams, outputs, request)
+
+    def _abort(self, streams):
+        for stream in streams:
+            if not stream.finished:
+                self.engine_loop.abort(stream.request_id)
+
+    async def _stream(self, fmt, streams, outputs, request):
+        # Watch for the client leaving as _collect does: writing into a closed connection does
+        # not always fail, and the request would run to its end.
+        left = asyncio.ensure_future(_client_left(request))
+        try:
+            for chunk in fmt.opening_chunks(len(streams)):
+                yield _sse(chunk)
+            while not all(s.finished for s in streams):
+                got = asyncio.ensure_future(outputs.get())
+                await asyncio.wait({got, left}, return_when=asyncio.FIRST_COMPLETED)
+                if not got.done():
+                    got.cancel()
+                    return  # the finally aborts
+                index, out = got.result()
+                if isinstance(out, Exception):
+                    yield _sse(p.ErrorResponse(error=p.ErrorBody(
+                        message=str(out), type="service_unavailable")))
+                    return
+                stream = streams[index]
+                delta = stream.advance(out, self.tokenizer)
+                if delta.text or delta.token_ids or out.finished:
+                    yield _sse(fmt.chunk(index, delta, stream.finish_reason))
+            if fmt.body.include_usage:
+                yield _sse(fmt.usage_chunk(_usage(streams)))
+            yield "data: [DONE]\n\n"
+        finally:
+            left.cancel()
+            self._abort(streams)  # the client left mid-stream: free its blocks
+
+    async def _collect(self, fmt, streams, outputs, request):
+        left = asyncio.ensure_future(_client_left(request))
+        try:
+            while not all(s.finished for s in streams):
+                got = asyncio.ensure_future(outputs.get())
+                await asyncio.wait({got, left}, return_when=asyncio.FIRST_COMPLETED)
+                if not got.done():
+                    got.cancel()
+                    return Response(status_code=499)  # nobody reads it; the finally aborts
+                index, out = got.result()
+                if isinstance(out, Exception):
+                    raise ApiError(503, str(out), "service_unavailable")
+                streams[index].advance(out, self.tokenizer)
+        finally:
+            left.cancel()
+            self._abort(streams)
+        return fmt.response(streams, _usage(streams))
+
+
+def sampling_params(body, max_tokens, logprobs):
+    """The SamplingParams of a request (logprobs: top entries per token, None for none);
+    values SamplingParams refuses are the request's fault: 400."""
+    try:
+        kwargs = dict(max_tokens=max_tokens, temperature=body.temperature,
+                      top_k=body.top_k, top_p=body.top_p, seed=body.seed,
+                      stop=body.stop_strings(), stop_token_ids=tuple(body.stop_token_ids),
+                      ignore_eos=body.ignore_eos)
+        if logprobs is not None:
+            kwargs["logprobs"] = logprobs
+        return SamplingParams(**kwargs)
+    except (MsinferError, TypeError) as e:
+        raise ApiError(400, str(e)) from None
+
+
+def tokenize(step, value):
+    """A tokenizer step; its refusals (no tokenizer.json, a template's raise_exception) are
+    the request's fault: 400."""
+    try:
+        return step(value)
+    except MsinferError as e:
+        raise ApiError(400, str(e)) from None
+
+
+def token_text(tokenizer, token_id):
+    return tokenizer.decode([token_id])
+
+
+async def _client_left(request):
+    """Returns once the client has closed the connection (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _usage(streams):
+    prompt = sum(len(s.prompt_token_ids) for s in streams)
+    completion = sum(len(s.token_ids) for s in streams)
+    return p.UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
+                       total_tokens=prompt + completion)
+
+
+def _sse(model):
+    return f"data: {model.model_dump_json()}\n\n"
+
+
+@dataclasses.dataclass
+class Delta:
+    text: str
+    token_ids: list
+    logprobs: list  # dicts, one per new token, when asked for
+
+
+class RequestStream:
+    """One engine request seen from its HTTP request: what it has produced, what has been sent
+    of it, and when (for the latency metrics)."""
+
+    def __init__(self, request_id, prompt_token_ids, params, arrival, metrics):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.arrival = arrival
+        self.metrics = metrics
+        self.first_token = None
+        self.token_ids = []
+        self.logprobs = []
+        self.text = ""  # final text once finished; what may be sent so far before
+        self.sent = 0  # characters of text already streamed
+        self.finished = False
+        self.finish_reason = None
+
+    def advance(self, out, tokenizer):
+        """Take the cumulative output `out`; return what is new and safe to send."""
+        now = time.monotonic()
+        new_ids = out.token_ids[len(self.token_ids):]
+        new_logprobs = (out.logprobs or [])[len(self.logprobs):]
+        if new_ids and self.first_token is None:
+            self.first_token = now
+        self.token_ids = list(out.token_ids)
+        self.logprobs = list(out.logprobs or [])
+        text = out.text
+        if not out.finished:
+            text = _safe_prefix(text, self.params.stop)
+        self.finished = out.finished
+        if out.finished:
+            self.finish_reason = out.finish_reason
+            self.metrics.observe_request(self.arrival, self.first_token, now,
+                                         len(self.token_ids), out.finish_reason)
+        delta = text[self.sent:]
+        self.text, self.sent = text, max(self.sent, len(text))
+        return Delta(delta, new_ids, new_logprobs)
+
+
+def _safe_prefix(text, stops):
+    """The part of unfinished text that will not change: not an incomplete UTF-8 character
+    (shown as U+FFFD at the end) nor the start of a stop string that may be cut off."""
+    end = len(text)
+    while end and text[end - 1] == "\ufffd":
+        end -= 1
+    for stop in stops:
+        for k in range(min(len(stop) - 1, end), 0, -1):
+            if text[:end].endswith(stop[:k]):
+                end -= k
+                break
+    return text[:end]
