@@ -3,7 +3,7 @@
 A fake forward pass moves `computed` and appends a token, as the engine does after sampling,
 so whole runs of the scheduler can be checked for what a serving engine promises: FCFS
 admission within the chunk budget and the sequence slots, decodes every step, blocks freed
-at once, preemption of the latest arrival when blocks run out, and identical decisions when
+at once, preemption of the latest admitted when blocks run out, and identical decisions when
 replayed (what keeps the ranks of a sharded job in lockstep).
 """
 import numpy as np
@@ -22,9 +22,8 @@ def layout(blocks, block_size=4):
                        num_blocks=blocks, dtype_bytes=4)
 
 
-def seq(name, prompt_len, max_tokens=8, arrival=0):
-    return Sequence(name, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens),
-                    arrival=arrival)
+def seq(name, prompt_len, max_tokens=8):
+    return Sequence(name, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens))
 
 
 def run_step(scheduler, done=()):
@@ -96,7 +95,7 @@ def test_chunks_fill_the_budget_in_arrival_order_and_long_prompts_continue():
     scheduler = Scheduler(BlockManager(layout(blocks=64)), max_num_seqs=8,
                           max_prefill_tokens=16)
     for i, n in enumerate((10, 30, 3)):
-        scheduler.add(seq(f"s{i}", n, arrival=i))
+        scheduler.add(seq(f"s{i}", n))
     first = scheduler.schedule()
     assert [(c.seq.request_id, c.start, c.count) for c in first.chunks] == [("s0", 0, 10),
                                                                             ("s1", 0, 6)]
@@ -113,18 +112,18 @@ def test_chunks_fill_the_budget_in_arrival_order_and_long_prompts_continue():
 def test_max_num_seqs_and_free_blocks_gate_admission_and_nothing_overtakes_the_head():
     scheduler = Scheduler(BlockManager(layout(blocks=5)), max_num_seqs=2,
                           max_prefill_tokens=64)
-    scheduler.add(seq("big", 12, arrival=0))  # 3 of the 4 usable blocks
-    scheduler.add(seq("too-big-now", 8, arrival=1))  # 2 blocks: does not fit yet
-    scheduler.add(seq("small", 2, arrival=2))  # would fit, but must not overtake
+    scheduler.add(seq("big", 12))  # 3 of the 4 usable blocks
+    scheduler.add(seq("too-big-now", 8))  # 2 blocks: does not fit yet
+    scheduler.add(seq("small", 2))  # would fit, but must not overtake
     schedule = scheduler.schedule()
     assert [c.seq.request_id for c in schedule.chunks] == ["big"]
     assert [s.request_id for s in scheduler.waiting] == ["too-big-now", "small"]
 
 
-def test_a_sequence_out_of_blocks_preempts_the_latest_arrival_which_resumes_first():
+def test_a_sequence_out_of_blocks_preempts_the_latest_admitted_which_resumes_first():
     scheduler = Scheduler(BlockManager(layout(blocks=5)), max_num_seqs=4,
                           max_prefill_tokens=64)
-    a, b = seq("a", 4, max_tokens=10, arrival=0), seq("b", 4, max_tokens=10, arrival=1)
+    a, b = seq("a", 4, max_tokens=10), seq("b", 4, max_tokens=10)
     scheduler.add(a)
     scheduler.add(b)
     run_step(scheduler)  # both prefilled: 1 block each, 5 tokens each
@@ -132,7 +131,7 @@ def test_a_sequence_out_of_blocks_preempts_the_latest_arrival_which_resumes_firs
     preempted = []
     for _ in range(6):
         preempted += run_step(scheduler).preempted
-    assert preempted and preempted[0] is b  # the latest arrival goes
+    assert preempted and preempted[0] is b  # the latest admitted goes
     assert b.preemptions >= 1 and scheduler.preemptions >= 1
     assert b.computed == 0 or b.status is Status.RUNNING  # recomputed from scratch
     while scheduler.has_work():
@@ -162,7 +161,7 @@ def test_same_requests_same_order_give_the_same_decisions():
         for step in range(60):
             if step % 3 == 0:
                 scheduler.add(seq(f"r{step}", int(rng.integers(1, 14)),
-                                  max_tokens=int(rng.integers(1, 9)), arrival=step))
+                                  max_tokens=int(rng.integers(1, 9))))
             s = run_step(scheduler)
             trace.append(([x.request_id for x in s.decodes],
                           [(c.seq.request_id, c.start, c.count) for c in s.chunks],
@@ -178,7 +177,7 @@ def test_chunks_of_one_step_attend_within_the_largest_context():
     runner's largest context bucket)."""
     scheduler = Scheduler(BlockManager(layout(blocks=128)), max_num_seqs=8,
                           max_prefill_tokens=32, max_context=128)
-    long, short = seq("long", 120, arrival=0), seq("short", 30, arrival=1)
+    long, short = seq("long", 120), seq("short", 30)
     scheduler.add(long)
     long.computed = 100  # five chunks in: 20 pending, its chunk attends over 120 positions
     scheduler.add(short)

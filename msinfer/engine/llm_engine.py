@@ -109,8 +109,7 @@ class LLMEngine:
         self._arrivals += 1
         generator = (params.new_generator() if params.seed is not None
                      else np.random.default_rng((self.seed, self._arrivals)))
-        seq = Sequence(request_id, ids, params, generator=generator, prompt=prompt,
-                       arrival=self._arrivals)
+        seq = Sequence(request_id, ids, params, generator=generator, prompt=prompt)
         if params.logprobs is not None:
             seq.logprobs = []
         if self._tokenizer is not None:

@@ -5,15 +5,19 @@ rank of a sharded job that sees the same requests in the same order makes the sa
 
 Each step:
 1. decode every admitted sequence with exactly one pending token. One that needs a new block
-   when none is free preempts the latest-admitted running sequence (its blocks are freed and it
-   goes back to the front of the queue, to be recomputed later; possibly itself);
+   when none is free preempts the latest admitted running sequence (its blocks are freed and it
+   goes back to the front of the queue, to be recomputed later; possibly itself), then the
+   next latest admitted, until the block fits;
 2. fill the prefill budget (`max_prefill_tokens`) with chunks: first of sequences already
-   prefilling, then of waiting ones admitted in arrival order while there is a sequence slot
+   prefilling, then of waiting ones admitted in queue order (arrival order, preempted
+   sequences back at the front) while there is a sequence slot
    (`max_num_seqs`) and free blocks for the whole prompt (so an admitted prefill never stalls
    for blocks). A queue head that does not fit waits; nothing overtakes it. The chunks of one
    step attend over their sequences' contexts side by side, and those together stay within
    `max_context` positions (the runner's largest context bucket).
 """
+from __future__ import annotations
+
 import collections
 import dataclasses
 
@@ -37,9 +41,9 @@ class Chunk:
 
 @dataclasses.dataclass
 class Schedule:
-    decodes: list
-    chunks: list
-    preempted: list
+    decodes: list[Sequence]  # one new token each
+    chunks: list[Chunk]
+    preempted: list[Sequence]  # this step, latest admitted first; none of them scheduled
 
     @property
     def empty(self) -> bool:
@@ -48,13 +52,14 @@ class Schedule:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_prefill_tokens: int,
-                 max_context: int = None):
+                 max_context: int | None = None) -> None:
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
         self.max_context = max_context
-        self.waiting = collections.deque()
-        self.running = []  # admitted, in admission order
+        self.waiting: collections.deque[Sequence] = collections.deque()  # preempted at the front
+        # admitted, in admission order: the last is the latest admitted, preempted first
+        self.running: list[Sequence] = []
         self.preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -112,13 +117,14 @@ class Scheduler:
                 context -= chunk.start + chunk.count
         return Schedule(decodes, chunks, preempted)
 
-    def _chunk(self, seq, budget, context):
+    def _chunk(self, seq: Sequence, budget: int, context: float) -> Chunk | None:
         """The next chunk of `seq` within the token budget and the context left (its chunk
         attends over positions 0 .. start + count - 1); None when nothing fits."""
         count = min(seq.pending, budget, context - seq.computed)
         return Chunk(seq, seq.computed, count) if count > 0 else None
 
-    def _preempt(self, seq):
+    def _preempt(self, seq: Sequence) -> None:
+        """Free `seq`'s blocks and queue it first, to be recomputed from its first token."""
         self.running.remove(seq)
         self.blocks.release(seq)
         seq.computed = 0

@@ -1,10 +1,16 @@
 """One request in flight: its tokens, its place in the KV cache, and how far it has run."""
+from __future__ import annotations
+
 import dataclasses
 import enum
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from .tokenizer import IncrementalDecoder
 
 
 class Status(enum.Enum):
@@ -16,24 +22,24 @@ class Status(enum.Enum):
 @dataclasses.dataclass(eq=False)
 class Sequence:
     request_id: str
-    prompt_token_ids: list
+    prompt_token_ids: list[int]
     params: SamplingParams
-    generator: np.random.Generator = None  # the request's random stream (unused when greedy)
-    prompt: str = None
-    arrival: int = 0  # admission order: the scheduler preempts the latest arrival first
-    generated: list = dataclasses.field(default_factory=list)
-    logprobs: list = None  # one {token id: logprob} per generated token, when asked
-    decoder: object = None  # IncrementalDecoder of the generated text, with a tokenizer
+    generator: np.random.Generator | None = None  # the request's stream (unused when greedy)
+    prompt: str | None = None
+    generated: list[int] = dataclasses.field(default_factory=list)
+    # one {token id: logprob} per generated token, when asked
+    logprobs: list[dict[int, float]] | None = None
+    decoder: IncrementalDecoder | None = None  # of the generated text, with a tokenizer
     status: Status = Status.WAITING
-    finish_reason: str = None
-    block_table: list = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    block_table: list[int] = dataclasses.field(default_factory=list)
     # Tokens whose K/V are in the cache. Reset to 0 on preemption: the prompt and what was
     # generated are computed again (recompute), which gives the same cache and logits.
     computed: int = 0
     preemptions: int = 0
 
     @property
-    def tokens(self) -> list:
+    def tokens(self) -> list[int]:
         return self.prompt_token_ids + self.generated
 
     @property
