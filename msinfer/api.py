@@ -5,6 +5,8 @@ cache, and builds the engine (`llm.engine`: add_request / step / abort_request, 
 drives). `generate` runs a list of prompts through that engine to completion. Inside each
 rank of a sharded job the same code runs; every rank returns the same outputs.
 """
+from __future__ import annotations
+
 import os
 
 import numpy as np
@@ -14,7 +16,9 @@ from .config import ModelConfig, eos_token_ids
 from .engine import LLMEngine, RequestOutput
 from .engine.sampling import SamplingParams
 from .errors import MsinferError
-from .planning.memory import EngineLimits
+from .hardware import get_profile
+from .parallel.strategy import Strategy, decide_parallel_mode, load_strategy
+from .planning.memory import EngineLimits, engine_memory
 from .planning.planner import check_plan_or_raise
 
 __all__ = ["LLM", "RequestOutput"]
@@ -37,15 +41,16 @@ class LLM:
     dtype: compute dtype override (the hardware's policy decides otherwise).
     """
 
-    def __init__(self, model_dir, strategy=None, hardware="cpu", parallel_mode=None,
-                 max_len=None, dtype=None, rank_table=None, kv_cache_memory=None,
-                 block_size=None, max_prefill_tokens=None, max_num_seqs=None):
+    def __init__(self, model_dir: str, strategy: str | None = None, hardware: str = "cpu",
+                 parallel_mode: str | None = None, max_len: int | None = None,
+                 dtype: str | None = None, rank_table: str | None = None,
+                 kv_cache_memory: int | None = None, block_size: int | None = None,
+                 max_prefill_tokens: int | None = None, max_num_seqs: int | None = None):
         import mindspore as ms
 
-        from .hardware import get_profile
+        from .engine.model_runner import build_runner
+        from .layers.parallel_context import ParallelContext
         from .parallel.distributed import init_distributed, job_seed, tensor_group
-        from .parallel.strategy import Strategy, decide_parallel_mode, load_strategy
-        from .planning.memory import engine_memory
 
         self.model_dir = model_dir
         self.config = ModelConfig.from_model_dir(model_dir)
@@ -61,84 +66,34 @@ class LLM:
         # plan before any device or collective is touched.
         report = check_plan_or_raise(self.config, self.strategy, self.profile, self.limits,
                                      dtype=dtype, parallel_mode=self.parallel_mode)
-        dtype_name, self.dtype_reason = report.dtype, report.dtype_reason
-        self.plan = self.strategy.resolve(self.config, self.parallel_mode)
+        self.dtype_reason = report.dtype_reason
+        self.shard_plan = self.strategy.resolve(self.config, self.parallel_mode)
 
         self.dist = init_distributed(self.profile.device_target, self.strategy.world_size,
                                      rank_table)
         if self.dist.world_size == 1:
             log.setup()
         # The job's seed, agreed by a stand-alone AllReduce graph; the semi_auto context is set
-        # only while the model compiles (semi_auto_cell), so the two never meet.
+        # only while the model compiles (model_runner.semi_auto_cell), so the two never meet.
         seed = job_seed(self.dist)
-        self.tensor_rank = self.plan.tensor_rank(self.dist.rank)
-        logger = log.get()
-        logger.info("model %s: %d layers, hidden %d, %d heads (%d KV); %s, %s mode, %s (%s)",
-                    model_dir, self.config.num_layers, self.config.hidden_size,
-                    self.config.num_heads, self.config.num_kv_heads, _describe(self.plan),
-                    self.parallel_mode, dtype_name, self.dtype_reason)
-        semi_auto_job = self.parallel_mode == "semi_auto" and self.dist.world_size > 1
-
-        from .engine.model_runner import ModelRunner, semi_auto_cell
-        from .layers.linear import ParallelContext
-        from .models.loader import Checkpoint
-        from .models.qwen2 import Qwen2Model, head_weight_names, layer_weight_names, weight_layout
-        from .parallel.strategy import checkpoint_parts
-
+        self.tensor_rank = self.shard_plan.tensor_rank(self.dist.rank)
         # Explicit data parallelism: each replica runs its share of the prompts with its own
         # tensor group; semi_auto splits the batch inside MindSpore (full_batch) instead.
-        self.replicas = self.plan.data if self.parallel_mode == "explicit" else 1
-        group = tensor_group(self.dist, self.plan) if self.replicas > 1 else None
-        ctx = ParallelContext(config=self.config, plan=self.plan, mode=self.parallel_mode,
+        self.replicas = self.shard_plan.data if self.parallel_mode == "explicit" else 1
+        group = tensor_group(self.dist, self.shard_plan) if self.replicas > 1 else None
+        ctx = ParallelContext(config=self.config, plan=self.shard_plan, mode=self.parallel_mode,
                               tensor_rank=self.tensor_rank, group=group,
-                              dtype=getattr(ms, dtype_name))
-        self.memory = engine_memory(self.plan, self.profile, dtype_name, self.limits,
+                              dtype=getattr(ms, report.dtype))
+        self.memory = engine_memory(self.shard_plan, self.profile, report.dtype, self.limits,
                                     self.tensor_rank)
-        layout = self.memory.layout
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB per rank); "
-                    "chunks of %d tokens; up to %d sequences of up to %d tokens",
-                    layout.num_blocks - 1, layout.block_size, layout.usable_tokens,
-                    layout.total_bytes / 2 ** 30, self.limits.max_prefill_tokens,
-                    self.limits.max_num_seqs, self.limits.max_len)
-
-        names = ["model.embed_tokens.weight"]
-        for n in range(self.config.num_layers):
-            names += layer_weight_names(n)
-        names += [n for n in head_weight_names(self.config) if n not in names]
-        shapes = self.config.parameter_shapes()
-
-        def parts_of(name):
-            return [(part, self.plan.slices(part, self.tensor_rank), shapes[part])
-                    for part in checkpoint_parts(name)]
-
-        host_dtype = np.float16 if dtype_name == "float16" else np.float32  # no numpy bf16
-        checkpoint = Checkpoint(model_dir)
-        runner_args = dict(ctx=ctx, layout=layout, max_num_seqs=self.limits.max_num_seqs,
-                           max_prefill_tokens=self.limits.max_prefill_tokens,
-                           max_model_len=self.limits.max_len)
-        compute = getattr(ms, dtype_name)
-        if self.parallel_mode == "semi_auto":
-            full = {n: (sum(shapes[p][0] for p in checkpoint_parts(n)),)
-                    + tuple(shapes[checkpoint_parts(n)[0]][1:]) for n in names}
-            model = Qwen2Model(ctx, layout, full)
-            runner = ModelRunner(model=semi_auto_cell(model, self.dist.world_size),
-                                 **runner_args)
-            if semi_auto_job:
-                # Parameters become this rank's slices once a graph is compiled with the
-                # plan's layouts; load the slices after that, from the same function.
-                runner.compile_shape("decode", runner.batch_buckets[0],
-                                     runner.context_buckets[0])
-            for name, array in checkpoint.load(names, parts_of, host_dtype):
-                model.weights[name].set_data(ms.Tensor(array, dtype=compute))
-        else:
-            weights = {name: host_tensor(weight_layout(ctx, name, array), compute)
-                       for name, array in checkpoint.load(names, parts_of, host_dtype)}
-            runner = ModelRunner(weights=weights, **runner_args,
-                                 min_layers_per_graph=self.profile.min_layers_per_graph)
+        _log_start(self, report)
+        runner = build_runner(model_dir, ctx, self.memory.layout, self.limits,
+                              self.dist.world_size, self.profile.min_layers_per_graph)
         self._tokenizer = None
         self.engine = LLMEngine(
-            runner, layout, vocab_size=self.config.vocab_size, max_model_len=self.limits.max_len,
-            eos_token_ids=self.eos_token_ids(), max_num_seqs=self.limits.max_num_seqs,
+            runner, self.memory.layout, vocab_size=self.config.vocab_size,
+            max_model_len=self.limits.max_len, eos_token_ids=self.eos_token_ids(),
+            max_num_seqs=self.limits.max_num_seqs,
             max_prefill_tokens=self.limits.max_prefill_tokens, seed=seed,
             tokenizer=(lambda: self.tokenizer) if self.has_tokenizer else None)
         self._batches = 0
@@ -189,7 +144,7 @@ class LLM:
             self.engine.check_request(ids, p, name=f"prompt {i}")
         self._batches += 1
         # With data replicas, replica d runs prompts d, d + data, ...; then all exchange.
-        first = self.plan.data_rank(self.dist.rank) if self.replicas > 1 else 0
+        first = self.shard_plan.data_rank(self.dist.rank) if self.replicas > 1 else 0
         mine = list(range(first, len(prompts), self.replicas))
         ids = {i: f"generate-{self._batches}-{i}" for i in mine}
         for i in mine:
@@ -222,7 +177,7 @@ class LLM:
             rows[slot, :3] = index, out.finish_reason == "stop", len(out.token_ids)
             rows[slot, 3:3 + len(out.token_ids)] = out.token_ids
         everyone = all_gather_rows(rows).reshape(self.dist.world_size, per_replica, -1)
-        for row in everyone[::self.plan.tensor].reshape(-1, rows.shape[1]):  # one rank each
+        for row in everyone[::self.shard_plan.tensor].reshape(-1, rows.shape[1]):  # one rank each
             index = int(row[0])
             if index < 0 or outputs[index] is not None:
                 continue
@@ -234,6 +189,20 @@ class LLM:
                 finished=True, finish_reason="stop" if row[1] else "length")
 
 
+def _log_start(llm, report):
+    config, layout, limits = llm.config, llm.memory.layout, llm.limits
+    logger = log.get()
+    logger.info("model %s: %d layers, hidden %d, %d heads (%d KV); %s, %s mode, %s (%s)",
+                llm.model_dir, config.num_layers, config.hidden_size, config.num_heads,
+                config.num_kv_heads, _describe(llm.shard_plan), llm.parallel_mode, report.dtype,
+                report.dtype_reason)
+    logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB per rank); "
+                "chunks of %d tokens; up to %d sequences of up to %d tokens",
+                layout.num_blocks - 1, layout.block_size, layout.usable_tokens,
+                layout.total_bytes / 2 ** 30, limits.max_prefill_tokens, limits.max_num_seqs,
+                limits.max_len)
+
+
 def _describe(plan):
     parts = []
     if plan.tensor > 1:
@@ -243,12 +212,3 @@ def _describe(plan):
         parts.append(f"{plan.data} data replicas")
     return ", ".join(parts) or "one device"
 
-
-def host_tensor(array, dtype):
-    """A loaded weight as a Tensor of `dtype`, sharing the array's memory when it already is
-    that dtype: a copy would write every weight's bytes to fresh pages once more (on a guest
-    whose first touch of memory runs at 0.3 GB/s that was 6 of a 0.5B model's 17 s of load)."""
-    import mindspore as ms
-    if ms.dtype_to_nptype(dtype) == array.dtype:
-        return ms.Tensor.from_numpy(array)  # (copies an array that is not C-contiguous)
-    return ms.Tensor(array, dtype=dtype)

@@ -141,7 +141,8 @@ class CpuMatmulForms:
 
 
 # Measured on this project's machines, 0.5B shapes, kernel for kernel and through 24 layers of
-# distinct weights (so that they stream from memory), best of 5; bench/matmul_forms.py.
+# distinct weights (so that they stream from memory), best of 5 (bench/README.md: the
+# matmul_forms probe).
 # AMD EPYC (family 25 model 17): x @ W beat x @ W.T at decode sizes (16 rows: gate/up 2.8 vs
 # 5.4 ms; 1 row: 1.4 vs 1.8 ms; equal at 256); the lm_head (W @ x.T).T from 8 rows (16 rows:
 # 31 vs 41 ms). Intel Xeon with AVX-512 (family 6 model 167), the four projections of 24

@@ -37,12 +37,12 @@ def main():
     args = p.parse_args()
     os.environ.setdefault("GLOG_v", "3")
     if args.weight_first:
-        import msinfer.layers.linear
+        import msinfer.layers.cpu_forms
         from msinfer.hardware import CpuMatmulForms
 
         forms = CpuMatmulForms(in_out=False, mlp_weight_first=(1, None),
                                head_weight_first=(1, None))
-        msinfer.layers.linear.cpu_matmul_forms = lambda: forms
+        msinfer.layers.cpu_forms.cpu_matmul_forms = lambda: forms
 
     from msinfer import LLM, MsinferError, SamplingParams
 

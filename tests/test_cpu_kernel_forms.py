@@ -1,6 +1,6 @@
 """The forms explicit mode takes on MindSpore's CPU backend: the matmul forms of each
 processor (hardware.cpu_matmul_forms), and those that keep a compiled graph small for its
-lifetime (parallel_layers.Expand, CacheLayout.rows_by_head: CPU kernels of a broadcasting
+lifetime (layers/cpu_forms.Expand, CacheLayout.rows_by_head: CPU kernels of a broadcasting
 Add/Mul and of a Transpose keep an int64 index per output element for as long as their graph
 lives).
 
@@ -34,12 +34,12 @@ def expanded(tmp_path_factory):
     """An engine whose every elementwise operand is expanded, its compiled calls by kind, and
     transformers on the same checkpoint."""
     from msinfer import hardware
-    from msinfer.layers.linear import Expand
+    from msinfer.layers.cpu_forms import Expand
 
     patch = pytest.MonkeyPatch()
     patch.setattr(Expand, "MIN_ELEMENTS", 1)
     # Products as x @ W at these sizes, so that the only Transposes are attention's.
-    patch.setattr("msinfer.layers.linear.cpu_matmul_forms",
+    patch.setattr("msinfer.layers.cpu_forms.cpu_matmul_forms",
                   lambda: hardware.CpuMatmulForms(in_out=True))
     model_dir = str(tmp_path_factory.mktemp("expanded"))
     config = make_tiny_model(model_dir, layers=2, hidden=64, heads=8, kv_heads=2, vocab=384,
@@ -79,7 +79,7 @@ def test_each_processors_matmul_forms_are_qwen2(tmp_path, monkeypatch, forms):
                                                      head_weight_first=(2, None)),
              "every row weight-first": hardware.CpuMatmulForms(
                  in_out=False, mlp_weight_first=(1, None), head_weight_first=(1, None))}
-    monkeypatch.setattr("msinfer.layers.linear.cpu_matmul_forms", lambda: table[forms])
+    monkeypatch.setattr("msinfer.layers.cpu_forms.cpu_matmul_forms", lambda: table[forms])
     config = make_tiny_model(str(tmp_path), layers=2, hidden=64, heads=8, kv_heads=2,
                              vocab=384, seed=10)
     llm = LLM(str(tmp_path), **ENGINE)
@@ -134,15 +134,15 @@ def test_the_processors_vendor_picks_its_measured_forms(tmp_path):
     assert cpu_matmul_forms(str(tmp_path / "missing")) == CPU_MATMUL_FORMS["AuthenticAMD"]
 
 
-def test_rows_of_is_the_transpose_across_block_edges():
+def test_blocked_transpose_is_the_transpose_across_block_edges():
     """The host's blocked copy of the lm_head's (vocab, rows) logits: blocks that divide the
     vocabulary, that do not, and one larger than it."""
     import numpy as np
 
-    from msinfer.engine.model_runner import rows_of
+    from msinfer.engine.model_runner import blocked_transpose
 
     columns = np.random.default_rng(0).standard_normal((1000, 7)).astype(np.float32)
     for block in (1, 100, 333, 4096):
-        rows = rows_of(columns, block)
+        rows = blocked_transpose(columns, block)
         assert rows.flags.c_contiguous and rows.dtype == columns.dtype
         np.testing.assert_array_equal(rows, columns.T)

@@ -154,7 +154,7 @@ def test_layers_run_in_stacks_of_any_size_give_the_same_tokens(tmp_path, monkeyp
                                                        dtype=torch.float32).eval()
     prompts = prompts_for(config.vocab_size, seed=5, lengths=(23, 6))
     # This test's calls: 16-token prefill chunks and a 2-sequence decode, over 64 slots.
-    largest = max(layer_activation_bytes(llm.plan, 4, tokens, groups, 64)
+    largest = max(layer_activation_bytes(llm.shard_plan, 4, tokens, groups, 64)
                   for tokens, groups in ((16, 1), (2, 2)))
     for workspace in (1, 2 * largest, runner.workspace_bytes):
         runner.workspace_bytes = workspace
@@ -194,8 +194,8 @@ def test_semi_auto_model_with_tp4_shard_annotations_matches_hf_standalone(tmp_pa
     import mindspore as ms
 
     from msinfer.engine import LLMEngine
-    from msinfer.engine.model_runner import ModelRunner
-    from msinfer.layers.linear import ParallelContext
+    from msinfer.engine.model_runner import SemiAutoRunner
+    from msinfer.layers.parallel_context import ParallelContext
     from msinfer.models.loader import Checkpoint
     from msinfer.models.qwen2 import Qwen2Model, layer_weight_names
     from msinfer.parallel.distributed import set_graph_mode
@@ -233,8 +233,8 @@ def test_semi_auto_model_with_tp4_shard_annotations_matches_hf_standalone(tmp_pa
     assert model.k_caches[0].shape == (layout.num_slots, config.num_kv_heads, config.head_dim)
     for name, array in full.items():
         model.weights[name].set_data(ms.Tensor(array))
-    runner = ModelRunner(ctx, layout, max_num_seqs=4, max_prefill_tokens=16, max_model_len=128,
-                         model=model)
+    runner = SemiAutoRunner(ctx, layout, max_num_seqs=4, max_prefill_tokens=16, max_model_len=128,
+                            model=model)
     assert all(b % data == 0 for b in runner.batch_buckets + runner.chunk_buckets)
     engine = LLMEngine(runner, layout, vocab_size=config.vocab_size, max_model_len=128,
                        eos_token_ids=(), max_num_seqs=4, max_prefill_tokens=16, seed=0)

@@ -219,7 +219,7 @@ def test_json_shows_the_cache_split_by_kv_head_and_the_embedding_ids_1d(capsys):
     writes = [c for c in report["calls"] if c["op"] == "ScatterUpdate"]
     assert writes and all(c["in_strategy"][0] == [1, 4, 1] for c in writes)
     assert all(c["per_rank"][0][1] == kv // 4 for c in writes)
-    embedding = [c for c in report["calls"] if c["source"].startswith("parallel_layers.py")
+    embedding = [c for c in report["calls"] if c["source"].startswith("layers/embedding.py")
                  and c["op"] == "Gather"]
     assert {tuple(map(tuple, c["in_strategy"])) for c in embedding} == {((4, 1), (1,))}
     assert any(c["op"] == "Cast" for c in report["calls"])  # float16: softmax casts checked
@@ -252,10 +252,10 @@ def test_a_raw_in_strategy_of_the_wrong_rank_is_reported(tmp_path, capsys):
     assert main(["layouts", "--model", "qwen2-7b", "--strategy", path]) == 1
     out = capsys.readouterr().out
     assert "2 violation(s)" in out
-    import msinfer.layers.linear as source
+    import msinfer.layers.embedding as source
     line = open(source.__file__).read().splitlines().index(
         "            return self.gather(weight, ids, 0)") + 1
-    assert (f"Gather at parallel_layers.py:{line} return self.gather(weight, ids, 0) (decode), "
+    assert (f"Gather at layers/embedding.py:{line} return self.gather(weight, ids, 0) (decode), "
             "input 1: strategy (1, 1) has 2 entries for a rank-1 input (1,)") in out
     assert "(prefill), input 1: strategy (1, 1) has 2 entries for a rank-1 input (16,)" in out
     assert "msinfer itself refuses this strategy" in out

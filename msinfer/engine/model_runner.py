@@ -1,5 +1,8 @@
-"""Turns one step's scheduled sequences into the tensors the compiled graphs take, runs them,
-and returns logits.
+"""The model runner: builds the model on this rank, loads its weight slices, owns the KV
+cache, and turns one step's scheduled sequences into the tensors the compiled graphs take,
+runs them and returns logits. Two runners behind one interface (`decode`, `prefill`,
+`shapes`, `compile_shape`, `compilations`): `ExplicitRunner` and `SemiAutoRunner`;
+`build_runner` makes the one a parallel mode needs.
 
 Every call is padded to a shape bucket so that the set of compiled graphs is small and fixed,
 whatever the mix of prompt lengths:
@@ -11,19 +14,26 @@ whatever the mix of prompt lengths:
 In explicit mode a call is one embedding call, the decoder layers in stacks of k consecutive
 layers (one compiled graph per k and shape, each layer's weights and KV cache passed in; k
 the fewest for a pass in a few calls, within the planner's workspace for that shape:
-engine/workspace.py), and one lm_head call (none for a prefill call that completes no
+planning/workspace.py), and one lm_head call (none for a prefill call that completes no
 prompt); in semi_auto mode one whole-model call.
 """
+from __future__ import annotations
+
 import time
 
+import mindspore as ms
 import numpy as np
 from mindspore import Tensor
 
 from .. import log
 from ..hardware import DTYPE_BYTES
-from ..models.qwen2 import (Embedding, LayerStack, LMHead, head_weight_names, layer_weight_names,
-                            new_cache, rotary_tables)
-from ..planning.kv_layout import TRASH_BLOCK
+from ..layers.attention import new_cache
+from ..layers.parallel_context import ParallelContext
+from ..layers.rotary import rotary_tables
+from ..models.loader import full_shapes, rank_weights
+from ..models.qwen2 import (EMBEDDING_WEIGHT, Embedding, LayerStack, LMHead, Qwen2Model,
+                            head_weight_names, layer_weight_names, weight_layout, weight_names)
+from ..planning.kv_layout import TRASH_BLOCK, CacheLayout
 from ..planning.workspace import largest_call_bytes, layer_activation_bytes, layers_per_graph
 
 MASKED = -1e30  # added to the float32 scores of context positions a query must not see
@@ -51,17 +61,16 @@ def bucket_for(size, buckets):
 
 
 class ModelRunner:
-    def __init__(self, ctx, layout, max_num_seqs, max_prefill_tokens, max_model_len,
-                 weights=None, model=None, min_layers_per_graph=1):
-        """Explicit mode: `weights` {name: Tensor} of this rank's slices. semi_auto: `model`, a
-        Qwen2Model owning its Parameters and cache (in a job of several ranks, wrapped by
-        `semi_auto_cell`). `min_layers_per_graph`: the hardware profile's (explicit mode)."""
+    """What both runners share: shape buckets, a step's inputs built from the block tables,
+    timings, compiling ahead. A subclass runs the padded call (`_run`) and names its graphs."""
+
+    def __init__(self, ctx: ParallelContext, layout: CacheLayout, max_num_seqs: int,
+                 max_prefill_tokens: int, max_model_len: int):
         config = ctx.config
+        self.ctx = ctx
         self.layout = layout
         self.dtype = ctx.dtype
         self.num_layers = config.num_layers
-        self.model = model
-        self.ctx = ctx
         cos, sin = rotary_tables(config.head_dim, config.rope_theta, max_model_len)
         host = np.float16 if str(ctx.dtype) == "Float16" else np.float32
         self.cos, self.sin = cos.astype(host), sin.astype(host)
@@ -71,58 +80,26 @@ class ModelRunner:
         self.batch_buckets = power_buckets(step, round_up(max_num_seqs, step))
         self.context_buckets = power_buckets(min(64, max_model_len), max_model_len)
         # Powers of 2, not 4: a 128-token prompt ran as a padded 256-token chunk at 0.58x the
-        # speed (bench/prefill_chunks.py); the cost is two more chunk sizes to compile.
+        # speed (bench/README.md); the cost is two more chunk sizes to compile.
         self.chunk_buckets = power_buckets(round_up(min(16, max_prefill_tokens), step),
                                            round_up(max_prefill_tokens, step))
         self.row_buckets = self.batch_buckets
-        if model is None:
-            self.embedding = Embedding(ctx)
-            self.head = LMHead(ctx)
-            self.stacks = {}  # layers per graph -> LayerStack
-            self.caches = [(new_cache(layout.rows_shape, ctx.dtype),
-                             new_cache(layout.rows_shape, ctx.dtype))
-                           for _ in range(config.num_layers)]
-            self.embed_weight = weights["model.embed_tokens.weight"]
-            self.layer_weights = [[weights[n] for n in layer_weight_names(i)]
-                                  for i in range(config.num_layers)]
-            self.head_weights = [weights[n] for n in head_weight_names(config)]
-            # Each layer's arguments of a LayerStack: its K and V caches, then its weights.
-            self.layer_args = [t for (k, v), w in zip(self.caches, self.layer_weights)
-                               for t in (k, v, *w)]
-            self._plan = ctx.plan
-            self._dtype_bytes = DTYPE_BYTES[str(ctx.dtype).lower()]
-            # What the planner reserves for activations: each graph stays within it.
-            self.min_layers = min_layers_per_graph
-            self.workspace_bytes = largest_call_bytes(ctx.plan, self._dtype_bytes, max_model_len,
-                                                      max_prefill_tokens, max_num_seqs,
-                                                      layers=min_layers_per_graph)
         # Wall time inside the graphs (inputs built, logits back on the host), by kind.
         self.timings = {"prefill_s": 0.0, "prefill_calls": 0, "prefill_tokens": 0,
                         "decode_s": 0.0, "decode_steps": 0, "decode_tokens": 0}
 
     @property
-    def graphs(self):
-        if self.model is not None:
-            return [self.model]
-        return [self.embedding, *self.stacks.values(), self.head]
+    def graphs(self) -> list:
+        raise NotImplementedError
 
     @property
     def compilations(self) -> int:
+        """Graphs compiled so far."""
         return sum(len(g.compile_cache) for g in self.graphs)
-
-    @property
-    def cache_bytes(self) -> int:
-        """Bytes of this rank's KV cache tensors (explicit mode)."""
-        return sum(k.nbytes + v.nbytes for k, v in self.caches)
-
-    def layers_per_call(self, tokens, groups, context) -> int:
-        """Decoder layers one graph runs for a call of that shape (explicit mode)."""
-        layer = layer_activation_bytes(self._plan, self._dtype_bytes, tokens, groups, context)
-        return layers_per_graph(self.num_layers, layer, self.workspace_bytes, self.min_layers)
 
     # ---- one step's inputs ----
 
-    def decode(self, seqs):
+    def decode(self, seqs) -> np.ndarray:
         """Logits (len(seqs), vocab) of the next token of each sequence (one pending token
         each: the last, at position length - 1)."""
         count = len(seqs)
@@ -147,10 +124,10 @@ class ModelRunner:
         self._time("decode", start, count, compiled, f"batch {batch} x context {context}")
         return logits
 
-    def prefill(self, chunks):
+    def prefill(self, chunks) -> np.ndarray:
         """Runs the chunks (each writes its tokens' K/V); returns logits (k, vocab) for the k
-        chunks that complete their sequence's pending tokens, in chunk order (none: no
-        lm_head call, an empty array)."""
+        chunks that complete their sequence's pending tokens, in chunk order (none: an empty
+        array, and explicit mode skips the lm_head)."""
         total = sum(c.count for c in chunks)
         size = bucket_for(total, self.chunk_buckets)
         context = bucket_for(sum(c.start + c.count for c in chunks), self.context_buckets)
@@ -182,8 +159,8 @@ class ModelRunner:
         visible = ((owner[:, None] == context_owner[None, :])
                    & (context_position[None, :] <= positions[:, None]))
         mask = np.where(visible, 0.0, MASKED).astype(np.float32)[None]
-        padded_rows = None  # no chunk completes its prompt: no lm_head (explicit mode)
-        if rows or self.model is not None:
+        padded_rows = None  # no chunk completes its prompt: no logits are needed
+        if rows or self.needs_rows:
             padded_rows = np.zeros(bucket_for(max(len(rows), 1), self.row_buckets), np.int32)
             padded_rows[:len(rows)] = rows
         start, compiled = time.perf_counter(), self.compilations
@@ -191,6 +168,9 @@ class ModelRunner:
         logits = logits[:len(rows)] if logits is not None else np.zeros((0, 0), np.float32)
         self._time("prefill", start, total, compiled, f"chunk {size} x context {context}")
         return logits
+
+    # Whether every call computes logits rows (a whole-model graph always has its lm_head).
+    needs_rows = False
 
     def _time(self, kind, start, tokens, compiled_before, shape):
         t = self.timings
@@ -202,47 +182,25 @@ class ModelRunner:
         t["prefill_calls" if kind == "prefill" else "decode_steps"] += 1
         t[f"{kind}_tokens"] += tokens
 
+    def _rotary(self, positions):
+        return (Tensor(self.cos[positions][:, None, :]),
+                Tensor(self.sin[positions][:, None, :]))
+
     def _run(self, ids, positions, write, context_slots, mask, rows):
         """mask (G, Q, T): G groups of Q queries, each over its own T context slots. Returns
-        the logits of `rows`; None when rows is None (explicit mode: the lm_head is skipped)."""
-        cos = Tensor(self.cos[positions][:, None, :])
-        sin = Tensor(self.sin[positions][:, None, :])
-        groups, _, context = mask.shape
-        if self.model is None:  # explicit mode's caches are rows of one head (kv_cache.py)
-            write = self.layout.head_rows(write)
-            context_slots = self.layout.rows_by_head(context_slots, groups)
-        args = (Tensor(write.astype(np.int32)), Tensor(context_slots.astype(np.int32)),
-                Tensor(mask))
-        if self.model is not None:
-            return self.model(Tensor(ids), cos, sin, *args, Tensor(rows)).asnumpy()
-        count = self.layers_per_call(len(ids), groups, context)
-        stack = self.stacks.get(count)
-        if stack is None:
-            stack = self.stacks[count] = self.new_stack(count)
-        x = self.embedding(Tensor(ids), self.embed_weight)
-        n = LayerStack.ARGS_PER_LAYER
-        for first in range(0, self.num_layers, count):
-            x = stack(x, cos, sin, *args, *self.layer_args[first * n:(first + count) * n])
-        if rows is None:
-            x.asnumpy()  # the call's cache writes done before the next call builds on them
-            return None
-        logits = self.head(x, Tensor(rows), *self.head_weights).asnumpy()
-        return rows_of(logits) if self.head.transposed_for(len(rows)) else logits
-
-    def new_stack(self, count):
-        """A graph of `count` consecutive decoder layers (explicit mode)."""
-        return LayerStack(self.ctx, count)
+        the logits of `rows`; None when rows is None (the lm_head is skipped)."""
+        raise NotImplementedError
 
     # ---- compile ahead ----
 
-    def shapes(self):
+    def shapes(self) -> list:
         """Every (kind, tokens-or-batch, context) this runner may compile."""
         decode = [("decode", b, t) for b in self.batch_buckets for t in self.context_buckets]
         prefill = [("prefill", c, t) for c in self.chunk_buckets for t in self.context_buckets
                    if t >= c]
         return decode + prefill
 
-    def compile_shape(self, kind, size, context, rows=1):
+    def compile_shape(self, kind: str, size: int, context: int, rows: int = 1) -> None:
         """Runs one padded call of that shape that writes and reads only the trash block."""
         trash = TRASH_BLOCK * self.layout.block_size
         tokens = size
@@ -255,7 +213,140 @@ class ModelRunner:
                   np.full(tokens, trash, np.int64), slots, mask, rows)
 
 
-def rows_of(columns, block=4096):
+class ExplicitRunner(ModelRunner):
+    """Explicit mode: this rank's weight slices and KV caches as Tensors passed to the graphs;
+    a call is an embedding graph, the layers in LayerStacks of k consecutive layers, and an
+    lm_head graph."""
+
+    def __init__(self, ctx, layout, max_num_seqs, max_prefill_tokens, max_model_len, weights,
+                 min_layers_per_graph=1):
+        """weights: {name: Tensor} of this rank's slices, in the layouts the graphs take
+        (models.qwen2.weight_layout). `min_layers_per_graph`: the hardware profile's."""
+        super().__init__(ctx, layout, max_num_seqs, max_prefill_tokens, max_model_len)
+        config = ctx.config
+        self.embedding = Embedding(ctx)
+        self.head = LMHead(ctx)
+        self.stacks = {}  # layers per graph -> LayerStack
+        self.caches = [(new_cache(layout.rows_shape, ctx.dtype),
+                        new_cache(layout.rows_shape, ctx.dtype))
+                       for _ in range(config.num_layers)]
+        self.embed_weight = weights[EMBEDDING_WEIGHT]
+        self.layer_weights = [[weights[n] for n in layer_weight_names(i)]
+                              for i in range(config.num_layers)]
+        self.head_weights = [weights[n] for n in head_weight_names(config)]
+        # Each layer's arguments of a LayerStack: its K and V caches, then its weights.
+        self.layer_args = [t for (k, v), w in zip(self.caches, self.layer_weights)
+                           for t in (k, v, *w)]
+        self._dtype_bytes = DTYPE_BYTES[str(ctx.dtype).lower()]
+        # What the planner reserves for activations: each graph stays within it.
+        self.min_layers = min_layers_per_graph
+        self.workspace_bytes = largest_call_bytes(ctx.plan, self._dtype_bytes, max_model_len,
+                                                  max_prefill_tokens, max_num_seqs,
+                                                  layers=min_layers_per_graph)
+
+    @property
+    def graphs(self):
+        return [self.embedding, *self.stacks.values(), self.head]
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of this rank's KV cache tensors."""
+        return sum(k.nbytes + v.nbytes for k, v in self.caches)
+
+    def layers_per_call(self, tokens, groups, context) -> int:
+        """Decoder layers one graph runs for a call of that shape."""
+        layer = layer_activation_bytes(self.ctx.plan, self._dtype_bytes, tokens, groups,
+                                       context)
+        return layers_per_graph(self.num_layers, layer, self.workspace_bytes, self.min_layers)
+
+    def new_stack(self, count):
+        """A graph of `count` consecutive decoder layers."""
+        return LayerStack(self.ctx, count)
+
+    def _run(self, ids, positions, write, context_slots, mask, rows):
+        cos, sin = self._rotary(positions)
+        groups, _, context = mask.shape
+        # explicit mode's caches are rows of one head (kv_layout.py)
+        args = (Tensor(self.layout.head_rows(write).astype(np.int32)),
+                Tensor(self.layout.rows_by_head(context_slots, groups).astype(np.int32)),
+                Tensor(mask))
+        count = self.layers_per_call(len(ids), groups, context)
+        stack = self.stacks.get(count)
+        if stack is None:
+            stack = self.stacks[count] = self.new_stack(count)
+        x = self.embedding(Tensor(ids), self.embed_weight)
+        n = LayerStack.ARGS_PER_LAYER
+        for first in range(0, self.num_layers, count):
+            x = stack(x, cos, sin, *args, *self.layer_args[first * n:(first + count) * n])
+        if rows is None:
+            x.asnumpy()  # the call's cache writes done before the next call builds on them
+            return None
+        logits = self.head(x, Tensor(rows), *self.head_weights).asnumpy()
+        return blocked_transpose(logits) if self.head.transposed_for(len(rows)) else logits
+
+
+class SemiAutoRunner(ModelRunner):
+    """semi_auto mode: one whole-model graph (Qwen2Model owns its weights and caches as
+    Parameters, laid out per rank by MindSpore from the primitives' in_strategy)."""
+
+    needs_rows = True
+
+    def __init__(self, ctx, layout, max_num_seqs, max_prefill_tokens, max_model_len, model,
+                 world_size=1):
+        super().__init__(ctx, layout, max_num_seqs, max_prefill_tokens, max_model_len)
+        self.model = model
+        self.cell = semi_auto_cell(model, world_size)
+
+    @property
+    def graphs(self):
+        return [self.cell]
+
+    def load(self, weights, world_size=1):
+        """Set the Parameters from (name, full-or-slice array) pairs. In a job of several
+        ranks the Parameters become this rank's slices once a graph is compiled with the
+        plan's layouts: compile one shape first, then load the slices."""
+        if world_size > 1:
+            self.compile_shape("decode", self.batch_buckets[0], self.context_buckets[0])
+        for name, array in weights:
+            self.model.weights[name].set_data(Tensor(array, dtype=self.dtype))
+
+    def _run(self, ids, positions, write, context_slots, mask, rows):
+        cos, sin = self._rotary(positions)
+        return self.cell(Tensor(ids), cos, sin, Tensor(write.astype(np.int32)),
+                         Tensor(context_slots.astype(np.int32)), Tensor(mask),
+                         Tensor(rows)).asnumpy()
+
+
+def build_runner(model_dir, ctx, layout, limits, world_size, min_layers_per_graph=1):
+    """The runner of `ctx.mode`, with this rank's weights loaded from `model_dir` and its KV
+    cache allocated (`layout`): what nano-vllm's ModelRunner does in its constructor."""
+    config = ctx.config
+    names = weight_names(config)
+    host_dtype = np.float16 if ctx.dtype == ms.float16 else np.float32  # numpy has no bf16
+    weights = rank_weights(model_dir, ctx.plan, ctx.tensor_rank, names, host_dtype)
+    sizes = dict(max_num_seqs=limits.max_num_seqs, max_prefill_tokens=limits.max_prefill_tokens,
+                 max_model_len=limits.max_len)
+    if ctx.mode == "semi_auto":
+        model = Qwen2Model(ctx, layout, full_shapes(config, names))
+        runner = SemiAutoRunner(ctx, layout, model=model, world_size=world_size, **sizes)
+        runner.load(weights, world_size)
+        return runner
+    loaded = {name: host_tensor(weight_layout(ctx, name, array), ctx.dtype)
+              for name, array in weights}
+    return ExplicitRunner(ctx, layout, weights=loaded, min_layers_per_graph=min_layers_per_graph,
+                          **sizes)
+
+
+def host_tensor(array, dtype):
+    """A loaded weight as a Tensor of `dtype`, sharing the array's memory when it already is
+    that dtype: a copy would write every weight's bytes to fresh pages once more (on a guest
+    whose first touch of memory runs at 0.3 GB/s that was 6 of a 0.5B model's 17 s of load)."""
+    if ms.dtype_to_nptype(dtype) == array.dtype:
+        return ms.Tensor.from_numpy(array)  # (copies an array that is not C-contiguous)
+    return ms.Tensor(array, dtype=dtype)
+
+
+def blocked_transpose(columns, block=4096):
     """(rows, n) from (n, rows), copied in blocks of `block` that stay in cache: 1.6 ms for
     (151,936, 16) float32 where np.ascontiguousarray(columns.T) takes 6.0 ms."""
     out = np.empty(columns.shape[::-1], columns.dtype)

@@ -1,132 +1,21 @@
-"""Layers that carry their own sharding, so the model file only composes them.
+"""The parallel linear layer: column-, row- and vocabulary-split matmuls and their collectives.
 
 A layer is built from the style the shard plan gives its weight (`colwise`, `rowwise`,
-`vocab`, `colwise_gather`, `replicate`); the style decides the collective that follows the
-matmul, in one place. Layers hold primitives, not weights: the weights are arguments, so one
-compiled graph of a decoder layer serves every layer of the model.
+`colwise_gather`, `replicate`); the style decides the collective that follows the matmul, in
+one place. Layers hold primitives, not weights: the weights are arguments, so one compiled
+graph of a decoder layer serves every layer of the model.
 
 - explicit mode: the weights are this rank's slices; data moves only through collectives
-  (AllReduce after row-parallel and vocab-parallel layers, AllGather after the vocab-split
-  lm_head). No device-to-device copy anywhere, which is what Atlas 300I Duo requires.
-- semi_auto mode: the weights are full-shape Parameters of the whole-model Cell and every
-  primitive of the model gets an `in_strategy` through `shard()`, from `SemiAutoLayout` (which
-  reads the shard plan); MindSpore inserts the collectives and redistributions.
+  (AllReduce after row-parallel layers, AllGather after the vocab-split lm_head). No
+  device-to-device copy anywhere, which is what Atlas 300I Duo requires.
+- semi_auto mode: the weights are full-shape Parameters and the matmul gets its in_strategy
+  from the plan; MindSpore inserts the collectives and redistributions.
 At tensor degree 1 every collective is skipped, so one code path serves 1 and N ranks.
 """
-import dataclasses
-
-import mindspore as ms
 from mindspore import nn, ops
 
-from ..hardware import cpu_matmul_forms
-
-
-@dataclasses.dataclass(frozen=True)
-class ParallelContext:
-    """How this process takes part in the model: its shard plan, mode and tensor group."""
-
-    config: object  # msinfer.config.ModelConfig
-    plan: object  # msinfer.strategy.ShardPlan
-    mode: str = "explicit"  # or "semi_auto"
-    tensor_rank: int = 0
-    group: str = None  # communication group of this rank's tensor-parallel peers
-    dtype: object = None  # mindspore dtype of the weights and compute
-
-    @property
-    def explicit_collectives(self) -> bool:
-        return self.mode == "explicit" and self.plan.tensor > 1
-
-    def all_reduce(self):
-        return ops.AllReduce(group=self.group) if self.group else ops.AllReduce()
-
-    @property
-    def gather_by_all_reduce(self) -> bool:
-        """MindSpore's CPU backend runs AllGather on the world group only; in a sub-group
-        (data replicas) a gather is an AllReduce of zero-padded blocks instead."""
-        return self.group is not None and ms.get_context("device_target") == "CPU"
-
-
-class SemiAutoLayout:
-    """The in_strategy of every primitive of the model under semi_auto, from the shard plan.
-
-    Two kinds of tensors, two layouts. Dense activations are (tokens, features): tokens split
-    over the `data` replicas, features as the linear layer that made them leaves them.
-    Attention and the KV cache work per KV head: the head axis is split over the tensor ranks
-    (`heads`), tokens are whole, because the cache holds every token of every sequence and
-    ScatterUpdate cannot split the slot axis it writes; the data replicas compute attention
-    alike. MindSpore redistributes between the two (an AllGather of tokens over the replicas).
-    The fused q/k/v and gate/up outputs are seen as (tokens, rank blocks, block width): each
-    rank's block of the full Parameter is its [q; k; v] (or [gate; up]) slice.
-    """
-
-    def __init__(self, plan):
-        d = plan.data
-        self.data = d
-        self.heads = plan.tensor if _split(plan, "self_attn.qkv_proj") else 1
-        self.mlp = plan.tensor if _split(plan, "mlp.gate_up_proj") else 1
-
-    def rows(self, rank):
-        """A dense activation of this rank: tokens split over the data replicas."""
-        return (self.data,) + (1,) * (rank - 1)
-
-    def per_head(self, rank, axis):
-        """An attention tensor with its KV-head (or rank-block) axis at `axis`."""
-        return tuple(self.heads if i == axis else 1 for i in range(rank))
-
-    def mlp_blocks(self):
-        """(tokens, rank blocks, width) of the gate/up output."""
-        return (self.data, self.mlp, 1)
-
-
-def _split(plan, module):
-    return plan.style(f"model.layers.0.{module}.weight") == "colwise"
-
-
-def cpu_kernel_forms(ctx) -> bool:
-    """Explicit mode on the CPU backend takes the forms measured better there: the weight
-    layouts and product orders of hardware.cpu_matmul_forms (faster), and elementwise operands
-    broadcast explicitly (`Expand`: leaner). Elsewhere the checkpoint's layout, x @ W.T and
-    implicit broadcasting: semi_auto's strategies are written for them, and no device was at
-    hand to measure."""
-    return ctx.mode == "explicit" and ms.get_context("device_target") == "CPU"
-
-
-def matmul_forms(ctx):
-    """This process's hardware.CpuMatmulForms, or None where the checkpoint's forms hold."""
-    return cpu_matmul_forms() if cpu_kernel_forms(ctx) else None
-
-
-class Expand(nn.Cell):
-    """An elementwise operand broadcast to the other operand's shape before the op, where
-    `dense` (cpu_kernel_forms) and the op is large. MindSpore's CPU Add/Mul/RealDiv with a
-    broadcast operand keep two int64 indices per output element for as long as their graph
-    lives (16 bytes per element, 4x a float32 output; a scalar operand is exempt): measured, a
-    (1, 2, 7, 256, 512) score-plus-mask Add holds 29 MB per compiled instance, the same Add
-    after BroadcastTo 0.3 MB; a 256-token chunk's graphs held ~55 MB of them per layer. Small
-    ops keep implicit broadcasting: a BroadcastTo is one more kernel launch, and nine per layer
-    made 0.5B-shape batch-1 decode ~3% slower."""
-
-    MIN_ELEMENTS = 1 << 12  # an op this large keeps 64 KiB of indices
-
-    def __init__(self, dense):
-        super().__init__()
-        self.dense = dense
-
-    def construct(self, operand, shape):
-        elements = 1
-        for size in shape:  # static shapes: decided when the graph compiles
-            elements *= size
-        if self.dense and elements >= self.MIN_ELEMENTS:
-            return ops.broadcast_to(operand, shape)
-        return operand
-
-
-def shard(ctx, primitive, *strategy):
-    """`primitive`, with `strategy` as its in_strategy in semi_auto mode (shard() does nothing
-    stand-alone, and explicit mode never asks MindSpore to lay anything out)."""
-    if ctx.mode == "semi_auto":
-        primitive.shard(tuple(strategy))
-    return primitive
+from .cpu_forms import Expand, uses_cpu_forms
+from .parallel_context import ParallelContext
 
 
 class ParallelLinear(nn.Cell):
@@ -144,7 +33,7 @@ class ParallelLinear(nn.Cell):
         self.weight_first = ops.MatMul(transpose_b=True)
         self.weight_times = ops.MatMul()
         self.add = ops.Add()
-        self.expand = Expand(cpu_kernel_forms(ctx))
+        self.expand = Expand(uses_cpu_forms(ctx))
         self.reduce = None
         self.vocab_gather = None
         if ctx.explicit_collectives and style == "rowwise":
@@ -215,30 +104,3 @@ class ParallelLinear(nn.Cell):
         zeros = ops.zeros_like(y)
         blocks = [y if r == self.tensor_rank else zeros for r in range(self.tensor)]
         return self.vocab_gather(ops.concat(blocks, axis))
-
-
-class ParallelEmbedding(nn.Cell):
-    """Token embedding; with the `vocab` style each rank holds a block of rows, looks up the
-    ids that fall in its block (zeros elsewhere) and the AllReduce assembles the result."""
-
-    def __init__(self, ctx: ParallelContext, name: str):
-        super().__init__()
-        weight_name = name + ".weight"
-        self.gather = ops.Gather()
-        self.reduce = None
-        if ctx.explicit_collectives and ctx.plan.style(weight_name) == "vocab":
-            self.reduce = ctx.all_reduce()
-            rows = ctx.plan.local_shape(weight_name)[0]
-            self.vocab_start = ctx.tensor_rank * rows
-            self.vocab_end = self.vocab_start + rows
-        if ctx.mode == "semi_auto":
-            self.gather.shard(ctx.plan.in_strategy(weight_name))
-
-    def construct(self, ids, weight):
-        if self.reduce is None:
-            return self.gather(weight, ids, 0)
-        inside = ops.logical_and(ids >= self.vocab_start, ids < self.vocab_end)
-        local_ids = ops.where(inside, ids - self.vocab_start, ops.zeros_like(ids))
-        rows = self.gather(weight, local_ids, 0)
-        rows = rows * ops.expand_dims(inside, -1).astype(rows.dtype)
-        return self.reduce(rows)

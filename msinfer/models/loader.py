@@ -14,6 +14,7 @@ from safetensors import SafetensorError, safe_open
 
 from .. import log
 from ..errors import MsinferError
+from ..parallel.strategy import checkpoint_parts
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -99,3 +100,26 @@ class Checkpoint:
         if data.dtype != dtype:
             data = data.astype(np.float32).astype(dtype)
         return np.ascontiguousarray(data)
+
+
+def rank_weights(model_dir, plan, tensor_rank, names, dtype):
+    """Yields (name, numpy array) of tensor rank `tensor_rank`'s slice of each model weight in
+    `names`, in `dtype`: a fused weight (qkv_proj, gate_up_proj) stacked from its checkpoint
+    parts, each part cut as the shard plan says."""
+    shapes = plan.config.parameter_shapes()
+
+    def parts_of(name):
+        return [(part, plan.slices(part, tensor_rank), shapes[part])
+                for part in checkpoint_parts(name)]
+
+    return Checkpoint(model_dir).load(names, parts_of, dtype)
+
+
+def full_shapes(config, names):
+    """The whole (unsliced) shape of each model weight in `names`, fused ones stacked."""
+    shapes = config.parameter_shapes()
+    result = {}
+    for name in names:
+        parts = checkpoint_parts(name)
+        result[name] = ((sum(shapes[p][0] for p in parts),) + tuple(shapes[parts[0]][1:]))
+    return result

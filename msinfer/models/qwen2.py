@@ -1,26 +1,20 @@
-"""Qwen2 for causal LM as MindSpore Cells over a paged KV cache.
+"""Qwen2 for causal LM as MindSpore Cells over a paged KV cache: one model family, composed
+from the shared layers (layers/: parallel linear and embedding, RMSNorm, rotary, paged
+attention).
 
 The math reads like Hugging Face's `modeling_qwen2.py`: embedding, decoder layers (RMSNorm,
 rotary attention with grouped KV heads and q/k/v biases, SwiGLU MLP), final norm, lm_head
 (tied to the embedding when the config says so). Two projections are fused: q/k/v is one
 column-parallel matmul and gate/up another (each rank's part of each is cut by the shard
-plan), so a layer runs 4 weight matmuls instead of 7. Sharding lives in `parallel_layers`.
+plan), so a layer runs 4 weight matmuls instead of 7.
 
 The Cells hold primitives, not weights: weights and KV caches are arguments, so one compiled
 graph of a `LayerStack` (k consecutive decoder layers) serves every run of k layers. That is
 how the engine runs in explicit mode: a pass over the layers in a few graph calls, fewer
-layers per graph where their activations would exceed the workspace (engine/workspace.py):
+layers per graph where their activations would exceed the workspace (planning/workspace.py):
 one layer of the largest prefill chunk (two on CPU), a quarter of the layers of a short decode
-step. Explicit mode reads each layer's context from its cache by head (no Transpose) and, on
-the CPU backend, broadcasts large elementwise operands explicitly (`Expand`): both kernels
-would otherwise keep per-element index tables for the life of every compiled graph. In semi_auto
-mode `Qwen2Model` owns the weights and caches as Parameters (so MindSpore can lay them out per
-rank) and runs all layers in one graph.
-
-Attention of one call works on G groups of Q queries, each group over its own gathered
-context of T cache slots: a prefill chunk is G=1 (the chunk's tokens, possibly of several
-sequences, over the concatenation of their contexts, with a mask keeping each token to its own
-sequence's earlier positions); a decode step is G=batch, Q=1.
+step. In semi_auto mode `Qwen2Model` owns the weights and caches as Parameters (so MindSpore
+can lay them out per rank) and runs all layers in one graph.
 """
 import mindspore as ms
 import numpy as np
@@ -28,9 +22,15 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Zero
 from mindspore.ops.auto_generate import SiLU  # the primitive behind ops.silu (not in ops)
 
-from ..layers.linear import (Expand, ParallelEmbedding, ParallelLinear, SemiAutoLayout,
-                             cpu_kernel_forms, matmul_forms, shard)
+from ..layers.attention import PagedAttention, new_cache
+from ..layers.cpu_forms import matmul_forms
+from ..layers.embedding import ParallelEmbedding
+from ..layers.linear import ParallelLinear
+from ..layers.norm import RMSNorm
+from ..layers.parallel_context import SemiAutoLayout, shard
+from ..layers.rotary import Rotary
 
+EMBEDDING_WEIGHT = "model.embed_tokens.weight"
 # One decoder layer's weights, in the order DecoderLayer takes them.
 LAYER_WEIGHTS = ("input_layernorm.weight", "self_attn.qkv_proj.weight",
                  "self_attn.qkv_proj.bias", "self_attn.o_proj.weight",
@@ -59,68 +59,16 @@ def layer_weight_names(layer: int) -> list:
 
 def head_weight_names(config) -> list:
     """The final norm and the lm_head (the embedding itself when tied)."""
-    lm_head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    lm_head = EMBEDDING_WEIGHT if config.tie_word_embeddings else "lm_head.weight"
     return ["model.norm.weight", lm_head]
 
 
-def rotary_tables(head_dim, theta, max_len):
-    """cos/sin of HF's default rotary embedding, one row per position."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32)
-                                / head_dim))
-    freqs = np.outer(np.arange(max_len, dtype=np.float32), inv_freq)
-    angles = np.concatenate([freqs, freqs], axis=-1)
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-
-
-class RMSNorm(nn.Cell):
-    """HF's Qwen2RMSNorm over the feature axis of (tokens, features), in float32."""
-
-    def __init__(self, ctx):
-        super().__init__()
-        rows = SemiAutoLayout(ctx.plan).rows(2) if ctx.mode == "semi_auto" else None
-        self.eps = Tensor(ctx.config.rms_norm_eps, ms.float32)
-        self.to_float = shard(ctx, ops.Cast(), rows)
-        self.square = shard(ctx, ops.Mul(), rows, rows)
-        self.mean = shard(ctx, ops.ReduceMean(keep_dims=True), rows)
-        self.add_eps = shard(ctx, ops.Add(), rows, ())
-        self.rsqrt = shard(ctx, ops.Rsqrt(), rows)
-        self.normalize = shard(ctx, ops.Mul(), rows, rows)
-        self.to_dtype = shard(ctx, ops.Cast(), rows)
-        self.scale = shard(ctx, ops.Mul(), (1,), rows)
-        self.expand = Expand(cpu_kernel_forms(ctx))
-
-    def construct(self, x, weight):
-        xf = self.to_float(x, ms.float32)
-        variance = self.mean(self.square(xf, xf), -1)
-        inverse = self.expand(self.rsqrt(self.add_eps(variance, self.eps)), xf.shape)
-        y = self.normalize(xf, inverse)
-        return self.scale(self.expand(weight, x.shape), self.to_dtype(y, x.dtype))
-
-
-class Rotary(nn.Cell):
-    """HF's rotate-half rotary embedding of (tokens, heads, head_dim) by cos/sin of
-    (tokens, 1, head_dim)."""
-
-    def __init__(self, ctx):
-        super().__init__()
-        heads = SemiAutoLayout(ctx.plan).per_head(3, 1) if ctx.mode == "semi_auto" else None
-        whole = (1, 1, 1)
-        self.slice = shard(ctx, ops.StridedSlice(), heads)
-        self.neg = shard(ctx, ops.Neg(), heads)
-        self.concat = shard(ctx, ops.Concat(-1), heads, heads)
-        self.mul_cos = shard(ctx, ops.Mul(), heads, whole)
-        self.mul_sin = shard(ctx, ops.Mul(), heads, whole)
-        self.add = shard(ctx, ops.Add(), heads, heads)
-        self.expand = Expand(cpu_kernel_forms(ctx))
-
-    def construct(self, x, cos, sin):
-        tokens, heads, dim = x.shape
-        half = dim // 2
-        first = self.slice(x, (0, 0, 0), (tokens, heads, half), (1, 1, 1))
-        second = self.slice(x, (0, 0, half), (tokens, heads, dim), (1, 1, 1))
-        rotated = self.concat((self.neg(second), first))
-        return self.add(self.mul_cos(x, self.expand(cos, x.shape)),
-                        self.mul_sin(rotated, self.expand(sin, x.shape)))
+def weight_names(config) -> list:
+    """Every weight the model takes, each once, in load order."""
+    names = [EMBEDDING_WEIGHT]
+    for n in range(config.num_layers):
+        names += layer_weight_names(n)
+    return names + [n for n in head_weight_names(config) if n not in names]
 
 
 class DecoderLayer(nn.Cell):
@@ -148,43 +96,25 @@ class DecoderLayer(nn.Cell):
             self.intermediate = config.intermediate_size
             layout = SemiAutoLayout(plan)
             self.qkv_blocks, self.mlp_blocks = layout.heads, layout.mlp
-        self.groups = self.heads // self.kv_heads
         # Widths within one block of the fused outputs.
         self.q_block = self.heads * self.head_dim // self.qkv_blocks
         self.kv_block = self.kv_heads * self.head_dim // self.qkv_blocks
         self.mlp_block = self.intermediate // self.mlp_blocks
-        self.scale = Tensor(self.head_dim ** -0.5, ctx.dtype or ms.float32)
-        self.rows_by_head = ctx.mode == "explicit"  # context_rows: CacheLayout.rows_by_head
+        self.attention = PagedAttention(ctx, self.heads, self.kv_heads, self.head_dim)
         self._make_primitives(ctx)
 
     def _make_primitives(self, ctx):
         semi_auto = ctx.mode == "semi_auto"
         layout = SemiAutoLayout(ctx.plan) if semi_auto else None
-
-        def heads(rank, axis=1):
-            return layout.per_head(rank, axis) if semi_auto else None
-
         rows = layout.rows(2) if semi_auto else None
         mlp = layout.mlp_blocks() if semi_auto else None
-        self.split_qkv = shard(ctx, ops.StridedSlice(), heads(3))
-        self.write_rows = shard(ctx, ops.ScatterUpdate(), heads(3), (1,), heads(3))
-        self.read_rows = shard(ctx, ops.Gather(), heads(3), (1,))
-        self.keys_by_head = shard(ctx, ops.Transpose(), heads(4, 2))
-        self.queries_by_head = shard(ctx, ops.Transpose(), heads(5, 2))
-        self.scale_queries = shard(ctx, ops.Mul(), heads(4), ())
-        self.scores = shard(ctx, ops.BatchMatMul(transpose_b=True), heads(4), heads(4))
-        self.scores_to_float = shard(ctx, ops.Cast(), heads(4))
-        self.add_mask = shard(ctx, ops.Add(), heads(5), (1, 1, 1, 1, 1))
-        self.softmax = shard(ctx, ops.Softmax(-1), heads(4))
-        self.probs_to_dtype = shard(ctx, ops.Cast(), heads(4))
-        self.weighted_values = shard(ctx, ops.BatchMatMul(), heads(4), heads(4))
-        self.tokens_first = shard(ctx, ops.Transpose(), heads(5, 1))
+        self.split_qkv = shard(ctx, ops.StridedSlice(), layout.per_head(3, 1) if semi_auto
+                               else None)
         self.residual = shard(ctx, ops.Add(), rows, rows)
         self.split_gate_up = shard(ctx, ops.StridedSlice(), mlp)
         self.silu = shard(ctx, SiLU(), mlp)
         self.gate = shard(ctx, ops.Mul(), mlp, mlp)
         self.mlp_out = ops.Transpose()  # explicit mode only (_mlp's weight-first chain)
-        self.expand = Expand(cpu_kernel_forms(ctx))
 
     def construct(self, x, cos, sin, k_cache, v_cache, write_rows, context_rows, mask,
                   ln1, w_qkv, b_qkv, w_o, ln2, w_gate_up, w_down):
@@ -203,15 +133,8 @@ class DecoderLayer(nn.Cell):
         v = v.reshape(tokens, self.kv_heads, self.head_dim)
         q = self.rotary(q, cos, sin)
         k = self.rotary(k, cos, sin)
-        # Write this call's K/V, then read the context (which includes them) after the writes.
-        if self.rows_by_head:  # the caches are rows of one head's vector (kv_cache.py)
-            k = k.reshape(tokens * self.kv_heads, self.head_dim)
-            v = v.reshape(tokens * self.kv_heads, self.head_dim)
-        k_written = self.write_rows(k_cache, write_rows, k)
-        v_written = self.write_rows(v_cache, write_rows, v)
-        keys = self.read_rows(ops.depend(k_cache, k_written), context_rows, 0)
-        values = self.read_rows(ops.depend(v_cache, v_written), context_rows, 0)
-        x = self.residual(x, self.o_proj(self._attend(q, keys, values, mask), w_o))
+        out = self.attention(q, k, v, k_cache, v_cache, write_rows, context_rows, mask)
+        x = self.residual(x, self.o_proj(out, w_o))
         return self.residual(x, self._mlp(self.post_attention_norm(x, ln2), w_gate_up, w_down))
 
     def _mlp(self, x, w_gate_up, w_down):
@@ -239,37 +162,6 @@ class DecoderLayer(nn.Cell):
         tokens, blocks, _ = gate_up.shape
         return self.split_gate_up(gate_up, (0, 0, start),
                                   (tokens, blocks, start + self.mlp_block), (1, 1, 1))
-
-    def _attend(self, q, keys, values, mask):
-        groups, queries, context = mask.shape
-        d, kv = self.head_dim, self.kv_heads
-        if self.rows_by_head:
-            keys = keys.reshape(groups, kv, context, d)
-            values = values.reshape(groups, kv, context, d)
-        else:
-            keys = self.keys_by_head(keys.reshape(groups, context, kv, d), (0, 2, 1, 3))
-            values = self.keys_by_head(values.reshape(groups, context, kv, d), (0, 2, 1, 3))
-        # Query head j uses KV head j // groups: put each KV head's queries in one row block
-        # (with one query per group, as in decode, that is a reshape: no Transpose to launch).
-        q = q.reshape(groups, queries, kv, self.groups, d)
-        if queries > 1:
-            q = self.queries_by_head(q, (0, 2, 3, 1, 4))
-        q = q.reshape(groups, kv, self.groups * queries, d)
-        # The scores are the big tensor here: scale q, not them; softmax in float32.
-        scores = self.scores(self.scale_queries(q, self.scale), keys)
-        if scores.dtype != ms.float32:
-            scores = self.scores_to_float(scores, ms.float32)
-        scores = scores.reshape(groups, kv, self.groups, queries, context)
-        scores = self.add_mask(scores, self.expand(mask.reshape(groups, 1, 1, queries, context),
-                                                   scores.shape))
-        probs = self.softmax(scores.reshape(groups, kv, self.groups * queries, context))
-        if probs.dtype != values.dtype:
-            probs = self.probs_to_dtype(probs, values.dtype)
-        out = self.weighted_values(probs, values)  # (G, kv, groups*Q, d)
-        out = out.reshape(groups, kv, self.groups, queries, d)
-        if queries > 1:
-            out = self.tokens_first(out, (0, 3, 1, 2, 4))
-        return out.reshape(groups * queries, self.heads * d)
 
 
 class LayerStack(nn.Cell):
@@ -345,15 +237,6 @@ class LMHead(nn.Cell):
         return logits
 
 
-def new_cache(shape, dtype, name=None):
-    """One layer's K or V cache, zeros, updated in place by the graphs: a Parameter when named
-    (owned by a Cell: semi_auto), else a Tensor passed to the graphs as an argument."""
-    zeros = Tensor(shape=shape, dtype=dtype, init=Zero())
-    if name is None:
-        return zeros.init_data()
-    return Parameter(zeros, name=name, requires_grad=False)
-
-
 class Qwen2Model(nn.Cell):
     """The whole model in one graph, owning its weights as Parameters (semi_auto mode).
 
@@ -373,8 +256,8 @@ class Qwen2Model(nn.Cell):
             return Parameter(Tensor(shape=shapes[name], dtype=ctx.dtype, init=Zero()),
                              name=name, requires_grad=False)
 
-        self.embed_weight = param("model.embed_tokens.weight")
-        self.weights = {"model.embed_tokens.weight": self.embed_weight}
+        self.embed_weight = param(EMBEDDING_WEIGHT)
+        self.weights = {EMBEDDING_WEIGHT: self.embed_weight}
         holders = []
         for n in range(config.num_layers):
             params = ms.ParameterTuple([param(name) for name in layer_weight_names(n)])

@@ -82,30 +82,30 @@ class EngineMemory:
         return self.layout.total_bytes if self.layout else 0
 
 
-def engine_memory(shard, profile, dtype, limits, tensor_rank=0, strict=True):
+def engine_memory(shard_plan, profile, dtype, limits, tensor_rank=0, strict=True):
     """The engine's allocations on tensor rank `tensor_rank`: its weight slices, the workspace
     of its largest call, and the KV cache pool sized from the budget (kv_cache_memory, else
     KV_CACHE_UTILIZATION of what weights and workspace leave of the device, or of this rank's
     share of the host on CPU), never more than max_num_seqs sequences of max_len can use.
     `strict`: raise when not even one block fits (the engine); else layout None (the planner).
     """
-    config = shard.config
+    config = shard_plan.config
     dtype_bytes = DTYPE_BYTES[dtype]
     weights = 0
     for name in config.parameter_shapes():
         count = 1
-        for s in shard.slices(name, tensor_rank):
+        for s in shard_plan.slices(name, tensor_rank):
             count *= s.stop - s.start
         weights += count * dtype_bytes
-    workspace = workspace_bytes(shard, profile, dtype_bytes, limits)
+    workspace = workspace_bytes(shard_plan, profile, dtype_bytes, limits)
     capacity = profile.usable_bytes
     if profile.shared_host_memory:
-        capacity //= shard.world_size
+        capacity //= shard_plan.world_size
     budget = limits.kv_cache_memory
     if budget is None:
         budget = int(max(0, capacity - weights - workspace) * KV_CACHE_UTILIZATION)
     cap = limits.max_num_seqs * -(-limits.max_len // limits.block_size)
-    args = (config.num_layers, shard.local_kv_heads, config.head_dim, limits.block_size,
+    args = (config.num_layers, shard_plan.local_kv_heads, config.head_dim, limits.block_size,
             dtype_bytes)
     per_block = CacheLayout.bytes_per_block(*args)
     layout = None
@@ -115,15 +115,16 @@ def engine_memory(shard, profile, dtype, limits, tensor_rank=0, strict=True):
                         capacity_bytes=capacity, layout=layout, kv_budget_bytes=budget)
 
 
-def workspace_bytes(shard, profile, dtype_bytes, limits):
-    """Runtime reserve plus the activations of one decoder layer of the engine's largest call
-    (`min_layers_per_graph` layers: two on CPU) (a prefill chunk of max_prefill_tokens, or a decode step of max_num_seqs sequences, over
-    max_len of context; an upper estimate: engine/workspace.py), which bounds every compiled
-    graph's activations (a graph runs no more layers than fit), plus float32 logits of
-    max_num_seqs rows over the whole vocabulary."""
-    largest = largest_call_bytes(shard, dtype_bytes, limits.max_len, limits.max_prefill_tokens,
-                                 limits.max_num_seqs, layers=profile.min_layers_per_graph)
-    logits = limits.max_num_seqs * shard.config.vocab_size * 4
+def workspace_bytes(shard_plan, profile, dtype_bytes, limits):
+    """Runtime reserve plus the activations of `min_layers_per_graph` decoder layers (two on
+    CPU) of the engine's largest call (a prefill chunk of max_prefill_tokens, or a decode step
+    of max_num_seqs sequences, over max_len of context; an upper estimate: workspace.py), which
+    bounds every compiled graph's activations (a graph runs no more layers than fit), plus
+    float32 logits of max_num_seqs rows over the whole vocabulary."""
+    largest = largest_call_bytes(shard_plan, dtype_bytes, limits.max_len,
+                                 limits.max_prefill_tokens, limits.max_num_seqs,
+                                 layers=profile.min_layers_per_graph)
+    logits = limits.max_num_seqs * shard_plan.config.vocab_size * 4
     return profile.runtime_reserve_bytes + largest + logits
 
 

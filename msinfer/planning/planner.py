@@ -1,16 +1,17 @@
 """The planner: before launch, is this (model, strategy, hardware) legal, and does it fit?
 
 Per device it counts what the engine allocates, from the same functions the engine sizes
-itself with (memory.py's `engine_memory`): the weight bytes exactly (from the config and the shard plan),
-the paged KV cache pool (blocks, tokens, how many max-len sequences it holds), and a stated
-workspace estimate bounded by one layer of one prefill chunk, against the profile's usable
-memory. It lists the collectives each decoded token costs, the dtype and why, and the decode
-speed that memory bandwidth allows. It refuses what would fail on the hardware, saying how to
-fix it.
+itself with (memory.py's `engine_memory`): the weight bytes exactly (from the config and the
+shard plan), the paged KV cache pool (blocks, tokens, how many max-len sequences it holds),
+and a stated workspace estimate bounded by one layer of one prefill chunk, against the
+profile's usable memory. It lists the collectives each decoded token costs, the dtype and why,
+and the decode speed that memory bandwidth allows. It refuses what would fail on the hardware,
+saying how to fix it.
 
 Three things are easy to confuse: a `Strategy` (the YAML: degrees and rules), the `ShardPlan`
-it resolves to for one model (what each rank holds: parallel/strategy.py), and the `PlanReport` made
-here (is that ShardPlan legal on this hardware, in this parallel mode, and does it fit).
+it resolves to for one model (what each rank holds: parallel/strategy.py; `shard_plan` here),
+and the `PlanReport` made here (`report`: is that ShardPlan legal on this hardware, in this
+parallel mode, and does it fit).
 """
 from __future__ import annotations
 
@@ -100,7 +101,7 @@ def make_plan(config: ModelConfig, strategy: Strategy, profile: HardwareProfile,
     cannot run end up in `errors`; bad values raise MsinferError."""
     limits = limits or EngineLimits.for_model(config)
     mode = decide_parallel_mode(parallel_mode, strategy)
-    plan = PlanReport(model=config.source, strategy=strategy.source, hardware=profile.name,
+    report = PlanReport(model=config.source, strategy=strategy.source, hardware=profile.name,
                       hardware_title=profile.title, world_size=strategy.world_size,
                       tensor=strategy.tensor, data=strategy.data, pipeline=strategy.pipeline,
                       max_num_seqs=limits.max_num_seqs, max_len=limits.max_len,
@@ -110,35 +111,36 @@ def make_plan(config: ModelConfig, strategy: Strategy, profile: HardwareProfile,
                       parallel_mode=mode)
     refusal = _hardware_refusal(strategy, profile, mode)
     if refusal:
-        plan.errors.append(refusal)
-        return plan
+        report.errors.append(refusal)
+        return report
     try:
-        plan.dtype, plan.dtype_reason = compute_dtype(profile, config.torch_dtype, dtype)
-        shard = strategy.resolve(config, mode)
+        report.dtype, report.dtype_reason = compute_dtype(profile, config.torch_dtype, dtype)
+        shard_plan = strategy.resolve(config, mode)
     except PlanRefused as e:
-        plan.errors.append(str(e))
-        return plan
+        report.errors.append(str(e))
+        return report
 
-    dtype_bytes = DTYPE_BYTES[plan.dtype]
-    plan.devices, layout = _device_memory(shard, profile, plan.dtype, limits)
-    plan.workspace_formula = _workspace_formula(profile, limits)
-    plan.collectives_per_token = _collectives(shard, dtype_bytes, limits.max_num_seqs)
+    dtype_bytes = DTYPE_BYTES[report.dtype]
+    report.devices, layout = _device_memory(shard_plan, profile, report.dtype, limits)
+    report.workspace_formula = _workspace_formula(profile, limits)
+    report.collectives_per_token = _collectives(shard_plan, dtype_bytes, limits.max_num_seqs)
     if layout is not None:
-        plan.kv_blocks = layout.num_blocks - 1
-        plan.kv_tokens = layout.usable_tokens
-        plan.kv_bytes_per_token = layout.total_bytes // layout.num_slots
-        plan.concurrent_max_len_sequences = layout.usable_tokens // limits.max_len
-        _decode_bound(plan, shard, dtype_bytes)
-    _explain(plan, shard, profile)
-    worst = max(plan.devices, key=lambda d: d.total_bytes - d.capacity_bytes)
-    if worst.margin_bytes < 0 or layout is None or plan.concurrent_max_len_sequences < 1:
-        plan.errors.append(_does_not_fit(worst, layout, shard, profile, plan.dtype, limits))
+        report.kv_blocks = layout.num_blocks - 1
+        report.kv_tokens = layout.usable_tokens
+        report.kv_bytes_per_token = layout.total_bytes // layout.num_slots
+        report.concurrent_max_len_sequences = layout.usable_tokens // limits.max_len
+        _decode_bound(report, shard_plan, dtype_bytes)
+    _explain(report, shard_plan, profile)
+    worst = max(report.devices, key=lambda d: d.total_bytes - d.capacity_bytes)
+    if worst.margin_bytes < 0 or layout is None or report.concurrent_max_len_sequences < 1:
+        report.errors.append(_does_not_fit(worst, layout, shard_plan, profile, report.dtype,
+                                           limits))
     elif worst.margin_bytes < _TIGHT_MARGIN * worst.capacity_bytes and limits.kv_cache_memory:
-        plan.warnings.append(
+        report.warnings.append(
             f"rank {worst.rank} has only {_gib(worst.margin_bytes)} "
             f"({worst.margin_bytes / worst.capacity_bytes:.0%}) to spare, and the workspace "
             f"is an estimate")
-    return plan
+    return report
 
 
 def check_plan_or_raise(config: ModelConfig, strategy: Strategy, profile: HardwareProfile,
@@ -146,10 +148,10 @@ def check_plan_or_raise(config: ModelConfig, strategy: Strategy, profile: Hardwa
                         parallel_mode: str | None = None) -> PlanReport:
     """The gate of `msinfer launch` and `LLM(...)`: the report when the plan fits, else
     PlanRefused with the first error."""
-    plan = make_plan(config, strategy, profile, limits, dtype, parallel_mode)
-    if plan.errors:
-        raise PlanRefused(plan.errors[0])
-    return plan
+    report = make_plan(config, strategy, profile, limits, dtype, parallel_mode)
+    if report.errors:
+        raise PlanRefused(report.errors[0])
+    return report
 
 
 def _hardware_refusal(strategy, profile, mode):
@@ -176,16 +178,16 @@ def _hardware_refusal(strategy, profile, mode):
     return None
 
 
-def _device_memory(shard, profile, dtype, limits):
+def _device_memory(shard_plan, profile, dtype, limits):
     """Per rank what `engine_memory` allocates; and the KV layout (the same on every rank)."""
     devices, layout = [], None
-    for rank in range(shard.world_size):
-        tensor_rank = shard.tensor_rank(rank)
-        memory = engine_memory(shard, profile, dtype, limits, tensor_rank, strict=False)
+    for rank in range(shard_plan.world_size):
+        tensor_rank = shard_plan.tensor_rank(rank)
+        memory = engine_memory(shard_plan, profile, dtype, limits, tensor_rank, strict=False)
         layout = memory.layout
         total = memory.weights_bytes + memory.kv_cache_bytes + memory.workspace_bytes
         devices.append(DeviceMemory(
-            rank=rank, tensor_rank=tensor_rank, data_rank=shard.data_rank(rank),
+            rank=rank, tensor_rank=tensor_rank, data_rank=shard_plan.data_rank(rank),
             weights_bytes=memory.weights_bytes, kv_cache_bytes=memory.kv_cache_bytes,
             workspace_bytes=memory.workspace_bytes, total_bytes=total,
             capacity_bytes=memory.capacity_bytes))
@@ -202,75 +204,75 @@ def _workspace_formula(profile, limits):
             f"more layers than fit in it) + float32 logits")
 
 
-def _collectives(shard, dtype_bytes, local_batch):
+def _collectives(shard_plan, dtype_bytes, local_batch):
     """What one decode step moves between the ranks of a tensor group (data replicas do not
     talk while decoding)."""
-    if shard.tensor == 1:
+    if shard_plan.tensor == 1:
         return []
-    config = shard.config
+    config = shard_plan.config
     hidden = local_batch * config.hidden_size * dtype_bytes
     reductions = []
-    if shard.styles["model.embed_tokens"] == "vocab":
+    if shard_plan.styles["model.embed_tokens"] == "vocab":
         reductions.append(("embedding", 1))
-    if shard.styles["model.layers.0.self_attn.o_proj"] == "rowwise":
+    if shard_plan.styles["model.layers.0.self_attn.o_proj"] == "rowwise":
         reductions.append(("o_proj", config.num_layers))
-    if shard.styles["model.layers.0.mlp.down_proj"] == "rowwise":
+    if shard_plan.styles["model.layers.0.mlp.down_proj"] == "rowwise":
         reductions.append(("down_proj", config.num_layers))
     collectives = []
     if reductions:
         collectives.append(Collective(
             kind="AllReduce", count=sum(n for _, n in reductions), payload_bytes=hidden,
             where=", ".join(f"{where} {n}" for where, n in reductions)))
-    if shard.styles["lm_head"] == "colwise_gather":
+    if shard_plan.styles["lm_head"] == "colwise_gather":
         collectives.append(Collective(
             kind="AllGather", count=1, payload_bytes=local_batch * config.vocab_size * dtype_bytes,
             where="lm_head logits"))
     return collectives
 
 
-def _decode_bound(plan, shard, dtype_bytes):
+def _decode_bound(report, shard_plan, dtype_bytes):
     """Decoding re-reads every weight (and each sequence's KV cache so far) per step, so a
     device's memory bandwidth caps the steps per second; each step yields one token per
     sequence. With full contexts: max_num_seqs sequences of max_len, as many as the pool holds."""
     embedding = 0
-    if not shard.config.tie_word_embeddings:  # a lookup reads a few rows, not the table
-        rows, cols = shard.local_shape("model.embed_tokens.weight")
+    if not shard_plan.config.tie_word_embeddings:  # a lookup reads a few rows, not the table
+        rows, cols = shard_plan.local_shape("model.embed_tokens.weight")
         embedding = rows * cols * dtype_bytes
-    weights_read = max(d.weights_bytes for d in plan.devices) - embedding
-    batch = max(1, min(plan.max_num_seqs, plan.concurrent_max_len_sequences))
-    full = weights_read + batch * plan.max_len * plan.kv_bytes_per_token
-    bandwidth = plan.memory_bandwidth_bytes_per_s
-    plan.decode_bytes_per_step = full
-    plan.decode_tokens_per_s_bound = batch * plan.data * bandwidth / full
-    plan.decode_tokens_per_s_bound_short_context = (plan.max_num_seqs * plan.data * bandwidth
+    weights_read = max(d.weights_bytes for d in report.devices) - embedding
+    batch = max(1, min(report.max_num_seqs, report.concurrent_max_len_sequences))
+    full = weights_read + batch * report.max_len * report.kv_bytes_per_token
+    bandwidth = report.memory_bandwidth_bytes_per_s
+    report.decode_bytes_per_step = full
+    report.decode_tokens_per_s_bound = batch * report.data * bandwidth / full
+    report.decode_tokens_per_s_bound_short_context = (report.max_num_seqs * report.data * bandwidth
                                                     / weights_read)
 
 
-def _explain(plan, shard, profile):
-    config = shard.config
+def _explain(report, shard_plan, profile):
+    config = shard_plan.config
     checkpoint = dtype_name(config.torch_dtype)
-    if checkpoint == "bfloat16" and plan.dtype == "float16":
-        plan.warnings.append(
+    if checkpoint == "bfloat16" and report.dtype == "float16":
+        report.warnings.append(
             "bfloat16 weights run in float16, whose largest value is 65504: an activation "
             "bfloat16 would hold can overflow to inf")
-    if shard.replicated_kv_heads:
-        r = shard.kv_replicas
-        plan.notes.append(
-            f"tensor {shard.tensor} > {config.num_kv_heads} KV heads: each KV head is "
+    if shard_plan.replicated_kv_heads:
+        r = shard_plan.kv_replicas
+        report.notes.append(
+            f"tensor {shard_plan.tensor} > {config.num_kv_heads} KV heads: each KV head is "
             f"replicated on {r} consecutive ranks (tensor ranks 0-{r - 1} hold KV head 0, "
             f"{r}-{2 * r - 1} KV head 1, ...), so its k/v_proj rows and KV cache are stored "
             f"{r} times")
-    if shard.data > 1:
-        plan.notes.append(
-            f"data {shard.data}: each replica holds a whole tensor-parallel copy of the "
-            f"weights and its own KV cache, and decodes up to {plan.max_num_seqs} sequences")
+    if shard_plan.data > 1:
+        report.notes.append(
+            f"data {shard_plan.data}: each replica holds a whole tensor-parallel copy of the "
+            f"weights and its own KV cache, and decodes up to {report.max_num_seqs} sequences")
     if profile.shared_host_memory:
-        plan.notes.append(
-            f"the {shard.world_size} ranks share this host's memory: each gets "
-            f"1/{shard.world_size} of {_gib(profile.usable_bytes)}")
+        report.notes.append(
+            f"the {shard_plan.world_size} ranks share this host's memory: each gets "
+            f"1/{shard_plan.world_size} of {_gib(profile.usable_bytes)}")
 
 
-def _does_not_fit(worst, layout, shard, profile, dtype, limits):
+def _does_not_fit(worst, layout, shard_plan, profile, dtype, limits):
     if worst.margin_bytes < 0:
         message = (f"does not fit: rank {worst.rank} needs {_gib(worst.total_bytes)} of "
                    f"{_gib(worst.capacity_bytes)} ({_gib(-worst.margin_bytes)} over)")
@@ -285,35 +287,35 @@ def _does_not_fit(worst, layout, shard, profile, dtype, limits):
         return (message + "; the ranks share this host's memory, so more ranks do not help: "
                 "lower --max-len or --max-prefill-tokens, or use a machine with more memory")
     fixes = []
-    limit = 64 if profile.multi_server else profile.devices_per_server // shard.data
-    for tensor in range(shard.tensor + 1, limit + 1):
+    limit = 64 if profile.multi_server else profile.devices_per_server // shard_plan.data
+    for tensor in range(shard_plan.tensor + 1, limit + 1):
         try:
-            bigger = ShardPlan(shard.config, shard.styles, tensor, shard.data)
+            bigger = ShardPlan(shard_plan.config, shard_plan.styles, tensor, shard_plan.data)
         except PlanRefused:
             continue
         if _fits(bigger, profile, dtype, limits):
             need = max(d.total_bytes for d in _device_memory(bigger, profile, dtype, limits)[0])
-            fixes.append(f"with tensor: {tensor} (world_size {tensor * shard.data}) it fits, "
+            fixes.append(f"with tensor: {tensor} (world_size {tensor * shard_plan.data}) it fits, "
                          f"needing {_gib(need)} per device")
             break
     else:
         fixes.append(f"no tensor degree up to {limit} fits max-len {limits.max_len}")
-    longest = _longest_fitting_max_len(shard, profile, dtype, limits)
+    longest = _longest_fitting_max_len(shard_plan, profile, dtype, limits)
     if longest:
-        fixes.append(f"with --max-len {longest} it fits at tensor {shard.tensor}")
+        fixes.append(f"with --max-len {longest} it fits at tensor {shard_plan.tensor}")
     return "; ".join([message] + fixes)
 
 
-def _fits(shard, profile, dtype, limits):
-    devices, layout = _device_memory(shard, profile, dtype, limits)
+def _fits(shard_plan, profile, dtype, limits):
+    devices, layout = _device_memory(shard_plan, profile, dtype, limits)
     return (layout is not None and all(d.margin_bytes >= 0 for d in devices)
             and layout.usable_tokens >= limits.max_len)
 
 
-def _longest_fitting_max_len(shard, profile, dtype, limits):
+def _longest_fitting_max_len(shard_plan, profile, dtype, limits):
     """The largest max-len below the requested one that fits at this degree (None if none)."""
     def fits(n):
-        return _fits(shard, profile, dtype, dataclasses.replace(
+        return _fits(shard_plan, profile, dtype, dataclasses.replace(
             limits, max_len=n, max_prefill_tokens=min(limits.max_prefill_tokens, n)))
 
     low, high = 0, limits.max_len  # fits(low) or low == 0; not fits(high)
@@ -354,19 +356,21 @@ def _wrap(prefix, text):
                          subsequent_indent=" " * len(prefix), break_on_hyphens=False)
 
 
-def format_plan(plan: PlanReport) -> str:
-    lines = [f"msinfer plan: {plan.model} on {plan.world_size} x {plan.hardware}, "
-             f"{plan.hardware_title}",
-             f"  strategy   {plan.strategy}: tensor {plan.tensor} x data {plan.data} x "
-             f"pipeline {plan.pipeline} = {plan.world_size} devices, {plan.parallel_mode} mode",
-             f"  engine     up to {plan.max_num_seqs} sequences of up to {plan.max_len} tokens, "
-             f"prefill chunks of {plan.max_prefill_tokens}, KV blocks of {plan.block_size}"]
-    if plan.dtype:
-        lines.append(_wrap("  dtype      ", f"{plan.dtype}: {plan.dtype_reason}"))
-    if plan.devices:
+def format_plan(report: PlanReport) -> str:
+    lines = [f"msinfer plan: {report.model} on {report.world_size} x {report.hardware}, "
+             f"{report.hardware_title}",
+             f"  strategy   {report.strategy}: tensor {report.tensor} x data {report.data} x "
+             f"pipeline {report.pipeline} = {report.world_size} devices, "
+             f"{report.parallel_mode} mode",
+             f"  engine     up to {report.max_num_seqs} sequences of up to {report.max_len} "
+             f"tokens, "
+             f"prefill chunks of {report.max_prefill_tokens}, KV blocks of {report.block_size}"]
+    if report.dtype:
+        lines.append(_wrap("  dtype      ", f"{report.dtype}: {report.dtype_reason}"))
+    if report.devices:
         header = ("rank", "weights", "KV cache", "workspace", "total", "capacity", "margin")
         table = [header]
-        for ranks, d in _rank_ranges(plan.devices):
+        for ranks, d in _rank_ranges(report.devices):
             margin = f"{d.margin_bytes / GiB:.2f} ({d.margin_bytes / d.capacity_bytes:.0%})"
             table.append((ranks,) + tuple(
                 f"{n / GiB:.2f}" for n in (d.weights_bytes, d.kv_cache_bytes, d.workspace_bytes,
@@ -375,37 +379,39 @@ def format_plan(plan: PlanReport) -> str:
         lines += ["", "  memory per device, GiB:"]
         lines += ["    " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
                   for row in table]
-        lines.append(_wrap("  workspace = ", plan.workspace_formula))
-        if plan.kv_blocks:
+        lines.append(_wrap("  workspace = ", report.workspace_formula))
+        if report.kv_blocks:
             lines.append(_wrap("  KV cache = ", (
-                f"{plan.kv_blocks} blocks of {plan.block_size} tokens = {plan.kv_tokens} tokens "
-                f"per rank ({_size(plan.kv_bytes_per_token)} per token): "
-                f"{plan.concurrent_max_len_sequences} sequence(s) of {plan.max_len} tokens at "
+                f"{report.kv_blocks} blocks of {report.block_size} tokens = {report.kv_tokens} "
+                f"tokens "
+                f"per rank ({_size(report.kv_bytes_per_token)} per token): "
+                f"{report.concurrent_max_len_sequences} sequence(s) of {report.max_len} tokens at "
                 f"once, more when shorter")))
         lines += ["", f"  collectives per decoded token (within each tensor group of "
-                      f"{plan.tensor}):"]
-        if not plan.collectives_per_token:
+                      f"{report.tensor}):"]
+        if not report.collectives_per_token:
             lines.append("    none")
-        for c in plan.collectives_per_token:
+        for c in report.collectives_per_token:
             lines.append(f"    {c.kind:<10} x{c.count:<4} {_size(c.payload_bytes):>10} each  "
                          f"({c.where})")
-    if plan.decode_tokens_per_s_bound:
-        full = max(1, min(plan.max_num_seqs, plan.concurrent_max_len_sequences))
+    if report.decode_tokens_per_s_bound:
+        full = max(1, min(report.max_num_seqs, report.concurrent_max_len_sequences))
         lines += ["", _wrap("  decode     ", (
-            f"at most {plan.decode_tokens_per_s_bound:.1f} tokens/s with {full} full "
-            f"{plan.max_len}-token context(s) per replica "
-            f"({plan.decode_tokens_per_s_bound_short_context:.1f} with {plan.max_num_seqs} short "
-            f"ones): each device reads {_size(plan.decode_bytes_per_step)} per step at "
-            f"{plan.memory_bandwidth_bytes_per_s / 1e9:.0f} GB/s. A ceiling set by memory "
+            f"at most {report.decode_tokens_per_s_bound:.1f} tokens/s with {full} full "
+            f"{report.max_len}-token context(s) per replica "
+            f"({report.decode_tokens_per_s_bound_short_context:.1f} with "
+            f"{report.max_num_seqs} short "
+            f"ones): each device reads {_size(report.decode_bytes_per_step)} per step at "
+            f"{report.memory_bandwidth_bytes_per_s / 1e9:.0f} GB/s. A ceiling set by memory "
             f"bandwidth, not a promise."))]
-    if plan.notes or plan.warnings or plan.errors:
+    if report.notes or report.warnings or report.errors:
         lines.append("")
-    lines += [_wrap("  note: ", n) for n in plan.notes]
-    lines += [_wrap("  warning: ", w) for w in plan.warnings]
-    lines += [_wrap("  error: ", e) for e in plan.errors]
+    lines += [_wrap("  note: ", n) for n in report.notes]
+    lines += [_wrap("  warning: ", w) for w in report.warnings]
+    lines += [_wrap("  error: ", e) for e in report.errors]
     lines.append("")
-    if plan.fits:
-        tightest = min(d.margin_bytes for d in plan.devices)
+    if report.fits:
+        tightest = min(d.margin_bytes for d in report.devices)
         lines.append(f"FITS: every device keeps at least {_gib(tightest)} free.")
     else:
         lines.append("REFUSED: see the error above.")

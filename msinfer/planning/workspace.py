@@ -14,7 +14,7 @@ batch-1 decode ~1.5x the time of one 24-layer call, measured).
 
 What a compiled graph holds for its lifetime on the CPU backend is not its activations but
 its kernels' index tables: a broadcasting Add/Mul and a Transpose keep an int64 index per
-output element. Explicit mode avoids them where they are large (parallel_layers.Expand,
+output element. Explicit mode avoids them where they are large (layers/cpu_forms.Expand,
 CacheLayout.rows_by_head); what is left, a prefill chunk's query and output transposes, is
 8 bytes per element of those tensors (3.7 MB per layer of a 256-token chunk, 0.5B shape).
 
@@ -27,15 +27,15 @@ graphs, 1.2 s as two-layer graphs (the same with four); 512-token prefill 174 ->
 """
 
 
-def layer_activation_bytes(shard, dtype_bytes, tokens, groups, context):
+def layer_activation_bytes(shard_plan, dtype_bytes, tokens, groups, context):
     """An upper estimate of what one decoder layer of a call holds: `tokens` tokens in `groups`
     groups, each group over `context` gathered cache slots (a prefill chunk is one group; a
     decode step is one group per sequence). Hidden- and intermediate-size tensors per token,
     the gathered K/V context and its by-head copy (semi_auto's; explicit mode gathers by head),
     float32 scores, mask and softmax."""
-    config = shard.config
-    heads, kv = shard.local_heads, shard.local_kv_heads
-    intermediate = shard.local_shape("model.layers.0.mlp.down_proj.weight")[1]
+    config = shard_plan.config
+    heads, kv = shard_plan.local_heads, shard_plan.local_kv_heads
+    intermediate = shard_plan.local_shape("model.layers.0.mlp.down_proj.weight")[1]
     per_token = dtype_bytes * (6 * config.hidden_size + 2 * (heads + 2 * kv) * config.head_dim
                                + 4 * intermediate)
     gathered = 4 * groups * context * kv * config.head_dim * dtype_bytes
@@ -43,11 +43,12 @@ def layer_activation_bytes(shard, dtype_bytes, tokens, groups, context):
     return tokens * per_token + gathered + scores
 
 
-def largest_call_bytes(shard, dtype_bytes, max_len, max_prefill_tokens, max_num_seqs, layers=1):
+def largest_call_bytes(shard_plan, dtype_bytes, max_len, max_prefill_tokens, max_num_seqs,
+                       layers=1):
     """`layers` decoder layers of the engine's largest call: the activations the planner
     reserves, and what bounds every compiled graph's."""
-    prefill = layer_activation_bytes(shard, dtype_bytes, max_prefill_tokens, 1, max_len)
-    decode = layer_activation_bytes(shard, dtype_bytes, max_num_seqs, max_num_seqs,
+    prefill = layer_activation_bytes(shard_plan, dtype_bytes, max_prefill_tokens, 1, max_len)
+    decode = layer_activation_bytes(shard_plan, dtype_bytes, max_num_seqs, max_num_seqs,
                                     max_len)
     return layers * max(prefill, decode)
 

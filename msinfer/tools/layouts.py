@@ -445,8 +445,8 @@ def record(config, plan, dtype, ir_dir):
     the IR dump on, and returns their primitive calls."""
     import mindspore as ms
 
-    from ..engine.model_runner import ModelRunner
-    from ..layers.linear import ParallelContext
+    from ..engine.model_runner import SemiAutoRunner
+    from ..layers.parallel_context import ParallelContext
     from ..models.qwen2 import Qwen2Model, head_weight_names, layer_weight_names
     from ..parallel.distributed import set_graph_mode
     from ..planning.kv_layout import CacheLayout
@@ -463,7 +463,7 @@ def record(config, plan, dtype, ir_dir):
     full = {n: (sum(shapes[p][0] for p in checkpoint_parts(n)),)
             + tuple(shapes[checkpoint_parts(n)[0]][1:]) for n in names}
     model = Qwen2Model(ctx, layout, full)
-    runner = ModelRunner(ctx, layout, model=model, **ENGINE)
+    runner = SemiAutoRunner(ctx, layout, model=model, **ENGINE)
     calls = []
     steps = (("decode", runner.batch_buckets[0]), ("prefill", runner.chunk_buckets[0]))
     for kind, size in steps:

@@ -13,8 +13,6 @@ import os
 import zlib
 
 import numpy as np
-import tokenizers
-from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from ..config import ModelConfig
 from ..errors import MsinferError, positive_int
@@ -125,6 +123,10 @@ def model_config_dict(*, layers, hidden, heads, kv_heads, intermediate, vocab, t
 
 def train_tokenizer(vocab_size):
     """A byte-level BPE tokenizer built like Qwen2's, trained on generated English."""
+    # Imported here: `msinfer plan` (whose CLI lists this command) runs without tokenizers.
+    import tokenizers
+    from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
+
     tokenizer = tokenizers.Tokenizer(models.BPE())
     tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
