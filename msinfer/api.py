@@ -15,6 +15,7 @@ from . import log
 from .config import ModelConfig, eos_token_ids
 from .engine import LLMEngine, RequestOutput
 from .engine.sampling import SamplingParams
+from .engine.tokenizer import encode_prompts
 from .errors import MsinferError
 from .hardware import get_profile
 from .parallel.strategy import Strategy, decide_parallel_mode, load_strategy
@@ -120,32 +121,26 @@ class LLM:
             return set(self.tokenizer.eos_token_ids)
         return set(eos_token_ids(self.model_dir))
 
-    def generate(self, prompts, sampling_params=None) -> list:
+    def generate(self, prompts: str | list, sampling_params: SamplingParams | list | None = None
+                 ) -> list[RequestOutput]:
         """prompts: a string, a list of strings, or a list of token-id lists.
         sampling_params: one SamplingParams for all, or one per prompt.
         Returns one finished RequestOutput per prompt, in order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not prompts:
+        encoded = encode_prompts(prompts, lambda text: self.tokenizer.encode(text))
+        if not encoded:
             return []
         params = sampling_params or SamplingParams()
-        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise MsinferError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
-        texts, token_lists = [], []
-        for prompt in prompts:
-            if isinstance(prompt, str):
-                texts.append(prompt)
-                token_lists.append(self.tokenizer.encode(prompt))
-            else:
-                texts.append(None)
-                token_lists.append([int(t) for t in prompt])
+        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(encoded)
+        if len(params) != len(encoded):
+            raise MsinferError(f"{len(encoded)} prompts but {len(params)} SamplingParams")
+        texts = [text for text, _ in encoded]
+        token_lists = [ids for _, ids in encoded]
         for i, (ids, p) in enumerate(zip(token_lists, params)):  # refuse before anything runs
             self.engine.check_request(ids, p, name=f"prompt {i}")
         self._batches += 1
         # With data replicas, replica d runs prompts d, d + data, ...; then all exchange.
         first = self.shard_plan.data_rank(self.dist.rank) if self.replicas > 1 else 0
-        mine = list(range(first, len(prompts), self.replicas))
+        mine = list(range(first, len(encoded), self.replicas))
         ids = {i: f"generate-{self._batches}-{i}" for i in mine}
         for i in mine:
             self.engine.add_request(ids[i], token_lists[i], params[i], prompt=texts[i])
@@ -158,7 +153,7 @@ class LLM:
             stats = self.engine.stats()
             progress.step(len(finished), f"{stats.num_running} running, "
                                          f"{stats.num_waiting} waiting")
-        outputs = [finished.get(ids[i]) if i in ids else None for i in range(len(prompts))]
+        outputs = [finished.get(ids[i]) if i in ids else None for i in range(len(encoded))]
         if self.replicas > 1:
             self._exchange(outputs, texts, token_lists, max(p.max_tokens for p in params))
         return outputs

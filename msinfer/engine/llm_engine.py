@@ -10,6 +10,8 @@ graphs, then sampling and stop checks on the host. Every rank of a sharded job r
 engine; given the same add/abort calls in the same order, every rank schedules, samples and
 stops identically (requests without a seed draw from a job-wide seed).
 """
+from __future__ import annotations
+
 import dataclasses
 
 import numpy as np
@@ -99,8 +101,8 @@ class LLMEngine:
 
     # ---- requests ----
 
-    def add_request(self, request_id: str, prompt_token_ids, params: SamplingParams = None,
-                    prompt: str = None) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams | None = None, prompt: str | None = None) -> None:
         params = params or SamplingParams()
         ids = [int(t) for t in prompt_token_ids]
         self.check_request(ids, params, name=f"request {request_id!r}")
@@ -118,7 +120,8 @@ class LLMEngine:
         self.prompt_tokens_total += len(ids)
         self.scheduler.add(seq)
 
-    def check_request(self, ids, params, name="prompt"):
+    def check_request(self, ids: list[int], params: SamplingParams, name: str = "prompt"
+                      ) -> None:
         """Refuse what could never run, with the numbers, before anything is queued."""
         check_request_limits(ids, params, self.vocab_size, self.max_model_len, self.layout,
                              has_tokenizer=self._tokenizer is not None, name=name)
@@ -145,7 +148,7 @@ class LLMEngine:
 
     # ---- the step ----
 
-    def step(self) -> list:
+    def step(self) -> list[RequestOutput]:
         """Run one step; returns a RequestOutput for each request that got a token, finished or
         was aborted since the last step."""
         outputs, self._aborted = self._aborted, []

@@ -67,7 +67,7 @@ class SamplingParams:
         self.ignore_eos = bool(self.ignore_eos)
 
     @property
-    def greedy(self):
+    def greedy(self) -> bool:
         return self.temperature == 0
 
     def new_generator(self):

@@ -123,6 +123,20 @@ class IncrementalDecoder:
         return piece
 
 
+def prompt_list(prompt) -> list:
+    """One prompt (a string or a list of token ids) or a list of them, as a list of prompts."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    return list(prompt)
+
+
+def encode_prompts(prompts, encode) -> list:
+    """(text or None, token ids) of each prompt of `prompt_list(prompts)`: a text is encoded
+    with `encode` (an empty one is no tokens), token ids are taken as they are."""
+    return [(p, encode(p) if p else []) if isinstance(p, str) else (None, [int(t) for t in p])
+            for p in prompt_list(prompts)]
+
+
 def find_stop(text, stop_strings):
     """Index in `text` where the earliest of `stop_strings` starts, or None."""
     found = [i for i in (text.find(s) for s in stop_strings) if i >= 0]

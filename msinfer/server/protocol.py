@@ -10,6 +10,8 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..engine.tokenizer import prompt_list
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -78,10 +80,7 @@ class CompletionRequest(_Request):
 
     def prompts(self):
         """The prompt as a list of prompts, each a string or a list of token ids."""
-        p = self.prompt
-        if isinstance(p, str) or (p and isinstance(p[0], int)):
-            return [p]
-        return list(p) or [""]
+        return prompt_list(self.prompt) or [""]
 
 
 class TextPart(BaseModel):

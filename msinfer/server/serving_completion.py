@@ -3,6 +3,7 @@
 import time
 import uuid
 
+from ..engine.tokenizer import encode_prompts
 from . import protocol as p
 from .serving import sampling_params, token_text, tokenize
 
@@ -15,13 +16,8 @@ class ServingCompletion:
         """The response to a CompletionRequest: JSON, or server-sent events when streamed."""
         serving = self.serving
         serving.check(body)
-        prompts = []
-        for prompt in body.prompts():
-            if isinstance(prompt, str):
-                prompts.append((prompt, tokenize(serving.tokenizer.encode, prompt)
-                                if prompt else []))
-            else:
-                prompts.append((None, list(prompt)))
+        prompts = encode_prompts(body.prompts(),
+                                 lambda text: tokenize(serving.tokenizer.encode, text))
         fmt = CompletionsFormat(body, serving.model_name, serving.tokenizer)
         params = sampling_params(body, body.max_tokens or 16, body.logprobs)
         return await serving.generate(fmt, prompts, params, request)
