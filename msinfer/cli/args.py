@@ -1,8 +1,19 @@
 """Options several subcommands share: the engine's limits (plan, generate, serve; launch
 reads them from the rank command)."""
+from ..config import PRESETS
 from ..planning.kv_layout import DEFAULT_BLOCK_SIZE
 from ..planning.memory import (DEFAULT_MAX_LEN, DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_PREFILL_TOKENS,
                                KV_CACHE_UTILIZATION, EngineLimits, parse_bytes)
+
+
+def add_model_and_strategy(parser):
+    """--model (a checkpoint directory or a preset) and --strategy, both required: the
+    commands that check a plan without loading weights (plan, layouts)."""
+    parser.add_argument("--model", required=True,
+                        help="model directory (with config.json) or a preset: "
+                             + ", ".join(sorted(PRESETS)))
+    parser.add_argument("--strategy", required=True,
+                        help="strategy file, e.g. strategies/qwen2_tp4.yaml")
 
 
 def add_engine_arguments(parser):

@@ -2,6 +2,7 @@
 rules, on CPU."""
 from ..hardware import PROFILES
 from ..tools.layouts import format_report, run, to_json
+from .args import add_model_and_strategy
 
 
 def _run(args):
@@ -19,11 +20,7 @@ def register(subparsers):
                     "reads each primitive call's input shapes and in_strategy from the "
                     "compiled graph and checks them with MindSpore 2.10's rules. Exit 0 clean, "
                     "1 with every violation named (or a plan semi_auto refuses), 2 bad input.")
-    parser.add_argument("--model", required=True,
-                        help="model directory (with config.json) or qwen2-0.5b, qwen2-1.5b, "
-                             "qwen2-7b, qwen2-72b")
-    parser.add_argument("--strategy", required=True, help="strategy file, e.g. "
-                                                          "strategies/qwen2_tp4.yaml")
+    add_model_and_strategy(parser)
     parser.add_argument("--hardware", default="cpu", choices=sorted(PROFILES),
                         help="hardware profile: its compute dtype (default cpu)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")

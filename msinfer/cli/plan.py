@@ -6,7 +6,7 @@ from ..config import load_config
 from ..hardware import DTYPE_BYTES, PROFILES, get_profile
 from ..parallel.strategy import PARALLEL_MODES, load_strategy
 from ..planning.planner import format_plan, make_plan
-from .args import add_engine_arguments, limits_from_args
+from .args import add_engine_arguments, add_model_and_strategy, limits_from_args
 
 
 def _run(args):
@@ -25,11 +25,7 @@ def register(subparsers):
         description="Says whether a shard plan is legal on the hardware and whether it fits: "
                     "memory per device, collectives per token, dtype, decode speed bound. "
                     "Exit 0 when it fits, 1 when it does not fit or is refused, 2 for bad input.")
-    parser.add_argument("--model", required=True,
-                        help="model directory (with config.json) or qwen2-0.5b, qwen2-1.5b, "
-                             "qwen2-7b, qwen2-72b")
-    parser.add_argument("--strategy", required=True, help="strategy file, e.g. "
-                                                          "strategies/qwen2_tp4.yaml")
+    add_model_and_strategy(parser)
     parser.add_argument("--hardware", required=True, choices=sorted(PROFILES),
                         help="hardware profile")
     add_engine_arguments(parser)
