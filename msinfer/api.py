@@ -17,7 +17,7 @@ from .engine import LLMEngine, RequestOutput
 from .engine.sampling import SamplingParams
 from .engine.tokenizer import encode_prompts
 from .errors import MsinferError
-from .hardware import get_profile
+from .hardware import AUTO, choose_hardware, get_profile
 from .parallel.strategy import Strategy, decide_parallel_mode, load_strategy
 from .planning.memory import EngineLimits, engine_memory
 from .planning.planner import check_plan_or_raise
@@ -30,22 +30,24 @@ class LLM:
 
     model_dir: a Hugging Face Qwen2 directory (config.json, *.safetensors, tokenizer.json).
     strategy: a strategy YAML path (see strategies/); None runs on one device.
-    hardware: a profile name from msinfer.hardware (default "cpu").
+    hardware: a profile name from msinfer.hardware, or "auto" (the default): the profile of
+        the Ascend chips `npu-smi info` lists, else cpu (logged at start).
     parallel_mode: "explicit" or "semi_auto"; default: the strategy's, else explicit
         (strategy.decide_parallel_mode).
     max_len: the longest sequence (prompt + generated), like vLLM's max_model_len; default
         min(max_position_embeddings, 4096).
-    kv_cache_memory: bytes of KV cache per rank; default: what the planner leaves free on the
+    kv_cache_memory: bytes of KV cache per rank, an int or a string with a unit ("2GiB",
+        "512MiB", as --kv-cache-memory takes); default: what the planner leaves free on the
         device (capped at max_num_seqs sequences of max_len).
     block_size: tokens per KV cache block; max_prefill_tokens: tokens per prefill chunk;
     max_num_seqs: sequences decoded together.
     dtype: compute dtype override (the hardware's policy decides otherwise).
     """
 
-    def __init__(self, model_dir: str, strategy: str | None = None, hardware: str = "cpu",
+    def __init__(self, model_dir: str, strategy: str | None = None, hardware: str = AUTO,
                  parallel_mode: str | None = None, max_len: int | None = None,
                  dtype: str | None = None, rank_table: str | None = None,
-                 kv_cache_memory: int | None = None, block_size: int | None = None,
+                 kv_cache_memory: int | str | None = None, block_size: int | None = None,
                  max_prefill_tokens: int | None = None, max_num_seqs: int | None = None):
         import mindspore as ms
 
@@ -55,6 +57,7 @@ class LLM:
 
         self.model_dir = model_dir
         self.config = ModelConfig.from_model_dir(model_dir)
+        hardware, self.hardware_choice = choose_hardware(hardware)
         self.profile = get_profile(hardware)
         self.strategy = load_strategy(strategy) if strategy else Strategy.default()
         self.parallel_mode = decide_parallel_mode(parallel_mode, self.strategy)
@@ -187,6 +190,7 @@ class LLM:
 def _log_start(llm, report):
     config, layout, limits = llm.config, llm.memory.layout, llm.limits
     logger = log.get()
+    logger.info("hardware %s (%s): %s", llm.profile.name, llm.hardware_choice, llm.profile.title)
     logger.info("model %s: %d layers, hidden %d, %d heads (%d KV); %s, %s mode, %s (%s)",
                 llm.model_dir, config.num_layers, config.hidden_size, config.num_heads,
                 config.num_kv_heads, _describe(llm.shard_plan), llm.parallel_mode, report.dtype,

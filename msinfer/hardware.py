@@ -1,18 +1,23 @@
-"""Hardware profiles (per-device memory, bandwidth, dtypes, links) and the one dtype policy.
+"""Hardware profiles (per-device memory, bandwidth, dtypes, links), the one dtype policy, and
+which profile this host is (`--hardware auto`: the chips `npu-smi info` lists, else cpu).
 
 Each figure says where it comes from. "GiB" figures from npu-smi are its MB column, which
-counts MiB.
+counts MiB. Nothing here imports MindSpore: `msinfer plan` runs where it is not installed.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import os
+import re
+import shutil
+import subprocess
 
 from .errors import MsinferError, PlanRefused
 
 GiB = 1024 ** 3
 MiB = 1024 ** 2
+AUTO = "auto"  # --hardware auto: this host's profile (detect_hardware)
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
@@ -123,6 +128,9 @@ PROFILES = {
     ),
 }
 
+# What --hardware takes: a profile, or "auto" (this host's: detect_hardware).
+HARDWARE_CHOICES = (AUTO, *PROFILES)
+
 
 @dataclasses.dataclass(frozen=True)
 class CpuMatmulForms:
@@ -184,8 +192,11 @@ def cpu_matmul_forms(cpuinfo="/proc/cpuinfo") -> CpuMatmulForms:
 
 
 def get_profile(name: str) -> HardwareProfile:
+    """The profile `name`; "auto" (or None): this host's (detect_hardware)."""
+    if name in (None, AUTO):
+        name = detect_hardware()[0]
     if name not in PROFILES:
-        raise MsinferError(f"unknown hardware {name!r}; known: {', '.join(PROFILES)}")
+        raise MsinferError(f"unknown hardware {name!r}; known: {', '.join(PROFILES)} (or auto)")
     return PROFILES[name]
 
 
@@ -221,3 +232,170 @@ def compute_dtype(profile: HardwareProfile, checkpoint_dtype: str,
     chosen = profile.dtypes[0]
     return chosen, (f"the checkpoint is {checkpoint} and {profile.dtype_note}; weights are "
                     f"converted while loading")
+
+
+# ---- which hardware this host is: `npu-smi info` ----
+
+_BUS_ID = re.compile(r"^[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-9A-Fa-f]$")
+
+
+@dataclasses.dataclass
+class Chip:
+    npu: int        # the card (npu-smi's NPU id)
+    chip: int       # the chip on that card
+    device: int     # the logical device id (DEVICE_ID, rank tables)
+    name: str
+    health: str
+    bus_id: str
+    memory_used_mb: int
+    memory_total_mb: int
+
+
+@dataclasses.dataclass
+class Process:
+    npu: int
+    chip: int
+    pid: int
+    name: str
+    memory_mb: int
+
+
+@dataclasses.dataclass
+class NpuSmi:
+    version: str
+    chips: list
+    processes: list
+
+    def cards(self):
+        found = {}
+        for chip in self.chips:
+            found.setdefault(chip.npu, []).append(chip)
+        return found
+
+
+# ---- npu-smi info ----
+
+def parse_npu_smi(text):
+    """The chip table and the process table of `npu-smi info`.
+
+    Each chip is two rows: `| NPU Name | Health | Power Temp Hugepages |` then
+    `| Chip Device | Bus-Id | AICore Memory-Usage [HBM-Usage] |`. The 300I Duo prints a Device
+    column (the logical id); other cards may not, and then devices are numbered in order."""
+    version = re.search(r"npu-smi\s+([0-9A-Za-z.]+)", text)
+    chips, processes = [], []
+    has_device_column, pending, section = False, None, None
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        joined = " ".join(cells)
+        if "Health" in joined and "Name" in joined:
+            section = "chips"
+            continue
+        if "Bus-Id" in joined:
+            has_device_column = bool(re.search(r"\bChip\s+(Device|Phy-ID)\b", cells[0]))
+            continue
+        if "Process id" in joined:
+            section = "processes"
+            continue
+        if section == "chips" and len(cells) >= 3:
+            if _BUS_ID.match(cells[1]):
+                if pending is None:
+                    raise MsinferError(f"npu-smi info: chip row without its NPU row: {line!r}")
+                tokens = cells[0].split()
+                memory = re.findall(r"(\d+)\s*/\s*(\d+)", cells[2])
+                if not tokens or not tokens[0].isdigit() or not memory:
+                    raise MsinferError(f"npu-smi info: cannot read chip row {line!r}")
+                device = (int(tokens[1]) if has_device_column and len(tokens) > 1
+                          and tokens[1].isdigit() else len(chips))
+                used, total = map(int, memory[-1])  # HBM when both columns are shown
+                chips.append(Chip(npu=pending[0], chip=int(tokens[0]), device=device,
+                                  name=pending[1], health=pending[2], bus_id=cells[1],
+                                  memory_used_mb=used, memory_total_mb=total))
+                pending = None
+            else:
+                tokens = cells[0].split()
+                if tokens and tokens[0].isdigit():
+                    pending = (int(tokens[0]), " ".join(tokens[1:]), cells[1])
+        elif section == "processes" and len(cells) >= 4:
+            ids = cells[0].split()
+            if len(ids) == 2 and all(i.isdigit() for i in ids) and cells[1].isdigit():
+                memory = re.match(r"\d+", cells[3])
+                processes.append(Process(npu=int(ids[0]), chip=int(ids[1]), pid=int(cells[1]),
+                                         name=cells[2], memory_mb=int(memory[0]) if memory else 0))
+    if not chips:
+        first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+        raise MsinferError(f"npu-smi info printed no chip table (first line: {first[:120]!r})")
+    return NpuSmi(version=version[1] if version else "?", chips=chips, processes=processes)
+
+
+class NpuSmiUnavailable(MsinferError):
+    """`npu-smi info` is not there, did not run, failed, or printed no chip table; the
+    message says which and what to do. `missing`: not on PATH at all."""
+
+    def __init__(self, message, missing=False):
+        super().__init__(message)
+        self.missing = missing
+
+
+def npu_smi_info(timeout=60) -> NpuSmi:
+    """`npu-smi info`, run and parsed; NpuSmiUnavailable saying why not."""
+    tool = shutil.which("npu-smi")
+    if tool is None:
+        raise NpuSmiUnavailable("npu-smi not found on PATH: install the Ascend NPU driver (it "
+                                "puts npu-smi in /usr/local/bin), or add that directory to PATH",
+                                missing=True)
+    try:
+        done = subprocess.run([tool, "info"], capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise NpuSmiUnavailable(f"`npu-smi info` did not run: {e}") from None
+    if done.returncode != 0:
+        said = (done.stdout + done.stderr).strip().splitlines()
+        raise NpuSmiUnavailable(f"`npu-smi info` failed (exit {done.returncode}: "
+                                f"{said[0][:120] if said else 'no output'!r}): the driver is not "
+                                f"loaded or this user cannot open /dev/davinci*; try as root or "
+                                f"add the user to the HwHiAiUser group")
+    try:
+        return parse_npu_smi(done.stdout)
+    except MsinferError as e:
+        raise NpuSmiUnavailable(f"{e}; compare with `npu-smi info` by hand") from None
+
+
+def profile_for_chips(smi: NpuSmi) -> str | None:
+    """The profile a box's chips match: 310P -> 300I Duo (by memory, 96 or 48 GB card), 910 ->
+    800I A2; None for chips no profile describes."""
+    name = smi.chips[0].name
+    if name.startswith("310P"):
+        return ("atlas-300i-duo" if min(c.memory_total_mb for c in smi.chips) > 30000
+                else "atlas-300i-duo-48g")
+    if "910" in name:
+        return "atlas-800i-a2"
+    return None
+
+
+def detect_hardware() -> tuple[str, str]:
+    """(profile name, how it was chosen) for `--hardware auto`: the profile of the chips
+    `npu-smi info` lists; cpu where there is no npu-smi. An Ascend host whose npu-smi fails or
+    lists chips no profile describes is an error (MsinferError), never a silent cpu."""
+    try:
+        smi = npu_smi_info()
+    except NpuSmiUnavailable as e:
+        if e.missing:
+            return "cpu", "detected (--hardware auto): no npu-smi on PATH, no Ascend chip"
+        raise MsinferError(f"--hardware auto: {e}; or give --hardware (one of "
+                           f"{', '.join(PROFILES)})") from None
+    name = profile_for_chips(smi)
+    chips = sorted({c.name for c in smi.chips})
+    if name is None:
+        raise MsinferError(f"--hardware auto: npu-smi lists {', '.join(chips)} chips, which no "
+                           f"profile describes; give --hardware (one of {', '.join(PROFILES)})")
+    return name, (f"detected (--hardware auto): npu-smi {smi.version} lists "
+                  f"{len(smi.chips)} {'/'.join(chips)} chips on {len(smi.cards())} cards")
+
+
+def choose_hardware(name: str | None) -> tuple[str, str]:
+    """(profile name, how it was chosen): `name` as given, or detect_hardware's for "auto" or
+    None. MsinferError for an unknown name."""
+    if name in (None, AUTO):
+        return detect_hardware()
+    return get_profile(name).name, "given"

@@ -1,6 +1,7 @@
 """Options several subcommands share: the engine's limits (plan, generate, serve; launch
 reads them from the rank command)."""
 from ..config import PRESETS
+from ..hardware import AUTO, HARDWARE_CHOICES
 from ..planning.kv_layout import DEFAULT_BLOCK_SIZE
 from ..planning.memory import (DEFAULT_MAX_LEN, DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_PREFILL_TOKENS,
                                KV_CACHE_UTILIZATION, EngineLimits, parse_bytes)
@@ -16,6 +17,17 @@ def add_model_and_strategy(parser):
                         help="strategy file, e.g. strategies/qwen2_tp4.yaml")
 
 
+def add_hardware_argument(parser, required=False):
+    """--hardware: a profile, or auto (the default where there is one): the profile of the
+    Ascend chips `npu-smi info` lists, else cpu (hardware.detect_hardware). What auto chose is
+    printed with the plan (plan, launch) and logged when the model loads."""
+    parser.add_argument("--hardware", required=required, default=None if required else AUTO,
+                        choices=HARDWARE_CHOICES, metavar="NAME",
+                        help="hardware profile: " + ", ".join(HARDWARE_CHOICES) + "; auto: "
+                             "the Ascend chips npu-smi lists, else cpu"
+                             + ("" if required else " (default: auto)"))
+
+
 def add_engine_arguments(parser):
     """The engine knobs, the same for plan, generate, serve (and launch reads them)."""
     parser.add_argument("--max-len", type=int, default=None,
@@ -27,17 +39,22 @@ def add_engine_arguments(parser):
                         help=f"tokens per prefill chunk (default {DEFAULT_MAX_PREFILL_TOKENS})")
     parser.add_argument("--block-size", type=int, default=None,
                         help=f"tokens per KV cache block (default {DEFAULT_BLOCK_SIZE})")
-    parser.add_argument("--kv-cache-memory", default=None, metavar="BYTES",
-                        help="KV cache per rank, e.g. 2GiB (default: "
+    # Parsed here, once, for every command (launch parses the rank command with this parser
+    # too): the value the engine and the planner get is an int of bytes.
+    parser.add_argument("--kv-cache-memory", type=kv_cache_bytes, default=None, metavar="BYTES",
+                        help="KV cache per rank: bytes (2147483648) or with a unit (512MiB, "
+                             "2GiB, 1.5GB) (default: "
                              f"{KV_CACHE_UTILIZATION:.0%}% of what weights and workspace leave)")
+
+
+def kv_cache_bytes(text):
+    """argparse type of --kv-cache-memory: bytes as an int. A bad value raises MsinferError,
+    which cli.main reports as a one-line error (exit 2)."""
+    return parse_bytes(text, "--kv-cache-memory")
 
 
 def limits_from_args(config, args):
     return EngineLimits.for_model(config, max_len=args.max_len, block_size=args.block_size,
                                   max_prefill_tokens=args.max_prefill_tokens,
                                   max_num_seqs=args.max_num_seqs,
-                                  kv_cache_memory=kv_cache_memory_from_args(args))
-
-
-def kv_cache_memory_from_args(args):
-    return None if args.kv_cache_memory is None else parse_bytes(args.kv_cache_memory)
+                                  kv_cache_memory=args.kv_cache_memory)

@@ -1,5 +1,6 @@
 """`msinfer commtest`: time and check the job's collectives, inside every rank."""
 from ..tools.commtest import DTYPES, run
+from .args import add_hardware_argument
 
 
 def register(subparsers):
@@ -11,7 +12,7 @@ def register(subparsers):
     p.add_argument("--strategy", default=None,
                    help="strategy YAML: its tensor groups are measured too (default: the "
                         "world only)")
-    p.add_argument("--hardware", default="cpu", help="hardware profile (default: cpu)")
+    add_hardware_argument(p)
     p.add_argument("--model", default=None,
                    help="model directory or preset: also estimate the time its collectives "
                         "take per decoded token from the measured sizes")

@@ -1,6 +1,7 @@
 """`msinfer doctor`: can this box run this plan? Devices, software, launch set-up, model,
 logs."""
 from ..tools.doctor import DEFAULT_ASCEND_ROOT, run
+from .args import add_hardware_argument
 
 
 def register(subparsers):
@@ -9,8 +10,7 @@ def register(subparsers):
         description="Checks whether this box can run this plan: each check passes, warns, "
                     "fails or is skipped, with one line saying what to do. Exit 1 if a check "
                     "fails, 2 for bad input.")
-    p.add_argument("--hardware", default=None,
-                   help="hardware profile (default: detected from npu-smi, else cpu)")
+    add_hardware_argument(p)
     p.add_argument("--strategy", help="strategy YAML the box must serve")
     p.add_argument("--rank-table", help="HCCL rank table to check (default: RANK_TABLE_FILE)")
     p.add_argument("--model", help="model directory or preset: plan it on this hardware")

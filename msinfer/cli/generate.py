@@ -7,7 +7,7 @@ import sys
 
 from ..errors import MsinferError
 from ..parallel.strategy import PARALLEL_MODES
-from .args import add_engine_arguments, kv_cache_memory_from_args
+from .args import add_engine_arguments, add_hardware_argument
 
 
 def register(subparsers):
@@ -30,7 +30,7 @@ def register(subparsers):
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--strategy", default=None, help="strategy YAML (default: one device)")
-    p.add_argument("--hardware", default="cpu", help="hardware profile (default: cpu)")
+    add_hardware_argument(p)
     p.add_argument("--parallel-mode", choices=PARALLEL_MODES, default=None,
                    help="default: the strategy's parallel_mode, else explicit")
     add_engine_arguments(p)
@@ -59,7 +59,7 @@ def run(args):
                             stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     llm = LLM(args.model, strategy=args.strategy, hardware=args.hardware,
               parallel_mode=args.parallel_mode, max_len=args.max_len, dtype=args.dtype,
-              rank_table=args.rank_table, kv_cache_memory=kv_cache_memory_from_args(args),
+              rank_table=args.rank_table, kv_cache_memory=args.kv_cache_memory,
               block_size=args.block_size, max_prefill_tokens=args.max_prefill_tokens,
               max_num_seqs=args.max_num_seqs)
     prompts = list(args.prompt)

@@ -25,6 +25,7 @@ import sys
 import threading
 
 from ..errors import MsinferError, PlanRefused
+from ..hardware import AUTO, HARDWARE_CHOICES
 from ..parallel.distributed import (bridge_environment, detect_launcher, free_port,
                                     rank_environment, spans_hosts)
 
@@ -43,7 +44,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Plan, then start NPROC ranks that each run the given msinfer command.")
     p.add_argument("--nproc", type=int, required=True, help="processes (= world_size)")
     p.add_argument("--strategy", required=True, help="strategy YAML")
-    p.add_argument("--hardware", default="cpu", help="hardware profile (default: cpu)")
+    p.add_argument("--hardware", default=None, choices=HARDWARE_CHOICES, metavar="NAME",
+                   help="hardware profile, or auto: the Ascend chips npu-smi lists, else cpu "
+                        "(default: the rank command's --hardware, else auto); the ranks get "
+                        "the profile chosen")
     p.add_argument("--launcher", choices=("mpirun", "msrun"), default="mpirun")
     p.add_argument("--hostfile", help="mpirun hostfile for several servers")
     p.add_argument("--rank-table",
@@ -61,12 +65,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..hardware import get_profile
+    from ..hardware import choose_hardware, get_profile
 
-    profile = get_profile(args.hardware)
     rank_args = list(args.command)
     if rank_args and rank_args[0] == "--":
         rank_args = rank_args[1:]
+    # Chosen once here (npu-smi runs once) and given to every rank that takes --hardware.
+    args.hardware, args.hardware_choice = choose_hardware(
+        args.hardware or _option_value(rank_args, "--hardware") or AUTO)
+    profile = get_profile(args.hardware)
     commands = [c for c in RANK_COMMANDS if c in args.rank_parsers]
     if not rank_args or rank_args[0] not in commands:
         raise MsinferError(f"give the rank command after --, one of {', '.join(commands)}; "
@@ -83,6 +90,9 @@ def run(args: argparse.Namespace) -> int:
         if value and _accepts(parser, option):
             rank_args = _with_option(rank_args, option, value)
     rank = parser.parse_args(rank_args[1:])
+    if args.hardware_choice != "given" and rank_args[0] not in MODEL_COMMANDS:
+        print(f"msinfer launch: hardware {args.hardware}, {args.hardware_choice}",
+              file=sys.stderr, flush=True)
     _check_plan(args, rank_args[0], rank, profile)
     _check_hosts(args, profile)
     command = (_mpirun_command(args, rank_args) if args.launcher == "mpirun"
@@ -155,6 +165,7 @@ def _check_plan(args, command, rank, profile):
     from ..parallel.strategy import load_strategy
     from ..planning.planner import check_plan_or_raise, format_plan
     from .args import limits_from_args
+    from .plan import with_hardware_choice
 
     strategy = load_strategy(getattr(rank, "strategy", None) or args.strategy)
     if args.nproc != strategy.world_size:
@@ -166,7 +177,8 @@ def _check_plan(args, command, rank, profile):
     plan = check_plan_or_raise(config, strategy, profile, limits_from_args(config, rank),
                                dtype=getattr(rank, "dtype", None),
                                parallel_mode=getattr(rank, "parallel_mode", None))
-    print(format_plan(plan), file=sys.stderr, flush=True)
+    print(with_hardware_choice(format_plan(plan), profile.name, args.hardware_choice),
+          file=sys.stderr, flush=True)
 
 
 def _mpirun_command(args, rank_args):
@@ -192,7 +204,9 @@ def _msrun_command(args, rank_args):
     msrun = shutil.which("msrun") or os.path.join(os.path.dirname(sys.executable), "msrun")
     if not os.path.exists(msrun):
         raise MsinferError("msrun not found: it comes with MindSpore")
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "__main__.py")
+    # msinfer/__main__.py (the package's, not this cli/ directory's: there is none here)
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "__main__.py")
     return [msrun, f"--worker_num={args.nproc}", f"--local_worker_num={args.nproc}",
             f"--master_port={free_port()}", f"--log_dir={args.log_dir}", "--join=True",
             f"--cluster_time_out={args.timeout or 600}", script] + rank_args

@@ -32,7 +32,14 @@ def main(argv=None):
     # MindSpore's own INFO/WARNING lines (plugin probing, cluster chatter) drown msinfer's
     # progress; keep its errors. GLOG_v is read when MindSpore is imported, so set it first.
     os.environ.setdefault("GLOG_v", "3")
-    args = build_parser().parse_args(argv)
+    try:
+        # An option's type may refuse its value with a MsinferError (--kv-cache-memory).
+        args = build_parser().parse_args(argv)
+    except MsinferError as e:
+        words = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
+        print(f"msinfer {words[0] if words else ''}: error: {e}".replace(" :", ":"),
+              file=sys.stderr)
+        return e.exit_code
     try:
         return args.func(args) or 0
     except MsinferError as e:

@@ -9,7 +9,7 @@ how the job drains and stops: msinfer/server/api_server.py.
 import os
 
 from ..errors import MsinferError
-from .args import add_engine_arguments
+from .args import add_engine_arguments, add_hardware_argument
 
 
 def register(subparsers):
@@ -32,7 +32,7 @@ def register(subparsers):
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--strategy", default=None, help="strategy YAML (default: one device)")
-    p.add_argument("--hardware", default="cpu", help="hardware profile (default: cpu)")
+    add_hardware_argument(p)
     p.add_argument("--parallel-mode", choices=("explicit", "semi_auto"), default=None)
     add_engine_arguments(p)
     p.add_argument("--dtype", default=None, help="compute dtype override")

@@ -7,9 +7,11 @@ Pure arithmetic over a ShardPlan and a hardware profile: no MindSpore, no tokeni
 from __future__ import annotations
 
 import dataclasses
+import numbers
+import re
 
 from ..errors import MsinferError, positive_int
-from ..hardware import DTYPE_BYTES, GiB
+from ..hardware import DTYPE_BYTES
 from .kv_layout import DEFAULT_BLOCK_SIZE, CacheLayout
 from .workspace import largest_call_bytes
 
@@ -48,7 +50,8 @@ class EngineLimits:
     @classmethod
     def for_model(cls, config, max_len=None, block_size=None, max_prefill_tokens=None,
                   max_num_seqs=None, kv_cache_memory=None):
-        """Defaults filled in; max_len at most the model's max_position_embeddings."""
+        """Defaults filled in; max_len at most the model's max_position_embeddings;
+        kv_cache_memory in bytes or as parse_bytes reads it ("2GiB")."""
         if max_len is None:
             max_len = default_max_len(config)
         positive_int(max_len, "max_len")
@@ -58,6 +61,8 @@ class EngineLimits:
         def given(value, default):
             return default if value is None else value
 
+        if kv_cache_memory is not None:
+            kv_cache_memory = parse_bytes(kv_cache_memory, "kv_cache_memory")
         max_prefill_tokens = given(max_prefill_tokens, DEFAULT_MAX_PREFILL_TOKENS)
         if isinstance(max_prefill_tokens, int) and isinstance(max_len, int):
             max_prefill_tokens = min(max_prefill_tokens, max_len)  # no chunk beyond a sequence
@@ -134,22 +139,30 @@ def default_max_len(config) -> int:
     return min(config.max_position_embeddings, DEFAULT_MAX_LEN)
 
 
-def parse_bytes(text):
-    """'536870912', '512MiB', '2GiB', '1.5GB' -> bytes."""
-    units = {"kib": 1024, "mib": 1024 ** 2, "gib": GiB, "kb": 1e3, "mb": 1e6, "gb": 1e9,
-             "b": 1}
-    value = str(text).strip().lower()
-    for unit, scale in units.items():
-        if value.endswith(unit):
-            value, factor = value[:-len(unit)], scale
-            break
+def parse_bytes(text, what="--kv-cache-memory"):
+    """A byte count from an int or a string: '2147483648', '512MiB', '2GiB', '1.5GB', '64KiB'
+    (binary units KiB/MiB/GiB/TiB, decimal kB/MB/GB/TB, B; case-insensitive) -> int bytes.
+    The one parser of --kv-cache-memory (the CLI's argparse type) and of
+    LLM(kv_cache_memory=...); `what` names the value in the error."""
+    if isinstance(text, bool):
+        raise MsinferError(f"{what} {text!r}: expected bytes like 2147483648, 512MiB or 2GiB")
+    if isinstance(text, numbers.Integral):
+        value, factor, whole = int(text), 1, True
     else:
-        factor = 1
-    try:
-        result = int(float(value) * factor)
-    except ValueError:
-        raise MsinferError(f"--kv-cache-memory {text!r}: expected bytes like 536870912, "
-                           f"512MiB or 2GiB") from None
+        match = _BYTES.match(str(text))
+        if match is None:
+            raise MsinferError(f"{what} {text!r}: expected bytes like 2147483648, 512MiB or "
+                               f"2GiB")
+        number, unit = match.group(1), (match.group(2) or "b").lower()
+        factor, whole = _BYTE_UNITS[unit], "." not in number and "e" not in number.lower()
+        value = int(number) if whole else float(number)
+    result = value * factor if whole else int(value * factor)
     if result < 1:
-        raise MsinferError(f"--kv-cache-memory {text!r}: must be positive")
+        raise MsinferError(f"{what} {text!r}: must be at least one byte")
     return result
+
+
+_BYTE_UNITS = {"b": 1, "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40,
+               "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
+_BYTES = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?|\.[0-9]+)\s*"
+                    r"(b|kib|mib|gib|tib|kb|mb|gb|tb)?\s*$", re.IGNORECASE)

@@ -13,16 +13,18 @@ import os
 import platform
 import re
 import shutil
-import subprocess
 import sys
 
 from ..errors import MsinferError
+# The npu-smi reader lives in hardware.py (--hardware auto uses it too).
+from ..hardware import AUTO, NpuSmiUnavailable, npu_smi_info, parse_npu_smi, profile_for_chips
+
+__all__ = ["parse_npu_smi", "run_checks", "run"]  # parse_npu_smi: where doctor's users find it
 
 PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
 DEFAULT_ASCEND_ROOT = "/usr/local/Ascend"
 MEMINFO = "/proc/meminfo"
 _IDLE_CHIP_MB = 4096  # an idle 310P chip shows about 1.3-1.7 GB in use (public npu-smi outputs)
-_BUS_ID = re.compile(r"^[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-9A-Fa-f]$")
 _MAX_LOG_BYTES = 200 * 1024 ** 2
 
 
@@ -33,131 +35,20 @@ class Check:
     detail: str
 
 
-@dataclasses.dataclass
-class Chip:
-    npu: int        # the card (npu-smi's NPU id)
-    chip: int       # the chip on that card
-    device: int     # the logical device id (DEVICE_ID, rank tables)
-    name: str
-    health: str
-    bus_id: str
-    memory_used_mb: int
-    memory_total_mb: int
-
-
-@dataclasses.dataclass
-class Process:
-    npu: int
-    chip: int
-    pid: int
-    name: str
-    memory_mb: int
-
-
-@dataclasses.dataclass
-class NpuSmi:
-    version: str
-    chips: list
-    processes: list
-
-    def cards(self):
-        found = {}
-        for chip in self.chips:
-            found.setdefault(chip.npu, []).append(chip)
-        return found
-
-
-# ---- npu-smi info ----
-
-def parse_npu_smi(text):
-    """The chip table and the process table of `npu-smi info`.
-
-    Each chip is two rows: `| NPU Name | Health | Power Temp Hugepages |` then
-    `| Chip Device | Bus-Id | AICore Memory-Usage [HBM-Usage] |`. The 300I Duo prints a Device
-    column (the logical id); other cards may not, and then devices are numbered in order."""
-    version = re.search(r"npu-smi\s+([0-9A-Za-z.]+)", text)
-    chips, processes = [], []
-    has_device_column, pending, section = False, None, None
-    for line in text.splitlines():
-        if not line.startswith("|"):
-            continue
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        joined = " ".join(cells)
-        if "Health" in joined and "Name" in joined:
-            section = "chips"
-            continue
-        if "Bus-Id" in joined:
-            has_device_column = bool(re.search(r"\bChip\s+(Device|Phy-ID)\b", cells[0]))
-            continue
-        if "Process id" in joined:
-            section = "processes"
-            continue
-        if section == "chips" and len(cells) >= 3:
-            if _BUS_ID.match(cells[1]):
-                if pending is None:
-                    raise MsinferError(f"npu-smi info: chip row without its NPU row: {line!r}")
-                tokens = cells[0].split()
-                memory = re.findall(r"(\d+)\s*/\s*(\d+)", cells[2])
-                if not tokens or not tokens[0].isdigit() or not memory:
-                    raise MsinferError(f"npu-smi info: cannot read chip row {line!r}")
-                device = (int(tokens[1]) if has_device_column and len(tokens) > 1
-                          and tokens[1].isdigit() else len(chips))
-                used, total = map(int, memory[-1])  # HBM when both columns are shown
-                chips.append(Chip(npu=pending[0], chip=int(tokens[0]), device=device,
-                                  name=pending[1], health=pending[2], bus_id=cells[1],
-                                  memory_used_mb=used, memory_total_mb=total))
-                pending = None
-            else:
-                tokens = cells[0].split()
-                if tokens and tokens[0].isdigit():
-                    pending = (int(tokens[0]), " ".join(tokens[1:]), cells[1])
-        elif section == "processes" and len(cells) >= 4:
-            ids = cells[0].split()
-            if len(ids) == 2 and all(i.isdigit() for i in ids) and cells[1].isdigit():
-                memory = re.match(r"\d+", cells[3])
-                processes.append(Process(npu=int(ids[0]), chip=int(ids[1]), pid=int(cells[1]),
-                                         name=cells[2], memory_mb=int(memory[0]) if memory else 0))
-    if not chips:
-        first = next((line.strip() for line in text.splitlines() if line.strip()), "")
-        raise MsinferError(f"npu-smi info printed no chip table (first line: {first[:120]!r})")
-    return NpuSmi(version=version[1] if version else "?", chips=chips, processes=processes)
-
-
 def run_npu_smi():
     """(NpuSmi, None) or (None, Check saying why not)."""
-    tool = shutil.which("npu-smi")
-    if tool is None:
-        return None, Check("devices.npu-smi", FAIL,
-                           "npu-smi not found on PATH: install the Ascend NPU driver (it puts "
-                           "npu-smi in /usr/local/bin), or add that directory to PATH")
     try:
-        done = subprocess.run([tool, "info"], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return None, Check("devices.npu-smi", FAIL, f"`npu-smi info` did not run: {e}")
-    if done.returncode != 0:
-        said = (done.stdout + done.stderr).strip().splitlines()
-        return None, Check("devices.npu-smi", FAIL,
-                           f"`npu-smi info` failed (exit {done.returncode}: "
-                           f"{said[0][:120] if said else 'no output'!r}): the driver is not "
-                           f"loaded or this user cannot open /dev/davinci*; try as root or "
-                           f"add the user to the HwHiAiUser group")
-    try:
-        return parse_npu_smi(done.stdout), None
-    except MsinferError as e:
-        return None, Check("devices.npu-smi", FAIL, f"{e}; compare with `npu-smi info` by hand")
+        return npu_smi_info(), None
+    except NpuSmiUnavailable as e:
+        return None, Check("devices.npu-smi", FAIL, str(e))
 
 
 def detect_hardware(smi):
-    """The profile a box's chips match: 310P3 -> 300I Duo (by memory, 96 or 48 GB card)."""
+    """The profile a box's chips match (hardware.profile_for_chips); cpu without chips or for
+    chips no profile describes (doctor then skips the device checks and says so)."""
     if smi is None:
         return "cpu"
-    name = smi.chips[0].name
-    if name.startswith("310P"):
-        return ("atlas-300i-duo" if min(c.memory_total_mb for c in smi.chips) > 30000
-                else "atlas-300i-duo-48g")
-    if "910" in name:
-        return "atlas-800i-a2"
-    return "cpu"
+    return profile_for_chips(smi) or "cpu"
 
 
 def _device_list(ids):
@@ -624,18 +515,19 @@ def run_checks(args):
     if args.logs and not os.path.isdir(args.logs):
         raise MsinferError(f"--logs {args.logs}: no such directory")
     strategy = load_strategy(args.strategy) if args.strategy else None
+    auto = args.hardware in (None, AUTO)
     smi, smi_failure = (None, None)
     if args.hardware != "cpu":
         smi, smi_failure = run_npu_smi()
-    profile = get_profile(args.hardware or detect_hardware(smi))
+    profile = get_profile(detect_hardware(smi) if auto else args.hardware)
     ascend = profile.device_target == "Ascend"
 
     checks = []
     if not ascend:
-        if args.hardware is None and shutil.which("npu-smi"):
+        if auto and shutil.which("npu-smi"):
             checks.append(smi_failure)  # an NPU box whose npu-smi fails: say so
         else:
-            how = "given" if args.hardware else "detected: no npu-smi on PATH"
+            how = "detected: no npu-smi on PATH" if auto else "given"
             checks.append(Check("devices", SKIP, f"--hardware {profile.name} ({how}): no NPU "
                                                  f"to check"))
     elif smi is None:
