@@ -17,7 +17,7 @@ from msinfer.server.app import build_app
 from msinfer.server.handoff import Leader
 from msinfer.server.lockstep import EngineLoop
 from msinfer.server.metrics import ServerMetrics
-from msinfer.server.serving import ServerConfig
+from msinfer.server.serving import DEFAULT_MAX_REQUEST_BYTES, ServerConfig
 
 from fake_engine import expected_ids, fake_llm
 
@@ -25,14 +25,14 @@ MODEL = "fake-model"
 
 
 class RunningServer:
-    def __init__(self, api_key=None, max_queue=64, **engine_options):
+    def __init__(self, api_key=None, max_queue=64, max_request_bytes=None, **engine_options):
         self.llm = fake_llm(**engine_options)
         self.engine = self.llm.engine
         self.metrics = ServerMetrics(MODEL, self.engine.stats())
         self.loop = EngineLoop(self.engine, Leader([]), self.metrics)
         config = ServerConfig(model_names=[MODEL], max_model_len=self.engine.max_model_len,
-                              api_key=api_key,
-                              max_queue=max_queue)
+                              api_key=api_key, max_queue=max_queue,
+                              max_request_bytes=max_request_bytes or DEFAULT_MAX_REQUEST_BYTES)
         app = build_app(self.loop, self.llm.tokenizer, config, self.metrics)
         listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{listener.getsockname()[1]}"

@@ -9,6 +9,7 @@ how the job drains and stops: msinfer/server/api_server.py.
 import os
 
 from ..errors import MsinferError
+from ..planning.memory import parse_bytes
 from .args import add_engine_arguments, add_hardware_argument
 
 
@@ -31,6 +32,9 @@ def register(subparsers):
                    help="waiting requests beyond which new ones get 503 + Retry-After")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
+    p.add_argument("--max-request-bytes", type=request_bytes, default=None, metavar="BYTES",
+                   help="largest request body; larger ones get 413 unread (default 4MiB; "
+                        "units as --kv-cache-memory)")
     p.add_argument("--strategy", default=None, help="strategy YAML (default: one device)")
     add_hardware_argument(p)
     p.add_argument("--parallel-mode", choices=("explicit", "semi_auto"), default=None)
@@ -38,6 +42,10 @@ def register(subparsers):
     p.add_argument("--dtype", default=None, help="compute dtype override")
     p.add_argument("--rank-table", default=None, help="HCCL rank table (Ascend rank-table mode)")
     p.set_defaults(func=run)
+
+
+def request_bytes(text):
+    return parse_bytes(text, "--max-request-bytes")
 
 
 def _check_args(args):
@@ -62,4 +70,4 @@ def run(args):
     return serve(llm, ServeOptions(
         model_names=args.served_model_name or [args.model], host=args.host, port=args.port,
         api_key=args.api_key, max_queue=args.max_queue,
-        shutdown_timeout=args.shutdown_timeout))
+        shutdown_timeout=args.shutdown_timeout, max_request_bytes=args.max_request_bytes))

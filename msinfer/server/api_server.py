@@ -29,6 +29,7 @@ class ServeOptions:
     api_key: str = None  # None: /v1 is open
     max_queue: int = 1024  # waiting requests beyond which new ones get 503 + Retry-After
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
+    max_request_bytes: int = None  # larger request bodies get 413; None: 4 MiB (serving.py)
 
 
 def serve(llm, options):
@@ -68,7 +69,7 @@ def _lead(llm, channel, options):
     from .app import build_app
     from .lockstep import EngineLoop
     from .metrics import ServerMetrics
-    from .serving import ServerConfig
+    from .serving import DEFAULT_MAX_REQUEST_BYTES, ServerConfig
 
     logger = log.get()
     names = options.model_names
@@ -80,7 +81,9 @@ def _lead(llm, channel, options):
     metrics = ServerMetrics(names[0], llm.engine.stats())
     loop = EngineLoop(llm.engine, channel, metrics)
     config = ServerConfig(model_names=names, max_model_len=llm.engine.max_model_len,
-                          api_key=options.api_key, max_queue=options.max_queue)
+                          api_key=options.api_key, max_queue=options.max_queue,
+                          max_request_bytes=options.max_request_bytes
+                          or DEFAULT_MAX_REQUEST_BYTES)
     app = build_app(loop, llm.tokenizer, config, metrics)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=5))

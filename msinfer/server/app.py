@@ -29,6 +29,8 @@ def build_app(engine_loop, tokenizer, config, metrics):
     completion, chat = ServingCompletion(serving), ServingChat(serving)
     _add_error_handlers(app, metrics)
     _add_api_key_check(app, config, metrics)
+    # Added last, so the outermost: a body beyond the limit is refused before anything reads it.
+    app.add_middleware(BodyLimit, limit=config.max_request_bytes, metrics=metrics)
 
     @app.get("/health")
     async def health():
@@ -118,6 +120,57 @@ def _add_api_key_check(app, config, metrics):
                                        "'Authorization: Bearer <key>'",
                                        "authentication_error", code="invalid_api_key")
         return await call_next(request)
+
+
+class BodyLimit:
+    """413 with an OpenAI error for a request body beyond `limit` bytes, before a route (or
+    pydantic) sees any of it: a Content-Length beyond the limit is refused unread; a chunked
+    body is read here while it stays within the limit, then handed on."""
+
+    def __init__(self, app, limit, metrics):
+        self.app, self.limit, self.metrics = app, limit, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not self.limit:
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or ())
+        declared = headers.get(b"content-length")
+        if declared is not None:
+            try:
+                size = int(declared)
+            except ValueError:
+                size = 0  # the server refuses a malformed Content-Length itself
+            if size > self.limit:
+                return await self._refuse(scope, receive, send, f"{size} bytes")
+            return await self.app(scope, receive, send)
+        if headers.get(b"transfer-encoding") is None:
+            return await self.app(scope, receive, send)  # no body
+        parts, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: let the app see it
+                parts = None
+                replay = [message]
+                break
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
+            if size > self.limit:
+                return await self._refuse(scope, receive, send, f"more than {self.limit} bytes")
+            if not message.get("more_body", False):
+                replay = [{"type": "http.request", "body": b"".join(parts), "more_body": False}]
+                break
+
+        async def replayed():
+            return replay.pop() if replay else await receive()
+        return await self.app(scope, replayed, send)
+
+    async def _refuse(self, scope, receive, send, size):
+        self.metrics.observe_rejected(413)
+        response = _error_response(
+            413, f"the request body of {size} exceeds the server's limit of {self.limit} "
+                 f"bytes (--max-request-bytes)", "invalid_request_error",
+            code="request_too_large")
+        await response(scope, receive, send)
 
 
 def _bytes(text):

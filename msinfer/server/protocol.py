@@ -12,6 +12,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine.tokenizer import prompt_list
 
+# Bounds on `stop`: every stop string is looked for in the text after every token, on every
+# rank. OpenAI takes up to 4; clients written for vLLM send a few more (chat formats' role
+# markers), so 16, each of at most 256 characters.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -49,6 +55,18 @@ class _Request(BaseModel):
             return "logit_bias", "logit_bias is not supported"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options needs stream=true"
+        return None
+
+    def out_of_bounds(self):
+        """(field, why) for a field beyond msinfer's bounds (a 400 naming it), else None."""
+        stops = self.stop_strings()
+        if len(stops) > MAX_STOP_STRINGS:
+            return "stop", (f"{len(stops)} stop strings; at most {MAX_STOP_STRINGS} are "
+                            f"accepted")
+        longest = max(stops, key=len, default="")
+        if len(longest) > MAX_STOP_CHARS:
+            return "stop", (f"a stop string of {len(longest)} characters; each may have at "
+                            f"most {MAX_STOP_CHARS}")
         return None
 
     def stop_strings(self):

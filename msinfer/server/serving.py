@@ -17,6 +17,7 @@ import time
 
 from fastapi.responses import Response, StreamingResponse
 
+from .. import log
 from ..engine.sampling import SamplingParams
 from ..errors import MsinferError
 from . import protocol as p
@@ -31,12 +32,18 @@ class ApiError(Exception):
         self.code, self.headers = code, headers
 
 
+# What one request body may hold before it is read at all (413): a 32K-token prompt as token
+# ids is about 200 KB of JSON; chat histories as text are smaller.
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2 ** 20
+
+
 @dataclasses.dataclass
 class ServerConfig:
     model_names: list  # the first is reported back in responses
     max_model_len: int
     api_key: str = None
     max_queue: int = 1024
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
 
 class Serving:
@@ -59,9 +66,9 @@ class Serving:
         if body.model not in config.model_names:
             raise ApiError(404, f"The model `{body.model}` does not exist.",
                            param="model", code="model_not_found")
-        unsupported = body.unsupported()
-        if unsupported:
-            raise ApiError(400, f"{unsupported[0]}: {unsupported[1]}", param=unsupported[0])
+        refused = body.unsupported() or body.out_of_bounds()
+        if refused:
+            raise ApiError(400, f"{refused[0]}: {refused[1]}", param=refused[0])
         if not engine_loop.ready:
             raise ApiError(503, "the server is not accepting requests: "
                            + (engine_loop.failure or "warming up or shutting down"),
@@ -121,6 +128,9 @@ class Serving:
                 self.engine_loop.abort(stream.request_id)
 
     async def _stream(self, fmt, streams, outputs, request):
+        """The events of a streamed response. However it ends, a client that is still there
+        reads `data: [DONE]` last: after the chunks and usage, or after an error event (the
+        engine loop failed, or anything here raised)."""
         # Watch for the client leaving as _collect does: writing into a closed connection does
         # not always fail, and the request would run to its end.
         left = asyncio.ensure_future(_client_left(request))
@@ -132,22 +142,26 @@ class Serving:
                 await asyncio.wait({got, left}, return_when=asyncio.FIRST_COMPLETED)
                 if not got.done():
                     got.cancel()
-                    return  # the finally aborts
+                    return  # the client left; the finally aborts
                 index, out = got.result()
                 if isinstance(out, Exception):
-                    yield _sse(p.ErrorResponse(error=p.ErrorBody(
-                        message=str(out), type="service_unavailable")))
-                    return
+                    yield _sse(_error_event(str(out), "service_unavailable"))
+                    break
                 stream = streams[index]
                 delta = stream.advance(out, self.tokenizer)
                 if delta.text or delta.token_ids or out.finished:
                     yield _sse(fmt.chunk(index, delta, stream.finish_reason))
-            if fmt.body.include_usage:
-                yield _sse(fmt.usage_chunk(_usage(streams)))
-            yield "data: [DONE]\n\n"
+            else:
+                if fmt.body.include_usage:
+                    yield _sse(fmt.usage_chunk(_usage(streams)))
+        except Exception as e:  # noqa: BLE001 - reported to the client, logged in full
+            log.get().exception("stream %s failed", fmt.id)
+            yield _sse(_error_event(f"internal server error: {type(e).__name__}: {e}",
+                                    "internal_error"))
         finally:
             left.cancel()
-            self._abort(streams)  # the client left mid-stream: free its blocks
+            self._abort(streams)  # the client left or the stream failed: free its blocks
+        yield "data: [DONE]\n\n"
 
     async def _collect(self, fmt, streams, outputs, request):
         left = asyncio.ensure_future(_client_left(request))
@@ -211,6 +225,12 @@ def _usage(streams):
 
 def _sse(model):
     return f"data: {model.model_dump_json()}\n\n"
+
+
+def _error_event(message, type_, code=None):
+    """An error in a stream: OpenAI's error object as one event (the openai client raises
+    APIError on it), always followed by `data: [DONE]`."""
+    return p.ErrorResponse(error=p.ErrorBody(message=message, type=type_, code=code))
 
 
 @dataclasses.dataclass
