@@ -227,7 +227,7 @@ class LLMEngine:
         progress = log.Progress("compiling graphs", len(shapes))
         for done, shape in enumerate(shapes, 1):
             self.runner.compile_shape(*shape)
-            progress.step(done, f"{shape[0]} {shape[1]} x {shape[2]}")
+            progress.step(done, f"{shape[0]} {shape[1]} x {shape[2]}, {shape[3]} rows")
         return self.runner.compilations - before
 
 

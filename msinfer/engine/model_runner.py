@@ -23,7 +23,7 @@ import time
 
 import mindspore as ms
 import numpy as np
-from mindspore import Tensor
+from mindspore import Tensor, ops
 
 from .. import log
 from ..hardware import DTYPE_BYTES
@@ -84,6 +84,15 @@ class ModelRunner:
         self.chunk_buckets = power_buckets(round_up(min(16, max_prefill_tokens), step),
                                            round_up(max_prefill_tokens, step))
         self.row_buckets = self.batch_buckets
+        # Block 0 (TRASH_BLOCK) is never handed out. Padded tokens write their K/V to its first
+        # slot, whatever they compute (inf or NaN where activations overflow); padded context
+        # positions read its second slot, which nothing writes: zeros, whose masked score is
+        # exp(-1e30) = 0 and whose value is 0, so 0 x 0 reaches the real rows, never 0 x inf.
+        if layout.block_size < 2:
+            raise ValueError(f"block_size {layout.block_size}: the runner needs at least 2 "
+                             f"(block {TRASH_BLOCK}'s write slot and zero slot)")
+        self.write_slot = TRASH_BLOCK * layout.block_size
+        self.zero_slot = self.write_slot + 1
         # Wall time inside the graphs (inputs built, logits back on the host), by kind.
         self.timings = {"prefill_s": 0.0, "prefill_calls": 0, "prefill_tokens": 0,
                         "decode_s": 0.0, "decode_steps": 0, "decode_tokens": 0}
@@ -107,8 +116,8 @@ class ModelRunner:
         context = bucket_for(max(s.length for s in seqs), self.context_buckets)
         ids = np.zeros(batch, np.int32)
         positions = np.zeros(batch, np.int64)
-        write = np.full(batch, TRASH_BLOCK * self.layout.block_size, np.int64)
-        slots = np.full((batch, context), TRASH_BLOCK * self.layout.block_size, np.int64)
+        write = np.full(batch, self.write_slot, np.int64)
+        slots = np.full((batch, context), self.zero_slot, np.int64)
         mask = np.full((batch, 1, context), MASKED, np.float32)
         for i, seq in enumerate(seqs):
             n = seq.length
@@ -131,12 +140,11 @@ class ModelRunner:
         total = sum(c.count for c in chunks)
         size = bucket_for(total, self.chunk_buckets)
         context = bucket_for(sum(c.start + c.count for c in chunks), self.context_buckets)
-        trash = TRASH_BLOCK * self.layout.block_size
         ids = np.zeros(size, np.int32)
         positions = np.zeros(size, np.int64)
-        write = np.full(size, trash, np.int64)
+        write = np.full(size, self.write_slot, np.int64)
         owner = np.full(size, -1, np.int64)  # which chunk each token belongs to
-        slots = np.full(context, trash, np.int64)
+        slots = np.full(context, self.zero_slot, np.int64)
         context_owner = np.full(context, -2, np.int64)
         context_position = np.zeros(context, np.int64)
         rows = []
@@ -161,7 +169,7 @@ class ModelRunner:
         mask = np.where(visible, 0.0, MASKED).astype(np.float32)[None]
         padded_rows = None  # no chunk completes its prompt: no logits are needed
         if rows or self.needs_rows:
-            padded_rows = np.zeros(bucket_for(max(len(rows), 1), self.row_buckets), np.int32)
+            padded_rows = np.zeros(self.prefill_rows(len(rows), size), np.int32)
             padded_rows[:len(rows)] = rows
         start, compiled = time.perf_counter(), self.compilations
         logits = self._run(ids, positions, write, slots, mask, padded_rows)
@@ -171,6 +179,13 @@ class ModelRunner:
 
     # Whether every call computes logits rows (a whole-model graph always has its lm_head).
     needs_rows = False
+
+    def prefill_rows(self, count, size):
+        """The lm_head rows a prefill call of `size` tokens computes when `count` of its chunks
+        complete their prompts: the row bucket of `count`. Explicit mode picks those rows
+        before its head graph (ExplicitRunner._run), which is then the decode step's graph of
+        that batch: no graph of its own for any (chunk, rows)."""
+        return bucket_for(max(count, 1), self.row_buckets)
 
     def _time(self, kind, start, tokens, compiled_before, shape):
         t = self.timings
@@ -194,23 +209,33 @@ class ModelRunner:
     # ---- compile ahead ----
 
     def shapes(self) -> list:
-        """Every (kind, tokens-or-batch, context) this runner may compile."""
-        decode = [("decode", b, t) for b in self.batch_buckets for t in self.context_buckets]
-        prefill = [("prefill", c, t) for c in self.chunk_buckets for t in self.context_buckets
-                   if t >= c]
+        """Every (kind, tokens-or-batch, context, lm_head rows) this runner's calls can have:
+        what warm-up compiles, so that serving compiles nothing.
+
+        decode: every batch bucket B over every context bucket T, the lm_head on B rows.
+        prefill: every chunk bucket C over every context bucket T >= C (a chunk's context
+        holds at least its own tokens, and the smallest bucket holding them is never below
+        C's), and 1 to min(max_num_seqs, C) chunks completing their prompts, one lm_head row
+        each. Those row counts need no shapes of their own: explicit mode's head graph after
+        the rows are picked is the decode step's of that batch (prefill_rows), and semi_auto
+        pads every prefill call of C tokens to the most rows C can complete (its
+        prefill_rows), so each (C, T) is one whole-model graph."""
+        decode = [("decode", b, t, b) for b in self.batch_buckets for t in self.context_buckets]
+        prefill = [("prefill", c, t, self.prefill_rows(1, c)) for c in self.chunk_buckets
+                   for t in self.context_buckets if t >= c]
         return decode + prefill
 
     def compile_shape(self, kind: str, size: int, context: int, rows: int = 1) -> None:
-        """Runs one padded call of that shape that writes and reads only the trash block."""
-        trash = TRASH_BLOCK * self.layout.block_size
+        """Runs one padded call of that shape, with the lm_head on `rows` rows (a decode step:
+        its batch), that writes only the trash block's write slot and reads its zero slot."""
         tokens = size
         mask = np.zeros((size, 1, context) if kind == "decode" else (1, size, context),
                         np.float32)
-        slots = np.full(size * context if kind == "decode" else context, trash, np.int64)
-        rows = np.zeros(bucket_for(size if kind == "decode" else rows, self.row_buckets),
-                        np.int32)
+        slots = np.full(size * context if kind == "decode" else context, self.zero_slot,
+                        np.int64)
+        rows = np.zeros(size if kind == "decode" else self.prefill_rows(rows, size), np.int32)
         self._run(np.zeros(tokens, np.int32), np.zeros(tokens, np.int64),
-                  np.full(tokens, trash, np.int64), slots, mask, rows)
+                  np.full(tokens, self.write_slot, np.int64), slots, mask, rows)
 
 
 class ExplicitRunner(ModelRunner):
@@ -281,6 +306,13 @@ class ExplicitRunner(ModelRunner):
         if rows is None:
             x.asnumpy()  # the call's cache writes done before the next call builds on them
             return None
+        if len(rows) != len(ids) or (rows != np.arange(len(ids))).any():
+            # A prefill call's rows are picked first (one op, outside the graphs): the head's
+            # graph then takes R rows whatever the chunk, the graph a decode step of batch R
+            # compiled, so prefill calls of any chunk and row count compile no head of their
+            # own (row_buckets are the batch buckets).
+            x = ops.gather(x, Tensor(rows), 0)
+            rows = np.arange(len(rows), dtype=np.int32)
         logits = self.head(x, Tensor(rows), *self.head_weights).asnumpy()
         return blocked_transpose(logits) if self.head.transposed_for(len(rows)) else logits
 
@@ -290,6 +322,13 @@ class SemiAutoRunner(ModelRunner):
     Parameters, laid out per rank by MindSpore from the primitives' in_strategy)."""
 
     needs_rows = True
+
+    def prefill_rows(self, count, size):
+        """The most rows a prefill call of `size` tokens can need (one per completing chunk:
+        at most min(max_num_seqs, size)), whatever `count`: the whole-model graph includes
+        the lm_head, and one row count per chunk bucket keeps one graph per (chunk, context).
+        The rows beyond `count` are row 0 again, computed and dropped."""
+        return bucket_for(min(size, self.row_buckets[-1]), self.row_buckets)
 
     def __init__(self, ctx, layout, max_num_seqs, max_prefill_tokens, max_model_len, model,
                  world_size=1):

@@ -44,6 +44,10 @@ class EngineLimits:
     def __post_init__(self):
         for field in ("max_len", "block_size", "max_prefill_tokens", "max_num_seqs"):
             positive_int(getattr(self, field), field)
+        if self.block_size < 2:
+            # the reserved block holds padded tokens' writes and, apart, the zeros padded
+            # context positions read (engine/model_runner.py)
+            raise MsinferError(f"block_size must be at least 2, got {self.block_size}")
         if self.kv_cache_memory is not None:
             positive_int(self.kv_cache_memory, "kv_cache_memory")
 
