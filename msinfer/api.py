@@ -14,6 +14,7 @@ import numpy as np
 from . import log
 from .config import ModelConfig, eos_token_ids
 from .engine import LLMEngine, RequestOutput
+from .engine.llm_engine import NonFiniteLogits, non_finite_message
 from .engine.sampling import SamplingParams
 from .engine.tokenizer import encode_prompts
 from .errors import MsinferError
@@ -22,7 +23,7 @@ from .parallel.strategy import Strategy, decide_parallel_mode, load_strategy
 from .planning.memory import EngineLimits, engine_memory
 from .planning.planner import check_plan_or_raise
 
-__all__ = ["LLM", "RequestOutput"]
+__all__ = ["LLM", "RequestOutput", "NonFiniteLogits"]
 
 
 class LLM:
@@ -71,6 +72,7 @@ class LLM:
         report = check_plan_or_raise(self.config, self.strategy, self.profile, self.limits,
                                      dtype=dtype, parallel_mode=self.parallel_mode)
         self.dtype_reason = report.dtype_reason
+        self.compute_dtype = report.dtype  # "float32", "float16" or "bfloat16"
         self.shard_plan = self.strategy.resolve(self.config, self.parallel_mode)
 
         self.dist = init_distributed(self.profile.device_target, self.strategy.world_size,
@@ -159,12 +161,16 @@ class LLM:
         outputs = [finished.get(ids[i]) if i in ids else None for i in range(len(encoded))]
         if self.replicas > 1:
             self._exchange(outputs, texts, token_lists, max(p.max_tokens for p in params))
+        failed = [out for out in outputs if out.finish_reason == "error"]
+        if failed:  # on every rank alike, after the exchange (no rank is left waiting in it)
+            more = f" (and {len(failed) - 1} more prompt(s))" if len(failed) > 1 else ""
+            raise NonFiniteLogits(f"{failed[0].error or 'non-finite logits'}{more}", outputs)
         return outputs
 
     def _exchange(self, outputs, texts, token_lists, max_tokens):
         """Give every rank every replica's results: one AllGather over the job of fixed-size
-        rows [prompt index, finished as "stop", count, tokens...] (float32 holds ids < 2**24
-        exactly)."""
+        rows [prompt index, finish reason (_REASONS), count, tokens...] (float32 holds ids
+        < 2**24 exactly)."""
         from .parallel.distributed import all_gather_rows
 
         per_replica = -(-len(outputs) // self.replicas)
@@ -172,7 +178,8 @@ class LLM:
         mine = [i for i, out in enumerate(outputs) if out is not None]
         for slot, index in enumerate(mine):
             out = outputs[index]
-            rows[slot, :3] = index, out.finish_reason == "stop", len(out.token_ids)
+            rows[slot, :3] = (index, _REASONS.index(out.finish_reason or "length"),
+                              len(out.token_ids))
             rows[slot, 3:3 + len(out.token_ids)] = out.token_ids
         everyone = all_gather_rows(rows).reshape(self.dist.world_size, per_replica, -1)
         for row in everyone[::self.shard_plan.tensor].reshape(-1, rows.shape[1]):  # one rank each
@@ -181,10 +188,17 @@ class LLM:
                 continue
             tokens = row[3:3 + int(row[2])].astype(np.int64).tolist()
             text = self.tokenizer.decode(tokens) if self.has_tokenizer else ""
+            reason = _REASONS[int(row[1])]
             outputs[index] = RequestOutput(
                 request_id=f"generate-{self._batches}-{index}", prompt=texts[index],
                 prompt_token_ids=token_lists[index], token_ids=tokens, text=text,
-                finished=True, finish_reason="stop" if row[1] else "length")
+                finished=True, finish_reason=reason,
+                error=non_finite_message(f"generate-{self._batches}-{index}", len(tokens),
+                                         self.compute_dtype) if reason == "error" else None)
+
+
+# The finish reasons _exchange carries, by their index.
+_REASONS = ("length", "stop", "abort", "error")
 
 
 def _log_start(llm, report):

@@ -25,8 +25,10 @@ MODEL = "fake-model"
 
 
 class RunningServer:
-    def __init__(self, api_key=None, max_queue=64, max_request_bytes=None, **engine_options):
-        self.llm = fake_llm(**engine_options)
+    def __init__(self, api_key=None, max_queue=64, max_request_bytes=None, llm=None,
+                 **engine_options):
+        """llm: an LLM (or what has its engine and tokenizer) to serve; default the fake."""
+        self.llm = llm or fake_llm(**engine_options)
         self.engine = self.llm.engine
         self.metrics = ServerMetrics(MODEL, self.engine.stats())
         self.loop = EngineLoop(self.engine, Leader([]), self.metrics)

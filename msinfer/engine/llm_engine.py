@@ -33,8 +33,43 @@ class RequestOutput:
     token_ids: list  # everything generated so far
     text: str  # decoded so far, complete characters only, cut before a stop string
     finished: bool = False
-    finish_reason: str = None  # "stop" (eos, stop token or stop string), "length", "abort"
+    # "stop" (eos, stop token or stop string), "length", "abort", or "error" (the model's
+    # logits were not finite: `error` says why and what to do)
+    finish_reason: str = None
     logprobs: list = None  # per generated token {token id: logprob}, when asked
+    error: str = None  # with finish_reason "error"
+
+
+class NonFiniteLogits(MsinferError):
+    """Requests whose logits came out NaN or inf (LLM.generate raises it once every prompt has
+    finished; `outputs` holds them all, the failed ones with finish_reason "error")."""
+
+    exit_code = 1
+
+    def __init__(self, message, outputs=None):
+        super().__init__(message)
+        self.outputs = outputs
+
+
+# What a non-finite logits row means, by compute dtype; `msinfer doctor --logs` knows the
+# words "non-finite logits" (tools/doctor.py LOG_SIGNATURES).
+_FLOAT16_OVERFLOW = (
+    "the model's activations overflowed float16 (largest value 65504), as Qwen models are "
+    "known to: without this check the answer would be token 0 repeated ('!!!!'). Run in "
+    "float32 (--dtype float32 / LLM(dtype='float32') where the hardware has it, e.g. cpu) or "
+    "in bfloat16 on a device that has it (atlas-800i-a2; the 310P of the 300I Duo has only "
+    "float16): docs/engine.md, 'Non-finite logits'")
+_OTHER_NON_FINITE = (
+    "the model computed NaN or inf in {dtype}: check the checkpoint for NaN/inf weights, and "
+    "the device (msinfer doctor --logs DIR): docs/engine.md, 'Non-finite logits'")
+
+
+def non_finite_message(request_id, generated, dtype):
+    """The error of a request whose logits row is not finite."""
+    why = (_FLOAT16_OVERFLOW if dtype == "float16"
+           else _OTHER_NON_FINITE.format(dtype=dtype or "its dtype"))
+    return (f"non-finite logits (NaN or inf) for request {request_id!r} after {generated} "
+            f"generated token(s): {why}")
 
 
 @dataclasses.dataclass
@@ -174,6 +209,17 @@ class LLMEngine:
             return outputs
         # one call's logits need no copy (16 x 151,936 float32 is 9.7 MB)
         logits = logits[0] if len(logits) == 1 else np.concatenate(logits)
+        finite = np.isfinite(logits).all(axis=1)  # 0.2 ms for 16 x 151,936
+        if not finite.all():
+            # A NaN row's argmax is token 0 ('!' in Qwen's vocabulary): finish it with an
+            # error instead; the other rows go on (padding cannot carry NaN into them:
+            # model_runner's zero slot).
+            for row in np.flatnonzero(~finite):
+                outputs.append(self._fail(sampled_seqs[row]))
+            sampled_seqs = [s for s, ok in zip(sampled_seqs, finite) if ok]
+            logits = logits[finite]
+            if not sampled_seqs:
+                return outputs
         tokens = self._sampler(logits, [s.params for s in sampled_seqs],
                                [s.generator for s in sampled_seqs])
         for row, (seq, token) in enumerate(zip(sampled_seqs, tokens)):
@@ -199,6 +245,15 @@ class LLMEngine:
             reason = "length"
         if reason:
             self._finish(seq, reason)
+
+    def _fail(self, seq):
+        """Finish `seq` whose logits are not finite: finish_reason "error", logged (every
+        rank logs it alike) and said in the output."""
+        dtype = str(getattr(self.runner, "dtype", "") or "").lower() or None
+        message = non_finite_message(seq.request_id, len(seq.generated), dtype)
+        log.get().error("%s", message)
+        self._finish(seq, "error")
+        return dataclasses.replace(self._output(seq), error=message)
 
     def _finish(self, seq, reason):
         seq.status = Status.FINISHED

@@ -58,6 +58,21 @@ class PagedAttention(nn.Cell):
         self.weighted_values = shard(ctx, ops.BatchMatMul(), per_head(4), per_head(4))
         self.tokens_first = shard(ctx, ops.Transpose(), per_head(5, 1))
         self.expand = Expand(uses_cpu_forms(ctx))
+        # Prefill chunks in explicit mode: keep one sequence's non-finite K/V from the others'
+        # rows (_finite_context). Primitives only explicit mode uses: no semi_auto layout.
+        self.isolate_sequences = ctx.mode == "explicit"
+        dtype = ctx.dtype or ms.float32
+        self.is_finite = ops.IsFinite()
+        self.logical_not = ops.LogicalNot()
+        self.logical_or = ops.LogicalOr()
+        self.any_over = ops.ReduceAny(keep_dims=True)
+        self.fill = ops.MaskedFill()
+        self.zero = Tensor(0.0, dtype)
+        self.nan = Tensor(float("nan"), dtype)
+        self.visible_of = ops.Greater()
+        self.bad_to_float = ops.Cast()
+        self.count_seen = ops.BatchMatMul()
+        self.any_seen = ops.Greater()
 
     def construct(self, q, k, v, k_cache, v_cache, write_rows, context_rows, mask):
         """q: (N, heads, head_dim), k and v: (N, kv_heads, head_dim) with N = G*Q tokens;
@@ -76,6 +91,29 @@ class PagedAttention(nn.Cell):
         values = self.read_rows(ops.depend(v_cache, v_written), context_rows, 0)
         return self._attend(q, keys, values, mask)
 
+    def _finite_context(self, keys, values, mask):
+        """A prefill chunk's context, (G, kv, T, d) keys and values, with its non-finite
+        elements zeroed, and which queries see (mask 0) a position that had one: (G, Q, 1).
+
+        A chunk packs several sequences side by side, each masked from the others' positions
+        with probability exactly 0; but 0 x inf is NaN, so one sequence's overflowed K/V (a
+        float16 overflow) would turn every other sequence of the chunk into NaN. Zeroed, they
+        contribute 0; and the queries that may see them (their own sequence's) are set to NaN
+        after attending, as attending to them would have made them, so that sequence still
+        fails (LLMEngine: finish reason "error") and no other does. Decode steps need none of
+        it: each group reads only its own positions and the zero slot (model_runner.py)."""
+        groups, queries, context = mask.shape
+        bad_keys = self.logical_not(self.is_finite(keys))
+        bad_values = self.logical_not(self.is_finite(values))
+        keys = self.fill(keys, bad_keys, self.zero)
+        values = self.fill(values, bad_values, self.zero)
+        bad = self.logical_or(self.any_over(bad_keys, (1, 3)),
+                              self.any_over(bad_values, (1, 3)))  # (G, 1, T, 1)
+        visible = self.bad_to_float(self.visible_of(mask, -1.0), ms.float32)  # (G, Q, T)
+        seen = self.count_seen(visible, self.bad_to_float(bad.reshape(groups, context, 1),
+                                                          ms.float32))
+        return keys, values, self.any_seen(seen, 0.0)  # (G, Q, 1)
+
     def _attend(self, q, keys, values, mask):
         groups, queries, context = mask.shape
         d, kv = self.head_dim, self.kv_heads
@@ -85,6 +123,9 @@ class PagedAttention(nn.Cell):
         else:
             keys = self.keys_by_head(keys.reshape(groups, context, kv, d), (0, 2, 1, 3))
             values = self.keys_by_head(values.reshape(groups, context, kv, d), (0, 2, 1, 3))
+        poisoned = None
+        if queries > 1 and self.isolate_sequences:
+            keys, values, poisoned = self._finite_context(keys, values, mask)
         # Query head j uses KV head j // groups: put each KV head's queries in one row block
         # (with one query per group, as in decode, that is a reshape: no Transpose to launch).
         q = q.reshape(groups, queries, kv, self.groups, d)
@@ -103,6 +144,9 @@ class PagedAttention(nn.Cell):
             probs = self.probs_to_dtype(probs, values.dtype)
         out = self.weighted_values(probs, values)  # (G, kv, groups*Q, d)
         out = out.reshape(groups, kv, self.groups, queries, d)
+        if poisoned is not None:  # what a query saw of a non-finite K/V, it gets back
+            out = self.fill(out, self.expand(poisoned.reshape(groups, 1, 1, queries, 1),
+                                             out.shape), self.nan)
         if queries > 1:
             out = self.tokens_first(out, (0, 3, 1, 2, 4))
         return out.reshape(groups * queries, self.heads * d)

@@ -37,6 +37,12 @@ class ApiError(Exception):
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2 ** 20
 
 
+# A request the model failed on (finish reason "error": its logits were NaN or inf, e.g. a
+# float16 overflow): 500, the server's fault, not the client's (422 would send the client to
+# change a valid request in vain); the message says what the operator can do.
+MODEL_FAILURE = (500, "internal_error", "non_finite_logits")
+
+
 @dataclasses.dataclass
 class ServerConfig:
     model_names: list  # the first is reported back in responses
@@ -151,6 +157,10 @@ class Serving:
                 delta = stream.advance(out, self.tokenizer)
                 if delta.text or delta.token_ids or out.finished:
                     yield _sse(fmt.chunk(index, delta, stream.finish_reason))
+                if out.finish_reason == "error":  # its finish chunk says "error"; then why
+                    yield _sse(_error_event(out.error or "the request failed",
+                                            *MODEL_FAILURE[1:]))
+                    break  # the finally aborts the request's other prompts
             else:
                 if fmt.body.include_usage:
                     yield _sse(fmt.usage_chunk(_usage(streams)))
@@ -176,6 +186,9 @@ class Serving:
                 if isinstance(out, Exception):
                     raise ApiError(503, str(out), "service_unavailable")
                 streams[index].advance(out, self.tokenizer)
+                if out.finish_reason == "error":
+                    status, type_, code = MODEL_FAILURE
+                    raise ApiError(status, out.error or "the request failed", type_, code=code)
         finally:
             left.cancel()
             self._abort(streams)

@@ -469,6 +469,13 @@ LOG_SIGNATURES = (
      "device memory ran out: `msinfer plan` with the engine settings used shows the "
      "budget; lower --kv-cache-memory, --max-prefill-tokens or --max-num-seqs, split over "
      "more chips, and stop other processes on the chips (npu-smi info lists them)"),
+    # msinfer's own error (engine/llm_engine.py non_finite_message), on every rank.
+    ("non-finite-logits", re.compile(r"non-finite logits"),
+     "the model's logits came out NaN or inf and msinfer failed those requests (instead of "
+     "answering '!!!!', token 0): in float16 (the 300I Duo's only dtype) Qwen's activations "
+     "can overflow 65504; run float32 where the hardware has it, or bfloat16 on a device "
+     "that has it (atlas-800i-a2); otherwise check the checkpoint for NaN/inf weights "
+     "(docs/engine.md, 'Non-finite logits')"),
 )
 
 
@@ -501,7 +508,8 @@ def log_checks(directory):
                                 f"{line[:100]!r}: {meaning}"))
     if not checks:
         checks.append(Check("logs", PASS, f"{scanned} files under {directory}: no known failure "
-                                          f"signature (sdma copy, HCCL timeout, out of memory)"))
+                                          f"signature (sdma copy, HCCL timeout, out of memory, "
+                                          f"non-finite logits)"))
     return checks
 
 
