@@ -161,7 +161,7 @@ class LLM:
         outputs = [finished.get(ids[i]) if i in ids else None for i in range(len(encoded))]
         if self.replicas > 1:
             self._exchange(outputs, texts, token_lists, max(p.max_tokens for p in params))
-        failed = [out for out in outputs if out.finish_reason == "error"]
+        failed = [out for out in outputs if out is not None and out.finish_reason == "error"]
         if failed:  # on every rank alike, after the exchange (no rank is left waiting in it)
             more = f" (and {len(failed) - 1} more prompt(s))" if len(failed) > 1 else ""
             raise NonFiniteLogits(f"{failed[0].error or 'non-finite logits'}{more}", outputs)
