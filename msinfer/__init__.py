@@ -1,9 +1,10 @@
 """msinfer: sharded, compiled Qwen2 inference with MindSpore on Ascend inference cards."""
-from .errors import MsinferError, PlanRefused
+from .errors import MsinferError, NonFiniteLogits, PlanRefused
 
 __version__ = "0.2.0"
 
-__all__ = ["LLM", "SamplingParams", "MsinferError", "PlanRefused", "__version__"]
+__all__ = ["LLM", "SamplingParams", "MsinferError", "PlanRefused", "NonFiniteLogits",
+           "__version__"]
 
 
 def __getattr__(name):

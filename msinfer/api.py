@@ -14,10 +14,10 @@ import numpy as np
 from . import log
 from .config import ModelConfig, eos_token_ids
 from .engine import LLMEngine, RequestOutput
-from .engine.llm_engine import NonFiniteLogits, non_finite_message
+from .engine.llm_engine import non_finite_message
 from .engine.sampling import SamplingParams
 from .engine.tokenizer import encode_prompts
-from .errors import MsinferError
+from .errors import MsinferError, NonFiniteLogits
 from .hardware import AUTO, choose_hardware, get_profile
 from .parallel.strategy import Strategy, decide_parallel_mode, load_strategy
 from .planning.memory import EngineLimits, engine_memory

@@ -13,6 +13,17 @@ class PlanRefused(MsinferError):
     exit_code = 1
 
 
+
+class NonFiniteLogits(MsinferError):
+    """Requests whose logits came out NaN or inf (LLM.generate raises it once every prompt has
+    finished; `outputs` holds them all, the failed ones with finish_reason "error")."""
+
+    exit_code = 1
+
+    def __init__(self, message, outputs=None):
+        super().__init__(message)
+        self.outputs = outputs
+
 def positive_int(value: object, where: str) -> int:
     """`value` when it is an integer >= 1 (not a bool), else MsinferError naming `where`."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:

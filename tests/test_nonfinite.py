@@ -22,7 +22,7 @@ from msinfer.tools.tiny_model import make_tiny_model
 pytest.importorskip("mindspore")
 
 from msinfer import LLM, log  # noqa: E402
-from msinfer.api import NonFiniteLogits  # noqa: E402
+from msinfer import NonFiniteLogits  # noqa: E402
 from test_serve_protocol import MODEL, RunningServer  # noqa: E402
 
 POISON = 0

@@ -40,17 +40,6 @@ class RequestOutput:
     error: str = None  # with finish_reason "error"
 
 
-class NonFiniteLogits(MsinferError):
-    """Requests whose logits came out NaN or inf (LLM.generate raises it once every prompt has
-    finished; `outputs` holds them all, the failed ones with finish_reason "error")."""
-
-    exit_code = 1
-
-    def __init__(self, message, outputs=None):
-        super().__init__(message)
-        self.outputs = outputs
-
-
 # What a non-finite logits row means, by compute dtype; `msinfer doctor --logs` knows the
 # words "non-finite logits" (tools/doctor.py LOG_SIGNATURES).
 _FLOAT16_OVERFLOW = (
