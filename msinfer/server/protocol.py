@@ -1,14 +1,17 @@
 """The OpenAI API's request and response shapes, as pydantic models (one place for all).
 
-Requests forbid fields OpenAI does not know (OpenAI answers 400 "Unrecognized request
-argument"); vLLM's sampling extensions (`top_k`, `stop_token_ids`, `ignore_eos`) are accepted.
-Fields OpenAI has but msinfer cannot honour (n > 1, penalties, echo, tools, ...) are refused by
-`unsupported()` with the field's name, never silently ignored.
+Requests accept fields msinfer does not know, as vLLM does: they are ignored, logged and named
+in the response's `X-Msinfer-Ignored-Fields` header (`ignored_fields()`), so clients written
+for vLLM or OpenAI (guidellm, lm-eval, `vllm bench serve`, aiperf) run unmodified. Known fields
+are validated by type and range (400). Fields msinfer knows but cannot honour yet (n > 1,
+penalties, echo, tools, ...) are refused by `unsupported()` with the field's name, never
+silently ignored; a value that asks for nothing (`n: 1`, `presence_penalty: 0`,
+`repetition_penalty: 1`, `min_tokens: 0`, `echo: false`, `tools: []`, ...) is accepted.
 """
 import time
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..engine.tokenizer import prompt_list
 
@@ -19,13 +22,20 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 
 
+def _extras(model, prefix=""):
+    """The dotted names of the fields `model` (a pydantic model) was given but does not know."""
+    return [prefix + name for name in (model.model_extra or {})]
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
     include_usage: bool = False
+    # vLLM's: usage (so far) on every chunk, not only in the last one
+    continuous_usage_stats: bool = False
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
     model: str
     max_tokens: Optional[int] = Field(default=None, ge=1)
@@ -39,10 +49,32 @@ class _Request(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: Optional[float] = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
+    # vLLM's sampling extensions msinfer knows; only their neutral values are accepted so far
+    repetition_penalty: Optional[float] = Field(default=None, gt=0.0)
+    min_tokens: int = Field(default=0, ge=0)
+    min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    prompt_logprobs: Optional[int] = Field(default=None, ge=-1)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    response_format: Optional[dict] = None
+    tools: Optional[list] = None
+    tool_choice: Optional[Union[str, dict]] = None
+    parallel_tool_calls: Optional[bool] = None  # no effect without tools
+
+    @field_validator("temperature", "top_p", "top_k", "n", "stream", "ignore_eos",
+                     "stop_token_ids", "min_tokens", "include_stop_str_in_output",
+                     "skip_special_tokens", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, value, info):
+        """`null` for a field with a default means the default (as vLLM and OpenAI take it)."""
+        if value is None:
+            default = cls.model_fields[info.field_name].get_default(call_default_factory=True)
+            return default
+        return value
 
     def unsupported(self):
         """(field, why) for the first field set to something msinfer does not do, else None."""
@@ -50,12 +82,38 @@ class _Request(BaseModel):
             return "n", "only n=1 is supported"
         if self.presence_penalty or self.frequency_penalty:
             field = "presence_penalty" if self.presence_penalty else "frequency_penalty"
-            return field, "penalties are not supported"
+            return field, "penalties are not supported (only 0)"
+        if self.repetition_penalty not in (None, 1.0):
+            return "repetition_penalty", "penalties are not supported (only 1.0)"
+        if self.min_tokens:
+            return "min_tokens", "min_tokens is not supported (only 0)"
+        if self.min_p:
+            return "min_p", "min_p is not supported (only 0)"
+        if self.prompt_logprobs is not None:
+            return "prompt_logprobs", "prompt_logprobs is not supported"
         if self.logit_bias:
             return "logit_bias", "logit_bias is not supported"
+        if self.include_stop_str_in_output:
+            return "include_stop_str_in_output", "only include_stop_str_in_output=false is " \
+                                                 "supported"
+        if not self.skip_special_tokens:
+            return "skip_special_tokens", "only skip_special_tokens=true is supported"
+        if self.tools:
+            return "tools", "tool calling is not supported"
+        if self.tool_choice not in (None, "none", "auto"):
+            return "tool_choice", "tool calling is not supported (only 'none' or 'auto')"
+        if self.response_format and self.response_format.get("type") != "text":
+            return "response_format", "only response_format type 'text' is supported"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options needs stream=true"
         return None
+
+    def ignored_fields(self):
+        """The names of the fields given that msinfer does not know (and so ignores)."""
+        names = _extras(self)
+        if self.stream_options is not None:
+            names += _extras(self.stream_options, "stream_options.")
+        return names
 
     def out_of_bounds(self):
         """(field, why) for a field beyond msinfer's bounds (a 400 naming it), else None."""
@@ -79,12 +137,17 @@ class _Request(BaseModel):
     def include_usage(self):
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self):
+        """Usage on every chunk (vLLM: continuous_usage_stats, with include_usage)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
 
 class CompletionRequest(_Request):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     echo: bool = False
-    best_of: Optional[int] = None
+    best_of: Optional[int] = Field(default=None, ge=1)
     suffix: Optional[str] = None
 
     def unsupported(self):
@@ -107,7 +170,7 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
@@ -123,20 +186,19 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
-    logprobs: bool = False
+    logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
-    response_format: Optional[dict] = None
-    tools: Optional[list] = None
-    tool_choice: Optional[Union[str, dict]] = None
 
     def unsupported(self):
-        if self.tools:
-            return "tools", "tool calling is not supported"
-        if self.response_format and self.response_format.get("type") != "text":
-            return "response_format", "only response_format type 'text' is supported"
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs=true"
         return super().unsupported()
+
+    def ignored_fields(self):
+        names = super().ignored_fields()
+        for i, message in enumerate(self.messages):
+            names += _extras(message, f"messages.{i}.")
+        return names
 
     def token_budget(self):
         return self.max_completion_tokens or self.max_tokens

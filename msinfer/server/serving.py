@@ -15,7 +15,7 @@ import asyncio
 import dataclasses
 import time
 
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .. import log
 from ..engine.sampling import SamplingParams
@@ -67,7 +67,8 @@ class Serving:
 
     def check(self, body):
         """Refuse a request for another model, with a field msinfer does not do, or while the
-        loop does not take requests or its queue is full."""
+        loop does not take requests or its queue is full. Returns the response headers that
+        name the request's ignored fields (unknown ones, logged here), if any."""
         config, engine_loop = self.config, self.engine_loop
         if body.model not in config.model_names:
             raise ApiError(404, f"The model `{body.model}` does not exist.",
@@ -84,10 +85,11 @@ class Serving:
             raise ApiError(503, f"{depth} requests are waiting (--max-queue "
                            f"{config.max_queue}); retry later", "service_unavailable",
                            headers={"Retry-After": "1"})
+        return ignored_fields_headers(body.ignored_fields())
 
-    async def generate(self, fmt, prompts, params, request):
+    async def generate(self, fmt, prompts, params, request, headers=None):
         """Run `prompts` ((text or None, token ids) each) with `params`; the response of
-        `fmt`, streamed when its request asks."""
+        `fmt` (with `headers`), streamed when its request asks."""
         for text, ids in prompts:
             if not ids:
                 raise ApiError(400, "the prompt is empty: give at least one token",
@@ -125,8 +127,11 @@ class Serving:
         if fmt.body.stream:
             return StreamingResponse(self._stream(fmt, streams, outputs, request),
                                      media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        return await self._collect(fmt, streams, outputs, request)
+                                     headers={"Cache-Control": "no-cache", **(headers or {})})
+        response = await self._collect(fmt, streams, outputs, request)
+        if isinstance(response, Response):
+            return response
+        return JSONResponse(response.model_dump(mode="json"), headers=headers)
 
     def _abort(self, streams):
         for stream in streams:
@@ -141,8 +146,15 @@ class Serving:
         # not always fail, and the request would run to its end.
         left = asyncio.ensure_future(_client_left(request))
         try:
+            # vLLM's continuous_usage_stats: every chunk says the usage so far
+            continuous = fmt.body.continuous_usage
+
+            def event(chunk):
+                if continuous:
+                    chunk.usage = _usage(streams)
+                return _sse(chunk)
             for chunk in fmt.opening_chunks(len(streams)):
-                yield _sse(chunk)
+                yield event(chunk)
             while not all(s.finished for s in streams):
                 got = asyncio.ensure_future(outputs.get())
                 await asyncio.wait({got, left}, return_when=asyncio.FIRST_COMPLETED)
@@ -156,7 +168,7 @@ class Serving:
                 stream = streams[index]
                 delta = stream.advance(out, self.tokenizer)
                 if delta.text or delta.token_ids or out.finished:
-                    yield _sse(fmt.chunk(index, delta, stream.finish_reason))
+                    yield event(fmt.chunk(index, delta, stream.finish_reason))
                 if out.finish_reason == "error":  # its finish chunk says "error"; then why
                     yield _sse(_error_event(out.error or "the request failed",
                                             *MODEL_FAILURE[1:]))
@@ -193,6 +205,22 @@ class Serving:
             left.cancel()
             self._abort(streams)
         return fmt.response(streams, _usage(streams))
+
+
+IGNORED_FIELDS_HEADER = "X-Msinfer-Ignored-Fields"
+
+
+def ignored_fields_headers(names):
+    """The header naming a request's ignored fields ({} for none), logged as vLLM logs them."""
+    if not names:
+        return {}
+    # A field name is any JSON string: only printable ASCII goes into the log line and the
+    # header, the rest escaped; both are cut at 1 KiB.
+    value = ",".join("".join(c if " " <= c <= "~" else ascii(c)[1:-1] for c in name)
+                     for name in names)[:1024]
+    log.get().warning("The following fields were present in the request but ignored: %s",
+                      value)
+    return {IGNORED_FIELDS_HEADER: value}
 
 
 def sampling_params(body, max_tokens, logprobs):

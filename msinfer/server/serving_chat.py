@@ -15,14 +15,14 @@ class ServingChat:
         """The response to a ChatCompletionRequest: JSON, or server-sent events when streamed.
         Without max_tokens, the answer may fill the rest of the context."""
         serving = self.serving
-        serving.check(body)
+        headers = serving.check(body)
         text = tokenize(serving.tokenizer.apply_chat_template,
                         [m.as_template_message() for m in body.messages])
         ids = tokenize(serving.tokenizer.encode, text)
         max_tokens = body.token_budget() or max(1, serving.config.max_model_len - len(ids))
         fmt = ChatFormat(body, serving.model_name, serving.tokenizer)
         params = sampling_params(body, max_tokens, body.logprobs_count())
-        return await serving.generate(fmt, [(text, ids)], params, request)
+        return await serving.generate(fmt, [(text, ids)], params, request, headers)
 
 
 class ChatFormat:

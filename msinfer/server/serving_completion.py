@@ -15,12 +15,12 @@ class ServingCompletion:
     async def create(self, body, request):
         """The response to a CompletionRequest: JSON, or server-sent events when streamed."""
         serving = self.serving
-        serving.check(body)
+        headers = serving.check(body)
         prompts = encode_prompts(body.prompts(),
                                  lambda text: tokenize(serving.tokenizer.encode, text))
         fmt = CompletionsFormat(body, serving.model_name, serving.tokenizer)
         params = sampling_params(body, body.max_tokens or 16, body.logprobs)
-        return await serving.generate(fmt, prompts, params, request)
+        return await serving.generate(fmt, prompts, params, request, headers)
 
 
 class CompletionsFormat:

@@ -1,0 +1,162 @@
+"""What clients written for vLLM and OpenAI send and read, over the fake engine
+(tests/fake_engine.py), in seconds: unknown fields ignored with a warning, the neutral values
+of fields msinfer does not do yet, chat's content parts and usage chunks, the tokenizer
+endpoints, /version and /v1/models, and every response's `object`."""
+import json
+import logging
+
+import httpx2 as httpx
+import openai
+import pytest
+
+from msinfer.server.serving import IGNORED_FIELDS_HEADER
+
+from test_serve_protocol import MODEL, RunningServer, expected_text, raw
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = RunningServer()
+    yield s
+    s.stop()
+
+
+def sse_events(response):
+    return [json.loads(line[6:]) for line in response.text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_unknown_fields_are_ignored_and_named_in_a_header_and_the_log(server, caplog):
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 3, "frobnicate": 1,
+            "chat_template_kwargs": {"x": 1}}
+    with caplog.at_level(logging.WARNING):
+        response = raw(server, "/v1/completions", body)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == expected_text("Hi", 3)
+    assert response.headers[IGNORED_FIELDS_HEADER] == "frobnicate,chat_template_kwargs"
+    assert "present in the request but ignored: frobnicate, " not in caplog.text
+    assert "present in the request but ignored: frobnicate,chat_template_kwargs" in caplog.text
+
+
+def test_a_request_without_unknown_fields_has_no_header(server):
+    response = raw(server, "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 1})
+    assert response.status_code == 200 and IGNORED_FIELDS_HEADER not in response.headers
+
+
+def test_unknown_fields_of_a_stream_and_of_messages_are_named_too(server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x", "weird": 1}],
+            "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True,
+                                                                "shiny": True}}
+    response = raw(server, "/v1/chat/completions", body)
+    assert response.status_code == 200
+    assert response.headers[IGNORED_FIELDS_HEADER] == "stream_options.shiny,messages.0.weird"
+
+
+def test_a_field_name_that_is_not_printable_ascii_is_escaped():
+    from msinfer.server.serving import ignored_fields_headers
+    header = ignored_fields_headers(["a\r\nb", "ü"])[IGNORED_FIELDS_HEADER]
+    assert header == "a\\r\\nb,\\xfc"
+
+
+@pytest.mark.parametrize("extra", [
+    {"stop": None}, {"n": 1}, {"n": None}, {"best_of": 1}, {"echo": False},
+    {"logprobs": None}, {"temperature": None}, {"top_p": None}, {"seed": None},
+    {"repetition_penalty": 1.0}, {"presence_penalty": 0}, {"frequency_penalty": 0.0},
+    {"min_tokens": 0}, {"min_p": 0}, {"logit_bias": {}}, {"logit_bias": None},
+    {"suffix": None}, {"parallel_tool_calls": True}, {"tools": []}, {"tool_choice": "none"},
+    {"response_format": {"type": "text"}}, {"include_stop_str_in_output": False},
+    {"skip_special_tokens": True}, {"ignore_eos": None}, {"stop_token_ids": None},
+    {"user": "me"},
+])
+def test_neutral_values_of_fields_msinfer_does_not_do_yet_are_accepted(server, extra):
+    response = raw(server, "/v1/completions",
+                   {"model": MODEL, "prompt": "Hi", "max_tokens": 2, **extra})
+    assert response.status_code == 200, response.text
+    assert IGNORED_FIELDS_HEADER not in response.headers
+    assert response.json()["choices"][0]["text"] == expected_text("Hi", 2)
+
+
+@pytest.mark.parametrize("extra, field", [
+    ({"n": 2}, "n"), ({"best_of": 3}, "best_of"), ({"echo": True}, "echo"),
+    ({"suffix": "end"}, "suffix"), ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"frequency_penalty": -1}, "frequency_penalty"),
+    ({"repetition_penalty": 1.1}, "repetition_penalty"), ({"min_tokens": 2}, "min_tokens"),
+    ({"min_p": 0.1}, "min_p"), ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"logit_bias": {"5": 1}}, "logit_bias"), ({"tools": [{"type": "function"}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ({"skip_special_tokens": False}, "skip_special_tokens"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+    ({"repetition_penalty": 0}, "repetition_penalty"),  # out of range
+    ({"min_p": 2}, "min_p"), ({"presence_penalty": 3}, "presence_penalty"),
+    ({"temperature": "hot"}, "temperature"),  # known fields keep their types
+])
+def test_fields_msinfer_does_not_do_get_a_400_naming_them(server, extra, field):
+    response = raw(server, "/v1/completions", {"model": MODEL, "prompt": "Hi", **extra})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and field in error["message"]
+
+
+def test_chat_refuses_tools_and_a_json_response_format_by_name(server):
+    for extra, field in (({"tools": [{"type": "function", "function": {"name": "f"}}]},
+                          "tools"),
+                         ({"response_format": {"type": "json_schema"}}, "response_format")):
+        response = raw(server, "/v1/chat/completions", {
+            "model": MODEL, "messages": [{"role": "user", "content": "x"}], **extra})
+        assert response.status_code == 400 and response.json()["error"]["param"] == field
+
+
+def test_guidellm_requests_work(server):
+    """guidellm's streamed chat and completions requests: stop null, continuous usage."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chat = raw(server, "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": [{"type": "text",
+                                                                   "text": "Hello"}]}],
+        "max_tokens": 5, "stop": None, "ignore_eos": True, "stream": True,
+        "stream_options": options})
+    assert chat.status_code == 200 and IGNORED_FIELDS_HEADER not in chat.headers
+    events = sse_events(chat)
+    prompt = len("<user>Hello\n<assistant>")
+    # every chunk carries the usage so far; the last has no choices and the whole usage
+    assert all(e["usage"]["prompt_tokens"] == prompt for e in events)
+    assert [e["usage"]["completion_tokens"] for e in events] == [0, 1, 2, 3, 4, 5, 5]
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["total_tokens"] == prompt + 5
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    completion = raw(server, "/v1/completions", {
+        "model": MODEL, "prompt": "Hello", "max_tokens": 4, "stop": None, "stream": True,
+        "stream_options": options})
+    events = sse_events(completion)
+    assert [e["usage"]["completion_tokens"] for e in events] == [1, 2, 3, 4, 4]
+    assert all(e["object"] == "text_completion" for e in events)
+
+
+def test_without_continuous_usage_only_the_last_chunk_has_usage(server):
+    response = raw(server, "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+        "stream": True, "stream_options": {"include_usage": True}})
+    events = sse_events(response)
+    assert [e["usage"] is not None for e in events] == [False] * (len(events) - 1) + [True]
+    assert events[-1]["choices"] == []
+
+
+def test_vllm_bench_serve_chat_request_with_the_sdk(server):
+    """`vllm bench serve --backend openai-chat`: content parts, max_completion_tokens, usage
+    from the chunk without choices."""
+    chunks = list(server.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": [{"type": "text", "text": "He"},
+                                                            {"type": "text", "text": "llo"}]}],
+        max_completion_tokens=6, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected_text("<user>Hello\n<assistant>", 6)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+
+
+def test_vllm_bench_serve_completions_request(server):
+    response = raw(server, "/v1/completions", {
+        "model": MODEL, "prompt": "Hi", "repetition_penalty": 1.0, "max_tokens": 3,
+        "logprobs": None, "stream": True, "stream_options": {"include_usage": True},
+        "ignore_eos": True})
+    events = sse_events(response)
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3
