@@ -30,14 +30,18 @@ class ByteTokenizer:
     def encode(self, text):
         return list(text.encode())
 
-    def decode(self, ids):
+    special_tokens = {"eos_token": "<eos>"}
+    chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+
+    def decode(self, ids, skip_special_tokens=True):
         return bytes(i for i in ids if i < 256).decode(errors="replace")
 
-    def apply_chat_template(self, messages):
+    def apply_chat_template(self, messages, add_generation_prompt=True):
         roles = [m["role"] for m in messages]
         if any(a == b for a, b in zip(roles, roles[1:])):  # as many templates' raise_exception
             raise MsinferError("chat_template: roles must alternate")
-        return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
+        return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + (
+            "<assistant>" if add_generation_prompt else "")
 
 
 class _Request:

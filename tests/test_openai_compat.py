@@ -160,3 +160,88 @@ def test_vllm_bench_serve_completions_request(server):
         "ignore_eos": True})
     events = sse_events(response)
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_tokenize_a_prompt_and_chat_messages_as_vllm(server):
+    out = raw(server, "/tokenize", {"prompt": "Hé", "add_special_tokens": False}).json()
+    assert out == {"count": 3, "max_model_len": server.engine.max_model_len,
+                   "tokens": list("Hé".encode()), "token_strs": None}
+    chat = raw(server, "/tokenize", {"model": MODEL, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "x"}]}]}).json()
+    assert chat["tokens"] == list(b"<user>x\n<assistant>")
+    bare = raw(server, "/tokenize", {"messages": [{"role": "user", "content": "x"}],
+                                     "add_generation_prompt": False}).json()
+    assert bare["tokens"] == list(b"<user>x\n")
+    # the ids /tokenize gives are the ids the completions count
+    usage = server.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1).usage
+    assert usage.prompt_tokens == chat["count"]
+
+
+def test_detokenize_gives_the_text_of_the_tokens(server):
+    assert raw(server, "/detokenize", {"tokens": list("wörld".encode())}).json() == {
+        "prompt": "wörld"}
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/tokenize", {"prompt": "x", "model": "other"}, 404, "model"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("/tokenize", {}, 400, "prompt"),
+    ("/tokenize", {"prompt": "x", "return_token_strs": True}, 400, "return_token_strs"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}],
+                   "continue_final_message": True}, 400, "continue_final_message"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}] * 2}, 400, None),
+    ("/detokenize", {"tokens": [1, 300]}, 400, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+    ("/detokenize", "{not json", 400, None),
+])
+def test_tokenizer_endpoints_refuse_bad_requests_with_an_openai_error(server, path, body,
+                                                                      status, param):
+    response = raw(server, path, body)
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_tokenizer_info_has_what_lm_eval_reads(server):
+    info = raw(server, "/tokenizer_info", method="GET").json()
+    assert info["eos_token"] == "<eos>" and info["bos_token"] is None
+    assert "pad_token" in info and info["chat_template"].startswith("{% for")
+    assert info["model_max_length"] == server.engine.max_model_len
+
+
+def test_version_and_models_as_vllm_gives_them(server):
+    import msinfer
+    assert raw(server, "/version", method="GET").json() == {"version": msinfer.__version__}
+    models = raw(server, "/v1/models", method="GET").json()
+    assert models["object"] == "list"
+    assert models["data"][0]["object"] == "model" and models["data"][0]["id"] == MODEL
+    assert models["data"][0]["root"] == "/models/fake"
+    assert models["data"][0]["max_model_len"] == server.engine.max_model_len
+    assert server.client().models.list().data[0].root == "/models/fake"
+
+
+def test_every_response_object_has_its_object_field(server):
+    completion = raw(server, "/v1/completions", {"model": MODEL, "prompt": "a",
+                                                 "max_tokens": 1}).json()
+    chat = raw(server, "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "a"}], "max_tokens": 1}).json()
+    assert (completion["object"], chat["object"]) == ("text_completion", "chat.completion")
+    stream = raw(server, "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "a"}], "max_tokens": 2,
+        "stream": True, "stream_options": {"include_usage": True}})
+    assert {e["object"] for e in sse_events(stream)} == {"chat.completion.chunk"}
+    error = raw(server, "/v1/completions", {"model": MODEL, "prompt": "a", "n": 3}).json()
+    assert set(error) == {"error"}  # OpenAI's error body: no object field
+
+
+def test_the_tokenizer_endpoints_ask_for_the_api_key_and_version_does_not():
+    s = RunningServer(api_key="sekret")
+    try:
+        for path in ("/tokenize", "/detokenize"):
+            assert raw(s, path, {"prompt": "x", "tokens": [1]}).status_code == 401
+        assert raw(s, "/tokenizer_info", method="GET").status_code == 401
+        assert raw(s, "/tokenize", {"prompt": "x"},
+                   headers={"Authorization": "Bearer sekret"}).status_code == 200
+        assert raw(s, "/version", method="GET").status_code == 200
+    finally:
+        s.stop()

@@ -34,7 +34,8 @@ class RunningServer:
         self.loop = EngineLoop(self.engine, Leader([]), self.metrics)
         config = ServerConfig(model_names=[MODEL], max_model_len=self.engine.max_model_len,
                               api_key=api_key, max_queue=max_queue,
-                              max_request_bytes=max_request_bytes or DEFAULT_MAX_REQUEST_BYTES)
+                              max_request_bytes=max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
+                              root="/models/fake", vocab_size=self.engine.vocab_size)
         app = build_app(self.loop, self.llm.tokenizer, config, self.metrics)
         listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{listener.getsockname()[1]}"

@@ -83,7 +83,9 @@ def _lead(llm, channel, options):
     config = ServerConfig(model_names=names, max_model_len=llm.engine.max_model_len,
                           api_key=options.api_key, max_queue=options.max_queue,
                           max_request_bytes=options.max_request_bytes
-                          or DEFAULT_MAX_REQUEST_BYTES)
+                          or DEFAULT_MAX_REQUEST_BYTES,
+                          root=getattr(llm, "model_dir", None),
+                          vocab_size=getattr(getattr(llm, "config", None), "vocab_size", None))
     app = build_app(loop, llm.tokenizer, config, metrics)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=5))

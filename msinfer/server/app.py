@@ -1,10 +1,11 @@
-"""The HTTP routes of `msinfer serve`: OpenAI's completions, chat, models; health; metrics.
+"""The HTTP routes of `msinfer serve`: OpenAI's completions, chat, models; vLLM's tokenize,
+detokenize, tokenizer_info and version; health; metrics.
 
 Routes only route: completions and chat go to their serving classes (serving_completion.py,
 serving_chat.py, over the shared serving.py), which turn a request into token ids and
 SamplingParams, run it on the engine loop and return a JSON response or server-sent events.
 Every error is an OpenAI-shaped `{"error": {...}}` with a 4xx/5xx status; tracebacks stay in
-the server's log. /v1 asks for the API key when the server has one.
+the server's log. /v1 and the tokenizer endpoints ask for the API key when the server has one.
 """
 import json
 import secrets
@@ -15,11 +16,16 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .. import log
+from .. import __version__, log
 from . import protocol as p
 from .serving import ApiError, Serving
 from .serving_chat import ServingChat
 from .serving_completion import ServingCompletion
+from .serving_tokenize import ServingTokenize
+
+# Paths behind the API key (when the server has one): the OpenAI API and what reads the
+# tokenizer (a chat template may be private); /health, /metrics and /version stay open.
+_KEYED_PATHS = ("/v1", "/tokenize", "/detokenize", "/tokenizer_info")
 
 
 def build_app(engine_loop, tokenizer, config, metrics):
@@ -27,6 +33,7 @@ def build_app(engine_loop, tokenizer, config, metrics):
     app = FastAPI(title="msinfer", docs_url=None, redoc_url=None, openapi_url=None)
     serving = Serving(engine_loop, tokenizer, config, metrics)
     completion, chat = ServingCompletion(serving), ServingChat(serving)
+    tokens = ServingTokenize(serving)
     _add_error_handlers(app, metrics)
     _add_api_key_check(app, config, metrics)
     # Added last, so the outermost: a body beyond the limit is refused before anything reads it.
@@ -46,8 +53,28 @@ def build_app(engine_loop, tokenizer, config, metrics):
 
     @app.get("/v1/models")
     async def models():
-        return p.ModelList(data=[p.ModelCard(id=name, max_model_len=config.max_model_len)
+        root = config.root or config.model_names[0]
+        return p.ModelList(data=[p.ModelCard(id=name, root=root,
+                                             max_model_len=config.max_model_len)
                                  for name in config.model_names])
+
+    @app.get("/version")
+    async def version():
+        return p.VersionResponse(version=__version__)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body, headers = await tokens.tokenize(request)
+        return JSONResponse(body.model_dump(mode="json"), headers=headers)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body, headers = await tokens.detokenize(request)
+        return JSONResponse(body.model_dump(mode="json"), headers=headers)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return tokens.tokenizer_info()
 
     @app.post("/v1/completions")
     async def completions(body: p.CompletionRequest, request: Request):
@@ -111,7 +138,7 @@ def _validation_message(errors):
 def _add_api_key_check(app, config, metrics):
     @app.middleware("http")
     async def check_api_key(request, call_next):
-        if config.api_key and request.url.path.startswith("/v1"):
+        if config.api_key and request.url.path.startswith(_KEYED_PATHS):
             # compared in constant time: how long a refusal takes tells nothing of the key
             if not secrets.compare_digest(_bytes(request.headers.get("authorization", "")),
                                           _bytes(f"Bearer {config.api_key}")):

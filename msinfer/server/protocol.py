@@ -308,9 +308,85 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "msinfer"
+    root: str  # the checkpoint served (vLLM: the model path; `vllm bench serve` reads it)
+    parent: Optional[str] = None
     max_model_len: int
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ---- vLLM's tokenizer endpoints (/tokenize, /detokenize, /tokenizer_info) and /version ----
+
+class TokenizeCompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: Optional[str] = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: Optional[bool] = False
+
+    def unsupported(self):
+        if self.return_token_strs:
+            return "return_token_strs", "return_token_strs is not supported"
+        return None
+
+    def ignored_fields(self):
+        return _extras(self)
+
+
+class TokenizeChatRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: Optional[str] = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: Optional[bool] = False
+    chat_template: Optional[str] = None
+    tools: Optional[list] = None
+
+    def unsupported(self):
+        if self.return_token_strs:
+            return "return_token_strs", "return_token_strs is not supported"
+        if self.continue_final_message:
+            return "continue_final_message", "continue_final_message is not supported"
+        if self.chat_template is not None:
+            return "chat_template", "only the model's own chat template is used"
+        if self.tools:
+            return "tools", "tool calling is not supported"
+        return None
+
+    def ignored_fields(self):
+        names = _extras(self)
+        for i, message in enumerate(self.messages):
+            names += _extras(message, f"messages.{i}.")
+        return names
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: Optional[list[str]] = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: Optional[str] = None
+    tokens: list[int]
+
+    def unsupported(self):
+        return None
+
+    def ignored_fields(self):
+        return _extras(self)
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str

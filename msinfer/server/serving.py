@@ -50,6 +50,8 @@ class ServerConfig:
     api_key: str = None
     max_queue: int = 1024
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    root: str = None  # the checkpoint served (/v1/models' `root`); None: the first name
+    vocab_size: int = None  # token ids /detokenize takes; None: any
 
 
 class Serving:
