@@ -245,3 +245,56 @@ def test_the_tokenizer_endpoints_ask_for_the_api_key_and_version_does_not():
         assert raw(s, "/version", method="GET").status_code == 200
     finally:
         s.stop()
+
+
+def test_metrics_carry_vllms_names_labels_and_buckets(server):
+    server.client().completions.create(model=MODEL, prompt="met", max_tokens=4)
+    server.client().completions.create(model=MODEL, prompt="met", max_tokens=4, stop=[
+        expected_text("met", 4)[1]])
+    text = raw(server, "/metrics", method="GET").text
+    lines = text.splitlines()
+    labels = f'engine="0",model_name="{MODEL}"'
+
+    def value(series):
+        return float(next(line for line in lines if line.startswith(series + " ")).split()[-1])
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:prompt_tokens_total",
+                 "vllm:generation_tokens_total", "vllm:num_preemptions_total"):
+        value(f"{name}{{{labels}}}")
+    for reason in ("length", "stop"):
+        assert value(f'vllm:request_success_total{{engine="0",finished_reason="{reason}",'
+                     f'model_name="{MODEL}"}}') >= 1
+    assert 0 <= value(f"vllm:kv_cache_usage_perc{{{labels}}}") <= 1
+    # vLLM's buckets (vllm/v1/metrics/loggers.py)
+    for name, first, last in (("vllm:time_to_first_token_seconds", "0.001", "2560.0"),
+                              ("vllm:inter_token_latency_seconds", "0.01", "80.0"),
+                              ("vllm:e2e_request_latency_seconds", "0.3", "7680.0")):
+        buckets = [line.split('le="')[1].split('"')[0] for line in lines
+                   if line.startswith(name + "_bucket{")]
+        assert buckets[0] == first and buckets[-2] == last and buckets[-1] == "+Inf", name
+    assert 'vllm:request_prompt_tokens_bucket{engine="0",le="50.0"' in text  # 1-2-5 to 96
+    assert 'le="100.0"' not in text.split("vllm:request_prompt_tokens_bucket")[-2]
+    assert "msinfer_time_to_first_token" not in text  # one name per series
+
+
+def test_build_1_2_5_buckets_as_vllm():
+    from msinfer.server.metrics import build_1_2_5_buckets
+    assert build_1_2_5_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
+    assert build_1_2_5_buckets(4096)[-1] == 2000
+
+
+def test_the_grafana_dashboard_reads_only_series_the_server_exports(server):
+    import pathlib
+    import re
+    path = pathlib.Path(__file__).parent.parent / "docs" / "grafana-msinfer.json"
+    dashboard = json.loads(path.read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    names = {re.sub(r"_bucket$", "", n)
+             for e in exprs for n in re.findall(r"(?:vllm:|msinfer_)[a-z0-9_]+", e)}
+    server.client().completions.create(model=MODEL, prompt="g", max_tokens=2)
+    raw(server, "/v1/completions", {"model": MODEL, "prompt": "g", "n": 2})  # one refused
+    exported = {line.split("{")[0].split(" ")[0]
+                for line in raw(server, "/metrics", method="GET").text.splitlines()
+                if line and not line.startswith("#")}
+    exported |= {n.removesuffix("_bucket") for n in exported}
+    assert len(names) >= 12 and names <= exported, names - exported

@@ -178,13 +178,13 @@ def test_a_client_leaving_mid_stream_frees_its_blocks(server):
                 pass
     deadline = time.monotonic() + 30
     while server.metric("msinfer_kv_blocks_used") or server.metric(
-            "msinfer_num_requests_running"):
+            "vllm:num_requests_running"):
         assert time.monotonic() < deadline, "blocks still in use after the client left"
         time.sleep(0.2)
-    assert server.metric("msinfer_request_success_total") >= 1
+    assert server.metric("vllm:request_success_total") >= 1
     assert server.metric("msinfer_kv_blocks_total") > 0
-    assert server.metric("msinfer_generation_tokens_total") > 0
-    assert server.metric("msinfer_time_to_first_token_seconds_count") > 0
+    assert server.metric("vllm:generation_tokens_total") > 0
+    assert server.metric("vllm:time_to_first_token_seconds_count") > 0
 
 
 def test_sigterm_refuses_new_work_finishes_in_flight_and_exits_0(model_dir, tmp_path):

@@ -30,7 +30,8 @@ class RunningServer:
         """llm: an LLM (or what has its engine and tokenizer) to serve; default the fake."""
         self.llm = llm or fake_llm(**engine_options)
         self.engine = self.llm.engine
-        self.metrics = ServerMetrics(MODEL, self.engine.stats())
+        self.metrics = ServerMetrics(MODEL, self.engine.stats(),
+                                     max_model_len=self.engine.max_model_len)
         self.loop = EngineLoop(self.engine, Leader([]), self.metrics)
         config = ServerConfig(model_names=[MODEL], max_model_len=self.engine.max_model_len,
                               api_key=api_key, max_queue=max_queue,
@@ -238,15 +239,23 @@ def metric(server, name):
 
 
 def test_metrics_count_tokens_and_latencies(server):
-    before = metric(server, "msinfer_generation_tokens_total")
+    before = metric(server, "vllm:generation_tokens_total")
+    gaps = metric(server, "vllm:inter_token_latency_seconds_count")
     server.client().completions.create(model=MODEL, prompt="m", max_tokens=6)
-    assert metric(server, "msinfer_generation_tokens_total") == before + 6
-    assert metric(server, "msinfer_time_to_first_token_seconds_count") >= 1
+    assert metric(server, "vllm:generation_tokens_total") == before + 6
+    assert metric(server, "vllm:inter_token_latency_seconds_count") == gaps + 5
+    assert metric(server, "vllm:time_to_first_token_seconds_count") >= 1
     assert metric(server, "msinfer_kv_blocks_total") == server.engine.num_blocks
-    for name in ("msinfer_num_requests_running", "msinfer_num_requests_waiting",
-                 "msinfer_kv_blocks_used", "msinfer_prompt_tokens_total",
-                 "msinfer_num_preemptions_total", "msinfer_e2e_request_latency_seconds_count",
-                 "msinfer_time_per_output_token_seconds_count", "msinfer_handoff_seconds_count"):
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "msinfer_kv_blocks_used",
+                 "vllm:prompt_tokens_total", "vllm:num_preemptions_total",
+                 "vllm:e2e_request_latency_seconds_count",
+                 "vllm:time_per_output_token_seconds_count",
+                 "vllm:request_time_per_output_token_seconds_count",
+                 "vllm:request_prompt_tokens_count", "vllm:request_generation_tokens_count",
+                 "vllm:request_params_max_tokens_count", "vllm:iteration_tokens_total_count",
+                 "vllm:request_success_total", "msinfer_handoff_seconds_count",
+                 "msinfer_engine_step_seconds_count"):
         metric(server, name)
 
 
@@ -268,7 +277,7 @@ def test_a_client_that_leaves_mid_stream_aborts_its_request_and_frees_blocks():
                 assert metric(s, "msinfer_kv_blocks_used") > 0
         wait_for(lambda: len(s.engine.aborted_ids) == 1)
         wait_for(lambda: metric(s, "msinfer_kv_blocks_used") == 0)
-        assert metric(s, "msinfer_num_requests_running") == 0
+        assert metric(s, "vllm:num_requests_running") == 0
     finally:
         s.stop()
 

@@ -78,7 +78,8 @@ def _lead(llm, channel, options):
     except OSError as e:
         raise MsinferError(f"cannot listen on {options.host}:{options.port}: "
                            f"{e.strerror}") from None
-    metrics = ServerMetrics(names[0], llm.engine.stats())
+    metrics = ServerMetrics(names[0], llm.engine.stats(),
+                            max_model_len=llm.engine.max_model_len)
     loop = EngineLoop(llm.engine, channel, metrics)
     config = ServerConfig(model_names=names, max_model_len=llm.engine.max_model_len,
                           api_key=options.api_key, max_queue=options.max_queue,

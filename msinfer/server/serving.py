@@ -293,7 +293,7 @@ class RequestStream:
         self.params = params
         self.arrival = arrival
         self.metrics = metrics
-        self.first_token = None
+        self.first_token = self.last_token = None
         self.token_ids = []
         self.logprobs = []
         self.text = ""  # final text once finished; what may be sent so far before
@@ -306,8 +306,12 @@ class RequestStream:
         now = time.monotonic()
         new_ids = out.token_ids[len(self.token_ids):]
         new_logprobs = (out.logprobs or [])[len(self.logprobs):]
-        if new_ids and self.first_token is None:
-            self.first_token = now
+        if new_ids:
+            if self.first_token is None:
+                self.first_token = now
+            else:
+                self.metrics.observe_token_gap((now - self.last_token) / len(new_ids))
+            self.last_token = now
         self.token_ids = list(out.token_ids)
         self.logprobs = list(out.logprobs or [])
         text = out.text
@@ -317,7 +321,9 @@ class RequestStream:
         if out.finished:
             self.finish_reason = out.finish_reason
             self.metrics.observe_request(self.arrival, self.first_token, now,
-                                         len(self.token_ids), out.finish_reason)
+                                         len(self.token_ids), out.finish_reason,
+                                         prompt_tokens=len(self.prompt_token_ids),
+                                         max_tokens=self.params.max_tokens)
         delta = text[self.sent:]
         self.text, self.sent = text, max(self.sent, len(text))
         return Delta(delta, new_ids, new_logprobs)
