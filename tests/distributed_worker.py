@@ -2,8 +2,11 @@
 msrun). Runs greedy generation on a batch of prompts, records the logits of the prefill and
 the first decode steps, and writes them with this rank's memory figures to OUT/rank_R.npz.
 
-Test hooks: MSINFER_TEST_KILL_RANK=r makes rank r SIGKILL itself after loading;
-MSINFER_TEST_FAIL_RANK=r makes rank r raise a user error (as a bad file would) after init;
+Test hooks, once every rank has written its results (so that one job checks both the results
+and the failure): MSINFER_TEST_KILL_RANK=r makes rank r SIGKILL itself, MSINFER_TEST_FAIL_RANK=r
+makes rank r fail with a user error (its message, exit code 2), each writing the time to
+OUT/down_at first; the other ranks meanwhile wait in a collective that the lost rank never
+joins, so only the launcher can end them (OUT/rank_R.survived if one ever returns).
 --weight-first computes every MLP and lm_head product as (W @ x.T).T, whatever this
 processor's forms (hardware.cpu_matmul_forms), so that the sharded lm_head's transposed
 gather runs.
@@ -14,6 +17,7 @@ import os
 import resource
 import signal
 import sys
+import time
 
 import numpy as np
 
@@ -50,15 +54,11 @@ def main():
     try:
         llm = LLM(args.model, strategy=args.strategy, max_len=128, block_size=4,
                   max_prefill_tokens=16, kv_cache_memory=1 << 20)
-        rank = llm.dist.rank
-        if os.environ.get("MSINFER_TEST_FAIL_RANK") == str(rank):
-            raise MsinferError(f"rank {rank}: injected failure (test hook)")
     except MsinferError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    rank = llm.dist.rank
     after_load = rss_bytes()
-    if os.environ.get("MSINFER_TEST_KILL_RANK") == str(rank):
-        os.kill(os.getpid(), signal.SIGKILL)
 
     prompts = json.loads(args.prompts)
     vocab = llm.config.vocab_size
@@ -81,7 +81,34 @@ def main():
              rss_baseline=baseline, rss_after_load=after_load,
              peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
              param_bytes=param_bytes, kv_bytes=kv_bytes)
+    try:
+        lose_a_rank(args.out, rank)
+    except MsinferError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     return 0
+
+
+def lose_a_rank(out_dir, rank):
+    """The test hooks: after a collective that every rank enters once its results are written,
+    one rank dies or fails and the others wait for it in another collective."""
+    from msinfer import MsinferError
+    from msinfer.parallel.distributed import all_gather_rows
+
+    kill = os.environ.get("MSINFER_TEST_KILL_RANK")
+    fail = os.environ.get("MSINFER_TEST_FAIL_RANK")
+    if kill is None and fail is None:
+        return
+    all_gather_rows(np.zeros((1, 1), np.float32))  # every rank's results are on disk
+    if str(rank) in (kill, fail):
+        with open(os.path.join(out_dir, "down_at"), "w") as f:
+            f.write(repr(time.time()))
+        if str(rank) == kill:
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise MsinferError(f"rank {rank}: injected failure (test hook)")
+    print(f"rank {rank}: waiting in a collective for the lost rank", flush=True)
+    all_gather_rows(np.zeros((1, 1), np.float32))  # never completes: one rank is gone
+    open(os.path.join(out_dir, f"rank_{rank}.survived"), "w").close()
 
 
 if __name__ == "__main__":

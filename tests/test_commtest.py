@@ -138,6 +138,7 @@ def launch(*rank_args, strategy=DP2_TP2):
             "--timeout", str(JOB_TIMEOUT - 20), "--", "commtest", *rank_args]
 
 
+@pytest.mark.multirank
 def test_four_cpu_ranks_measure_world_tensor_groups_and_pairs_correctly(tmp_path):
     saved = tmp_path / "commtest.json"
     code, out, err = run_job(launch(*SMALL, "--pairs", "--model", "qwen2-0.5b",
@@ -180,6 +181,7 @@ def test_four_cpu_ranks_measure_world_tensor_groups_and_pairs_correctly(tmp_path
     assert format_report(report) == out.strip()  # the table is the JSON, formatted
 
 
+@pytest.mark.multirank
 def test_a_rank_with_a_wrong_contribution_fails_the_checks_and_the_job(tmp_path):
     code, out, err = run_job(launch("--max-bytes", "64", "--factor", "8", "--iters", "2",
                                     "--warmup", "1", "--json", strategy=TP4),

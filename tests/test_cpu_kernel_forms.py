@@ -20,17 +20,18 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_hf_parity import ENGINE, assert_matches_hf, greedy, prompts_for  # noqa: E402
+from test_hf_parity import (ENGINE, assert_matches_hf, case_spec, greedy,  # noqa: E402
+                            prompts_for)
 
 from msinfer import LLM  # noqa: E402
 from msinfer.tools.layouts import ELEMENTWISE, STAGE, parse_ir  # noqa: E402
-from msinfer.tools.tiny_model import make_tiny_model  # noqa: E402
 
 CONTEXT = 128  # a context bucket no other axis of these graphs has
+GQA = case_spec("gqa_untied_config4")  # 8 query heads over 2 KV heads, as test_hf_parity's
 
 
 @pytest.fixture(scope="module")
-def expanded(tmp_path_factory):
+def expanded(tmp_path_factory, tiny_checkpoint, hf_model):
     """An engine whose every elementwise operand is expanded, its compiled calls by kind, and
     transformers on the same checkpoint."""
     from msinfer import hardware
@@ -41,14 +42,11 @@ def expanded(tmp_path_factory):
     # Products as x @ W at these sizes, so that the only Transposes are attention's.
     patch.setattr("msinfer.layers.cpu_forms.cpu_matmul_forms",
                   lambda: hardware.CpuMatmulForms(in_out=True))
-    model_dir = str(tmp_path_factory.mktemp("expanded"))
-    config = make_tiny_model(model_dir, layers=2, hidden=64, heads=8, kv_heads=2, vocab=384,
-                             seed=8)
+    model_dir, config = tiny_checkpoint(**GQA)
     llm = LLM(model_dir, **ENGINE)
     calls = {kind: compiled_calls(llm, kind, size, tmp_path_factory.mktemp(kind))
              for kind, size in (("decode", 2), ("prefill", 16))}
-    hf = transformers.Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    yield config, llm, calls, hf
+    yield config, llm, calls, hf_model(model_dir)
     patch.undo()
 
 
@@ -71,7 +69,7 @@ def compiled_calls(llm, kind, size, folder):
 
 
 @pytest.mark.parametrize("forms", ["AuthenticAMD", "GenuineIntel", "every row weight-first"])
-def test_each_processors_matmul_forms_are_qwen2(tmp_path, monkeypatch, forms):
+def test_each_processors_matmul_forms_are_qwen2(tiny_checkpoint, hf_model, monkeypatch, forms):
     from msinfer import hardware
 
     table = {"AuthenticAMD": hardware.CpuMatmulForms(in_out=True, head_weight_first=(2, None)),
@@ -80,10 +78,9 @@ def test_each_processors_matmul_forms_are_qwen2(tmp_path, monkeypatch, forms):
              "every row weight-first": hardware.CpuMatmulForms(
                  in_out=False, mlp_weight_first=(1, None), head_weight_first=(1, None))}
     monkeypatch.setattr("msinfer.layers.cpu_forms.cpu_matmul_forms", lambda: table[forms])
-    config = make_tiny_model(str(tmp_path), layers=2, hidden=64, heads=8, kv_heads=2,
-                             vocab=384, seed=10)
-    llm = LLM(str(tmp_path), **ENGINE)
-    hf = transformers.Qwen2ForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    model_dir, config = tiny_checkpoint(**GQA)
+    llm = LLM(model_dir, **ENGINE)
+    hf = hf_model(model_dir)
     prompts = prompts_for(config.vocab_size, seed=11, lengths=(37, 5, 11))
     for i, (prompt, out) in enumerate(zip(prompts, llm.generate(prompts, greedy(384, 6)))):
         assert_matches_hf(hf, prompt, out, config.vocab_size, f"{forms}: prompt {i}")

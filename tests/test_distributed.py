@@ -1,9 +1,12 @@
 """Real multi-process jobs on CPU: tensor parallelism through MindSpore's collectives.
 
-Each test starts one job (mpirun or msrun, 2 or 4 ranks) as a subprocess and checks many
-things per start: every rank agrees, log-probabilities match transformers within 1e-4, greedy
-tokens are identical, each rank holds only its slice. Jobs run in their own process group and are killed
-on timeout, so no rank outlives a test.
+Three jobs (mpirun or msrun, 2 or 4 ranks), each started once as a subprocess and checked for
+many things: every rank agrees, log-probabilities match transformers within 1e-4, greedy
+tokens are identical, each rank holds only its slice. Once their results are written, the two
+worker jobs lose a rank (tests/distributed_worker.py's test hooks: under mpirun one is killed,
+under msrun one fails with a user error) while the others wait in a collective, and the job
+must come down quickly and non-zero. Jobs run in their own process group and are killed on
+timeout, so no rank outlives a test.
 """
 import json
 import os
@@ -12,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,8 +23,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from test_hf_parity import case_spec  # noqa: E402
+
 from msinfer.parallel.distributed import free_port  # noqa: E402
-from msinfer.tools.tiny_model import make_tiny_model  # noqa: E402
+
+pytestmark = pytest.mark.multirank
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "distributed_worker.py")
@@ -29,18 +36,19 @@ PROMPTS = [[5, 17, 42, 7, 99], [8, 9], [100, 101, 102, 103, 104, 105, 106, 107, 
            list(range(200, 240))]  # the last spans three 16-token prefill chunks
 NEW_TOKENS = 32
 JOB_TIMEOUT = 300
+# From the moment a rank dies or fails to the moment its whole job is down (tens of times what
+# either launcher takes on a quiet machine; a job that hangs instead reaches JOB_TIMEOUT).
+DOWN_WITHIN = 60
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """Two tiny checkpoints: GQA with 2 KV heads (replicated at tp4), and a tied one."""
+def models(tiny_checkpoint, hf_model):
+    """Two of test_hf_parity's checkpoints: GQA with 2 KV heads (replicated at tp4), and a
+    tied one in two files."""
     made = {}
-    for name, spec in {"gqa": dict(heads=8, kv_heads=2, tie=False),
-                       "tied": dict(heads=4, kv_heads=4, tie=True, shards=2)}.items():
-        path = str(tmp_path_factory.mktemp(name))
-        make_tiny_model(path, layers=2, hidden=64, vocab=384, seed=3, **spec)
-        hf = transformers.Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        made[name] = (path, hf)
+    for name, case in {"gqa": "gqa_untied_config4", "tied": "tied_config5_two_shards"}.items():
+        path, _ = tiny_checkpoint(**case_spec(case))
+        made[name] = (path, hf_model(path))
     return made
 
 
@@ -98,6 +106,9 @@ def hf_reference(hf, prompt, generated):
 
 
 def check_ranks_against_hf(out_dir, world_size, hf, launcher):
+    missing = [r for r in range(world_size) if not os.path.exists(
+        os.path.join(out_dir, f"rank_{r}.npz"))]
+    assert not missing, f"ranks {missing} wrote no results"
     ranks = [dict(np.load(os.path.join(out_dir, f"rank_{r}.npz"))) for r in range(world_size)]
     for r, rank in enumerate(ranks):
         assert int(rank["world_size"]) == world_size
@@ -114,12 +125,49 @@ def check_ranks_against_hf(out_dir, world_size, hf, launcher):
     return ranks
 
 
-def test_tp4_under_mpirun_matches_hf_with_replicated_kv_heads(models, tmp_path):
+def run_losing_a_rank(cmd, out_dir, env, log_dir=None):
+    """A worker job whose ranks lose one of theirs once their results are written (`env`: the
+    worker's test hook); the job's exit code, output (with msrun's logs) and the seconds from
+    the rank's death or failure to the end of the job."""
+    code, out, _ = run_job(cmd, env=env)
+    ended = time.time()
+    if log_dir is not None:
+        out += "".join(p.read_text() for p in sorted(log_dir.glob("*.log")))
+    down_at = out_dir / "down_at"
+    lost = float(down_at.read_text()) if down_at.exists() else None
+    return SimpleNamespace(code=code, out=out, dir=out_dir,
+                           down_seconds=None if lost is None else ended - lost)
+
+
+@pytest.fixture(scope="module")
+def tp4_mpirun(models, tmp_path_factory):
+    """tp4 under mpirun on the GQA checkpoint; after the results, rank 2 is SIGKILLed."""
+    out_dir = tmp_path_factory.mktemp("tp4_mpirun")
+    cmd = (mpirun_prefix(4) + [sys.executable]
+           + worker_args(models["gqa"][0], "qwen2_tp4.yaml", out_dir))
+    return run_losing_a_rank(cmd, out_dir, {"MSINFER_TEST_KILL_RANK": "2"})
+
+
+@pytest.fixture(scope="module")
+def tp2_msrun(models, tmp_path_factory):
+    """tp2 under msrun on the tied checkpoint, with every MLP and lm_head product weight first
+    (the vocabulary-split lm_head gathers its transposed blocks); after the results, rank 1
+    fails with a user error."""
+    out_dir = tmp_path_factory.mktemp("tp2_msrun")
+    cmd = (msrun_prefix(2, out_dir / "logs")
+           + worker_args(models["tied"][0], "qwen2_tp2.yaml", out_dir) + ["--weight-first"])
+    # msrun ends once MindSpore's scheduler does, which declares the worker msrun killed lost
+    # after MS_NODE_TIMEOUT seconds without a heartbeat: 30 by default, 10 here.
+    env = {"MSINFER_TEST_FAIL_RANK": "1", "MS_NODE_TIMEOUT": "10"}
+    return run_losing_a_rank(cmd, out_dir, env, log_dir=out_dir / "logs")
+
+
+def test_tp4_under_mpirun_matches_hf_with_replicated_kv_heads(models, tp4_mpirun):
     model_dir, hf = models["gqa"]
-    code, out, _ = run_job(mpirun_prefix(4) + [sys.executable] + worker_args(model_dir, "qwen2_tp4.yaml", tmp_path))
-    assert code == 0, out[-3000:]
-    assert "each KV head on 2 ranks" in out
-    ranks = check_ranks_against_hf(tmp_path, 4, hf, "mpirun-bridge")
+    job = tp4_mpirun
+    assert job.down_seconds is not None, job.out[-3000:]  # every rank got past its results
+    assert "each KV head on 2 ranks" in job.out
+    ranks = check_ranks_against_hf(job.dir, 4, hf, "mpirun-bridge")
     # Each rank holds its slice only: the sharded tensors a quarter, the norms whole, the
     # 2 KV heads once per pair of ranks.
     full_bytes = sum(p.numel() for p in hf.parameters()) * 4
@@ -140,16 +188,12 @@ def test_tp4_under_mpirun_matches_hf_with_replicated_kv_heads(models, tmp_path):
     assert [int(r["kv_bytes"]) for r in ranks] == [d.kv_cache_bytes for d in report.devices]
 
 
-def test_tp2_under_msrun_matches_hf_with_tied_embeddings(models, tmp_path):
+def test_tp2_under_msrun_matches_hf_with_tied_embeddings(models, tp2_msrun):
     """Also with every MLP and lm_head product weight first: the vocabulary-split lm_head
     gathers its transposed blocks."""
-    model_dir, hf = models["tied"]
-    cmd = (msrun_prefix(2, tmp_path / "logs")
-           + worker_args(model_dir, "qwen2_tp2.yaml", tmp_path) + ["--weight-first"])
-    code, out, _ = run_job(cmd)
-    logs = "".join(p.read_text() for p in sorted((tmp_path / "logs").glob("*.log")))
-    assert code == 0, (out + logs)[-3000:]
-    check_ranks_against_hf(tmp_path, 2, hf, "msrun")
+    job = tp2_msrun
+    assert job.down_seconds is not None, job.out[-3000:]  # every rank got past its results
+    check_ranks_against_hf(job.dir, 2, models["tied"][1], "msrun")
 
 
 def test_msinfer_launch_dp2_tp2_prints_rank0_results_identical_to_hf_greedy(models, tmp_path):
@@ -174,21 +218,20 @@ def test_msinfer_launch_dp2_tp2_prints_rank0_results_identical_to_hf_greedy(mode
         assert result["token_ids"] == expected[0, len(prompt):].tolist()
 
 
-def test_a_killed_rank_brings_the_mpirun_job_down_quickly(models, tmp_path):
-    model_dir, _ = models["gqa"]
-    # "Quickly": run_job fails the test if the job is still up after 120 s.
-    code, out, _ = run_job(
-        mpirun_prefix(4) + [sys.executable] + worker_args(model_dir, "qwen2_tp4.yaml", tmp_path),
-        env={"MSINFER_TEST_KILL_RANK": "2"}, timeout=120)
-    assert code != 0
-    assert not list(tmp_path.glob("rank_*.npz"))  # nobody finished as if nothing happened
+def test_a_killed_rank_brings_the_mpirun_job_down_quickly(tp4_mpirun):
+    """Rank 2 SIGKILLs itself while ranks 0, 1 and 3 wait for it in a collective."""
+    job = tp4_mpirun
+    assert job.down_seconds is not None, job.out[-3000:]
+    assert job.code != 0
+    assert job.down_seconds < DOWN_WITHIN, f"job down {job.down_seconds:.0f}s after the kill"
+    assert not list(job.dir.glob("*.survived"))  # nobody went on as if nothing happened
 
 
-def test_a_failing_rank_brings_the_msrun_job_down_with_its_message(models, tmp_path):
-    model_dir, _ = models["gqa"]
-    cmd = msrun_prefix(4, tmp_path / "logs") + worker_args(model_dir, "qwen2_tp4.yaml", tmp_path)
-    code, out, _ = run_job(cmd, env={"MSINFER_TEST_FAIL_RANK": "1"}, timeout=200)
-    logs = "".join(p.read_text() for p in sorted((tmp_path / "logs").glob("*.log")))
-    assert code != 0
-    assert "rank 1: injected failure" in out + logs
-    assert not list(tmp_path.glob("rank_*.npz"))
+def test_a_failing_rank_brings_the_msrun_job_down_with_its_message(tp2_msrun):
+    """Rank 1 exits with a user error (code 2) while rank 0 waits for it in a collective."""
+    job = tp2_msrun
+    assert job.down_seconds is not None, job.out[-3000:]
+    assert job.code != 0
+    assert "error: rank 1: injected failure (test hook)" in job.out
+    assert job.down_seconds < DOWN_WITHIN, f"job down {job.down_seconds:.0f}s after the failure"
+    assert not list(job.dir.glob("*.survived"))

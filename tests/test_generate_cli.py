@@ -7,14 +7,11 @@ import pytest
 
 from msinfer import LLM, SamplingParams
 from msinfer.cli.main import main
-from msinfer.tools.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("tiny"))
-    make_tiny_model(path, layers=2, hidden=64, heads=4, kv_heads=2, vocab=512, seed=2)
-    return path
+def model_dir(small_checkpoint):
+    return small_checkpoint  # conftest's: read only (copy_model before changing it)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ transformers = pytest.importorskip("transformers")
 
 from msinfer import LLM, SamplingParams  # noqa: E402
 from msinfer.planning.workspace import layer_activation_bytes  # noqa: E402
-from msinfer.tools.tiny_model import make_tiny_model  # noqa: E402
 
 PROMPT_LENGTHS = (5, 11, 37, 1)
 NEW_TOKENS = 32
@@ -27,6 +26,9 @@ TOLERANCE = 1e-4
 ENGINE = dict(max_len=128, block_size=4, max_prefill_tokens=16, max_num_seqs=4,
               kv_cache_memory=1 << 20)
 
+# Checkpoints (conftest.tiny_checkpoint: made once per session; tests/test_distributed.py and
+# tests/test_cpu_kernel_forms.py run on these too).
+BASE = dict(layers=2, hidden=64, vocab=384, seed=1)
 CASES = {
     # GQA (8 query heads over 2 KV heads), separate lm_head, transformers 4.x config keys.
     "gqa_untied_config4": dict(heads=8, kv_heads=2, tie=False, config_style="4"),
@@ -36,6 +38,11 @@ CASES = {
     # A bfloat16 checkpoint, converted to float32 on load (CPU policy).
     "bfloat16_checkpoint": dict(heads=8, kv_heads=2, tie=False, dtype="bfloat16", layers=3),
 }
+
+
+def case_spec(name):
+    """make_tiny_model's arguments for CASES[name]."""
+    return {**BASE, **CASES[name]}
 
 
 def prompts_for(vocab, seed=0, lengths=PROMPT_LENGTHS):
@@ -72,14 +79,9 @@ def assert_matches_hf(hf, prompt, out, vocab, name=""):
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
-def case(request, tmp_path_factory):
-    spec = dict(layers=2, hidden=64, vocab=384, seed=1)
-    spec.update(CASES[request.param])
-    model_dir = tmp_path_factory.mktemp(request.param)
-    config = make_tiny_model(str(model_dir), **spec)
-    llm = LLM(str(model_dir), **ENGINE)
-    hf = transformers.Qwen2ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    return request.param, config, llm, hf.eval()
+def case(request, tiny_checkpoint, hf_model):
+    model_dir, config = tiny_checkpoint(**case_spec(request.param))
+    return request.param, config, LLM(model_dir, **ENGINE), hf_model(model_dir)
 
 
 def test_logprobs_and_32_greedy_tokens_match_transformers(case):
@@ -141,17 +143,17 @@ def test_prompts_of_other_lengths_in_the_same_buckets_compile_no_new_graph(case)
     assert llm.compilations == compiled
 
 
-def test_layers_run_in_stacks_of_any_size_give_the_same_tokens(tmp_path, monkeypatch):
+def test_layers_run_in_stacks_of_any_size_give_the_same_tokens(tiny_checkpoint, hf_model,
+                                                              monkeypatch):
     """A graph runs k consecutive layers, k set by the workspace and the calls a pass may
     take: one, two or all four layers per graph must all be Qwen2 (each layer's own weights
     and own cache)."""
     monkeypatch.setattr("msinfer.planning.workspace.CALLS_PER_PASS", 1)
-    config = make_tiny_model(str(tmp_path), layers=4, hidden=64, heads=8, kv_heads=2,
-                             vocab=384, seed=4)
-    llm = LLM(str(tmp_path), **ENGINE)
+    model_dir, config = tiny_checkpoint(layers=4, hidden=64, heads=8, kv_heads=2, vocab=384,
+                                        seed=4)
+    llm = LLM(model_dir, **ENGINE)
     runner = llm.engine.runner
-    hf = transformers.Qwen2ForCausalLM.from_pretrained(str(tmp_path),
-                                                       dtype=torch.float32).eval()
+    hf = hf_model(model_dir)
     prompts = prompts_for(config.vocab_size, seed=5, lengths=(23, 6))
     # This test's calls: 16-token prefill chunks and a 2-sequence decode, over 64 slots.
     largest = max(layer_activation_bytes(llm.shard_plan, 4, tokens, groups, 64)
@@ -167,17 +169,16 @@ def test_layers_run_in_stacks_of_any_size_give_the_same_tokens(tmp_path, monkeyp
                for count, stack in runner.stacks.items())
 
 
-def test_preempted_requests_are_recomputed_exactly(tmp_path):
+def test_preempted_requests_are_recomputed_exactly(tiny_checkpoint, hf_model):
     """A KV pool of 12 blocks of 4 tokens (48 tokens) for three requests that grow to 40
     tokens each: the scheduler preempts and later recomputes, and every token is still
     transformers' greedy token."""
-    config = make_tiny_model(str(tmp_path), layers=2, hidden=64, heads=8, kv_heads=2,
-                             vocab=384, seed=2)
+    model_dir, config = tiny_checkpoint(**case_spec("gqa_untied_config4"))
+    assert (config.num_layers, config.num_kv_heads, config.head_dim) == (2, 2, 8)
     per_block = 2 * 2 * 4 * 2 * 8 * 4  # K and V x layers x block x KV heads x head_dim x fp32
-    llm = LLM(str(tmp_path), **dict(ENGINE, kv_cache_memory=13 * per_block, max_len=48))
+    llm = LLM(model_dir, **dict(ENGINE, kv_cache_memory=13 * per_block, max_len=48))
     assert llm.engine.layout.num_blocks == 13  # one reserved
-    hf = transformers.Qwen2ForCausalLM.from_pretrained(str(tmp_path),
-                                                       dtype=torch.float32).eval()
+    hf = hf_model(model_dir)
     prompts = prompts_for(config.vocab_size, seed=3, lengths=(10, 14, 8))
     outs = llm.generate(prompts, greedy(config.vocab_size, 26))
     assert llm.engine.stats().num_preemptions > 0
@@ -186,7 +187,8 @@ def test_preempted_requests_are_recomputed_exactly(tmp_path):
 
 
 @pytest.mark.parametrize("tensor, data", [(4, 1), (2, 2)])
-def test_semi_auto_model_with_tp4_shard_annotations_matches_hf_standalone(tmp_path, tensor, data):
+def test_semi_auto_model_with_tp4_shard_annotations_matches_hf_standalone(
+        tiny_checkpoint, hf_model, tensor, data):
     """The semi_auto model (one graph, full-shape Parameters, shard() from the plan) runs
     stand-alone, where MindSpore ignores shard(): it must still be Qwen2. Its Parameters hold
     what the ranks of a real job would hold side by side: a fused q/k/v (gate/up) weight is the
@@ -202,8 +204,8 @@ def test_semi_auto_model_with_tp4_shard_annotations_matches_hf_standalone(tmp_pa
     from msinfer.parallel.strategy import Strategy, checkpoint_parts
     from msinfer.planning.kv_layout import CacheLayout
 
-    config = make_tiny_model(str(tmp_path), layers=2, hidden=64, heads=8, kv_heads=4,
-                             vocab=384, tie=True, seed=4)
+    model_dir, config = tiny_checkpoint(layers=2, hidden=64, heads=8, kv_heads=4, vocab=384,
+                                        tie=True, seed=4)
     plan = Strategy.default(tensor=tensor, data=data, parallel_mode="semi_auto").resolve(config)
     set_graph_mode("CPU")
     ctx = ParallelContext(config=config, plan=plan, mode="semi_auto", dtype=ms.float32)
@@ -213,7 +215,7 @@ def test_semi_auto_model_with_tp4_shard_annotations_matches_hf_standalone(tmp_pa
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     for layer in range(config.num_layers):
         names += layer_weight_names(layer)
-    checkpoint = Checkpoint(str(tmp_path))
+    checkpoint = Checkpoint(model_dir)
 
     def rank_parts(rank):
         return lambda n: [(p, plan.slices(p, rank), shapes[p]) for p in checkpoint_parts(n)]
@@ -238,8 +240,7 @@ def test_semi_auto_model_with_tp4_shard_annotations_matches_hf_standalone(tmp_pa
     assert all(b % data == 0 for b in runner.batch_buckets + runner.chunk_buckets)
     engine = LLMEngine(runner, layout, vocab_size=config.vocab_size, max_model_len=128,
                        eos_token_ids=(), max_num_seqs=4, max_prefill_tokens=16, seed=0)
-    hf = transformers.Qwen2ForCausalLM.from_pretrained(str(tmp_path),
-                                                       dtype=torch.float32).eval()
+    hf = hf_model(model_dir)
     prompts = prompts_for(config.vocab_size, seed=9)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, greedy(config.vocab_size, 12))
@@ -250,15 +251,14 @@ def test_semi_auto_model_with_tp4_shard_annotations_matches_hf_standalone(tmp_pa
         assert_matches_hf(hf, prompt, finished[str(i)], config.vocab_size, f"prompt {i}")
 
 
-def test_float16_compute_the_310p_path_stays_close_to_float32_transformers(tmp_path):
+def test_float16_compute_the_310p_path_stays_close_to_float32_transformers(tiny_checkpoint,
+                                                                           hf_model):
     """310P runs float16: the same model in float16 (on CPU here) keeps transformers'
     float32 distribution within float16's precision, and the argmax of each step."""
-    config = make_tiny_model(str(tmp_path), layers=2, hidden=64, heads=8, kv_heads=2,
-                             vocab=384, seed=6, dtype="bfloat16")
-    llm = LLM(str(tmp_path), dtype="float16", **ENGINE)
+    model_dir, config = tiny_checkpoint(**case_spec("bfloat16_checkpoint"))
+    llm = LLM(model_dir, dtype="float16", **ENGINE)
     assert llm.engine.runner.head_weights[1].dtype == __import__("mindspore").float16
-    hf = transformers.Qwen2ForCausalLM.from_pretrained(str(tmp_path),
-                                                       dtype=torch.float32).eval()
+    hf = hf_model(model_dir)
     prompts = prompts_for(config.vocab_size, seed=13)
     outs = llm.generate(prompts, greedy(config.vocab_size, 4))
     for prompt, out in zip(prompts, outs):

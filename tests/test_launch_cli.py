@@ -12,10 +12,9 @@ TP4 = os.path.join(ROOT, "strategies", "qwen2_tp4.yaml")
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("m"))
-    make_tiny_model(path, layers=1, hidden=64, heads=8, kv_heads=2, vocab=512)
-    return path
+def model_dir(tiny_checkpoint):
+    """8 query heads over 2 KV heads: test_hf_parity's GQA checkpoint (made once a session)."""
+    return tiny_checkpoint(layers=2, hidden=64, heads=8, kv_heads=2, vocab=384, seed=1)[0]
 
 
 def test_dry_run_prints_the_mpirun_command_after_the_plan(model_dir, capsys):

@@ -354,13 +354,11 @@ def test_cli_takes_the_parallel_mode(monkeypatch, capsys):
     assert code == 1 and "REFUSED" in out and "parallel mode semi_auto" in out
 
 
-def test_llm_runs_the_plan_check_itself_before_touching_a_device(tmp_path):
+def test_llm_runs_the_plan_check_itself_before_touching_a_device(small_checkpoint):
     """Every entry point is checked, not only `msinfer launch`: an LLM whose KV cache cannot
     fit is refused with the planner's message, before any graph or collective exists."""
     pytest.importorskip("mindspore")
     from msinfer import LLM
-    from msinfer.tools.tiny_model import make_tiny_model
 
-    make_tiny_model(str(tmp_path), layers=1, hidden=64, heads=4, kv_heads=2, vocab=512)
     with pytest.raises(PlanRefused, match="does not fit: rank 0 needs"):
-        LLM(str(tmp_path), max_num_seqs=100_000, max_len=4096)
+        LLM(small_checkpoint, max_num_seqs=100_000, max_len=4096)

@@ -18,6 +18,8 @@ from msinfer.tools.tiny_model import (SHAPE_PRESETS, default_intermediate, make_
                                       model_config_dict, to_bfloat16_bits)
 
 SMALL = dict(layers=2, hidden=32, heads=4, kv_heads=2, vocab=300)
+# Tests that only read a checkpoint take conftest's tiny_checkpoint(**arguments): one directory
+# per distinct checkpoint a session. Those that test writing itself call make_tiny_model.
 
 
 def read_json(path):
@@ -41,20 +43,20 @@ def parse_cli(argv):
 
 
 @pytest.mark.parametrize("style", ["4", "5"])
-def test_config_reads_back_with_every_checkpoint_tensor(tmp_path, style):
-    config = make_tiny_model(str(tmp_path / "m"), config_style=style, **SMALL)
-    again = ModelConfig.from_model_dir(str(tmp_path / "m"))
+def test_config_reads_back_with_every_checkpoint_tensor(tiny_checkpoint, style):
+    path, config = tiny_checkpoint(config_style=style, **SMALL)
+    again = ModelConfig.from_model_dir(path)
     assert again.parameter_shapes() == config.parameter_shapes()
     assert (again.rope_theta, again.torch_dtype, again.intermediate_size) == (
         1000000.0, "float32", default_intermediate(32))
-    shapes = {k: tuple(v.shape) for k, v in load_tensors(str(tmp_path / "m")).items()}
+    shapes = {k: tuple(v.shape) for k, v in load_tensors(path).items()}
     assert shapes == config.parameter_shapes()
 
 
-def test_config_styles_spell_rope_and_dtype_like_transformers_4_and_5(tmp_path):
-    make_tiny_model(str(tmp_path / "a"), config_style="4", dtype="bfloat16", **SMALL)
-    make_tiny_model(str(tmp_path / "b"), config_style="5", dtype="bfloat16", **SMALL)
-    old, new = read_json(tmp_path / "a" / "config.json"), read_json(tmp_path / "b" / "config.json")
+def test_config_styles_spell_rope_and_dtype_like_transformers_4_and_5(tiny_checkpoint):
+    a, _ = tiny_checkpoint(config_style="4", dtype="bfloat16", **SMALL)
+    b, _ = tiny_checkpoint(config_style="5", dtype="bfloat16", **SMALL)
+    old, new = read_json(os.path.join(a, "config.json")), read_json(os.path.join(b, "config.json"))
     assert (old["rope_theta"], old["torch_dtype"]) == (1000000.0, "bfloat16")
     assert "rope_parameters" not in old and "dtype" not in old
     assert new["rope_parameters"] == {"rope_type": "default", "rope_theta": 1000000.0}
@@ -76,31 +78,30 @@ def test_same_seed_gives_identical_files_and_another_seed_other_weights(tmp_path
                               "model-00002-of-00002.safetensors"]
 
 
-def test_shards_hold_the_same_tensors_as_one_file_and_index_them(tmp_path):
-    make_tiny_model(str(tmp_path / "one"), **SMALL)
-    make_tiny_model(str(tmp_path / "three"), shards=3, **SMALL)
-    one, three = load_tensors(str(tmp_path / "one")), load_tensors(str(tmp_path / "three"))
+def test_shards_hold_the_same_tensors_as_one_file_and_index_them(tiny_checkpoint):
+    one_dir, _ = tiny_checkpoint(**SMALL)
+    three_dir, _ = tiny_checkpoint(shards=3, **SMALL)
+    one, three = load_tensors(one_dir), load_tensors(three_dir)
     assert one.keys() == three.keys()
     assert all(np.array_equal(one[k], three[k]) for k in one)
 
-    index = read_json(tmp_path / "three" / "model.safetensors.index.json")
+    index = read_json(os.path.join(three_dir, "model.safetensors.index.json"))
     assert index["metadata"]["total_size"] == sum(v.nbytes for v in three.values())
     files = [f"model-0000{k}-of-00003.safetensors" for k in (1, 2, 3)]
     assert sorted(set(index["weight_map"].values())) == files
     for filename in files:
-        names = load_file(str(tmp_path / "three" / filename)).keys()
+        names = load_file(os.path.join(three_dir, filename)).keys()
         assert names and all(index["weight_map"][n] == filename for n in names)
-    assert not os.path.exists(tmp_path / "one" / "model.safetensors.index.json")
+    assert not os.path.exists(os.path.join(one_dir, "model.safetensors.index.json"))
 
 
-def test_bfloat16_file_holds_float32_weights_rounded_to_nearest_even(tmp_path):
+def test_bfloat16_file_holds_float32_weights_rounded_to_nearest_even(tiny_checkpoint):
     torch = pytest.importorskip("torch")
     from safetensors.torch import load_file as load_torch
 
-    make_tiny_model(str(tmp_path / "f32"), **SMALL)
-    make_tiny_model(str(tmp_path / "bf16"), dtype="bfloat16", **SMALL)
-    full = load_torch(str(tmp_path / "f32" / "model.safetensors"))
-    half = load_torch(str(tmp_path / "bf16" / "model.safetensors"))
+    full = load_torch(os.path.join(tiny_checkpoint(**SMALL)[0], "model.safetensors"))
+    half = load_torch(os.path.join(tiny_checkpoint(dtype="bfloat16", **SMALL)[0],
+                                   "model.safetensors"))
     for name, value in full.items():
         assert half[name].dtype == torch.bfloat16
         assert torch.equal(half[name], value.to(torch.bfloat16)), name
@@ -116,38 +117,36 @@ def test_bfloat16_rounding_handles_ties_and_carries():
     assert to_bfloat16_bits(values).tolist() == expected
 
 
-def test_float16_weights_are_the_float32_ones_rounded(tmp_path):
-    make_tiny_model(str(tmp_path / "f32"), **SMALL)
-    make_tiny_model(str(tmp_path / "f16"), dtype="float16", **SMALL)
-    full, half = load_tensors(str(tmp_path / "f32")), load_tensors(str(tmp_path / "f16"))
+def test_float16_weights_are_the_float32_ones_rounded(tiny_checkpoint):
+    full = load_tensors(tiny_checkpoint(**SMALL)[0])
+    half = load_tensors(tiny_checkpoint(dtype="float16", **SMALL)[0])
     assert all(half[k].dtype == np.float16 and np.array_equal(half[k], full[k].astype(np.float16))
                for k in full)
 
 
-def test_weights_are_spread_norms_near_one_biases_non_zero(tmp_path):
-    make_tiny_model(str(tmp_path / "m"), **SMALL)
-    tensors = load_tensors(str(tmp_path / "m"))
+def test_weights_are_spread_norms_near_one_biases_non_zero(tiny_checkpoint):
+    tensors = load_tensors(tiny_checkpoint(**SMALL)[0])
     norm = tensors["model.layers.0.input_layernorm.weight"]
     assert abs(norm.mean() - 1.0) < 0.1 and norm.std() > 0.01
     assert np.abs(tensors["model.layers.1.self_attn.k_proj.bias"]).min() > 0
     assert tensors["model.layers.0.mlp.down_proj.weight"].std() > 0.02
 
 
-def test_tied_model_has_no_lm_head(tmp_path):
-    make_tiny_model(str(tmp_path / "m"), tie=True, **SMALL)
-    assert "lm_head.weight" not in load_tensors(str(tmp_path / "m"))
-    assert read_json(tmp_path / "m" / "config.json")["tie_word_embeddings"] is True
+def test_tied_model_has_no_lm_head(tiny_checkpoint):
+    path, _ = tiny_checkpoint(tie=True, **SMALL)
+    assert "lm_head.weight" not in load_tensors(path)
+    assert read_json(os.path.join(path, "config.json"))["tie_word_embeddings"] is True
 
 
-def test_tokenizer_fits_the_model_vocab_and_names_eos_tokens(tmp_path):
-    make_tiny_model(str(tmp_path / "m"), **SMALL)
-    tok = tokenizers.Tokenizer.from_file(str(tmp_path / "m" / "tokenizer.json"))
+def test_tokenizer_fits_the_model_vocab_and_names_eos_tokens(tiny_checkpoint):
+    path, _ = tiny_checkpoint(**SMALL)
+    tok = tokenizers.Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
     assert tok.get_vocab_size() <= SMALL["vocab"]
     eot, start, end = (tok.token_to_id(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"))
     assert {eot, start, end} == set(range(tok.get_vocab_size() - 3, tok.get_vocab_size()))
-    generation = read_json(tmp_path / "m" / "generation_config.json")
+    generation = read_json(os.path.join(path, "generation_config.json"))
     assert generation["eos_token_id"] == [end, eot] and generation["bos_token_id"] == eot
-    config = read_json(tmp_path / "m" / "config.json")
+    config = read_json(os.path.join(path, "config.json"))
     assert config["eos_token_id"] == config["bos_token_id"] == eot
     text = "The old man writes about the garden."
     assert tok.decode(tok.encode(text).ids) == text
@@ -245,13 +244,12 @@ def test_progress_logs_every_few_seconds_and_the_last_step(monkeypatch):
 @pytest.mark.parametrize("style", ["4", "5"])
 @pytest.mark.parametrize("shards", [1, 2])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_transformers_loads_it_and_runs_a_forward_pass(tmp_path, style, shards, dtype):
+def test_transformers_loads_it_and_runs_a_forward_pass(tiny_checkpoint, style, shards, dtype):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    config = make_tiny_model(str(tmp_path / "m"), config_style=style, shards=shards, dtype=dtype,
-                             tie=shards == 2, **SMALL)
-    model = transformers.Qwen2ForCausalLM.from_pretrained(str(tmp_path / "m"),
-                                                          dtype=torch.float32)
+    path, config = tiny_checkpoint(config_style=style, shards=shards, dtype=dtype,
+                                   tie=shards == 2, **SMALL)
+    model = transformers.Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32)
     rope = getattr(model.config, "rope_parameters", None) or vars(model.config)  # 5.x or 4.x
     assert rope["rope_theta"] == 1000000.0
     assert model.config.tie_word_embeddings is (shards == 2)
@@ -261,10 +259,10 @@ def test_transformers_loads_it_and_runs_a_forward_pass(tmp_path, style, shards, 
     assert logits.shape == (2, 24, config.vocab_size)
     # Loaded weights are the file's, not a fresh init: compare one tensor.
     from safetensors.torch import load_file as load_torch
-    files = [f for f in os.listdir(tmp_path / "m") if f.endswith(".safetensors")]
+    files = [f for f in os.listdir(path) if f.endswith(".safetensors")]
     on_disk = {}
     for f in files:
-        on_disk.update(load_torch(str(tmp_path / "m" / f)))
+        on_disk.update(load_torch(os.path.join(path, f)))
     assert torch.equal(model.model.layers[1].mlp.up_proj.weight,
                        on_disk["model.layers.1.mlp.up_proj.weight"].float())
     # Clear greedy choices: the top two logits are rarely close.

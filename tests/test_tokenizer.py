@@ -7,16 +7,14 @@ import pytest
 from msinfer.config import ModelConfig, eos_token_ids
 from msinfer.engine.tokenizer import IncrementalDecoder, Tokenizer, find_stop
 from msinfer.errors import MsinferError
-from msinfer.tools.tiny_model import CHAT_TEMPLATE, make_tiny_model
+from msinfer.tools.tiny_model import CHAT_TEMPLATE
 
 MESSAGES = [{"role": "user", "content": "Why is the sky blue?"}]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("tok") / "model")
-    make_tiny_model(path, layers=1, hidden=16, heads=2, kv_heads=1)
-    return path
+def model_dir(small_checkpoint):
+    return small_checkpoint  # conftest's: read only (copy_dir before changing it)
 
 
 @pytest.fixture
