@@ -277,12 +277,26 @@ class LLMEngine:
 
 def _logprobs(logits, token, top):
     """{token: logprob} for the sampled token and the `top` most likely ones, from the model's
-    distribution (before temperature and truncation, as vLLM reports them)."""
-    row = logits.astype(np.float64)
-    shifted = row - row.max()
-    logprobs = shifted - np.log(np.exp(shifted).sum())
-    picked = {token: float(logprobs[token])}
+    distribution (before temperature and truncation, as vLLM reports them).
+
+    The row's log-sum-exp is taken in float64, and log-probabilities only for the entries
+    returned; the top ones are found by a partial selection (np.partition, O(vocabulary))
+    and only they are sorted: the same values, in the same order (ties by token id), as
+    sorting the whole row's log-probabilities, for ~1/8 of its cost (docs/engine.md)."""
+    peak = logits.max()
+    shifted = np.subtract(logits, peak, dtype=np.float64)  # the one full-row temporary
+    np.exp(shifted, out=shifted)
+    lse = np.log(shifted.sum())
+
+    def logprob(ids):
+        return (logits[ids].astype(np.float64) - np.float64(peak)) - lse
+    picked = {token: float(logprob(token))}
     if top:
-        for t in np.argsort(-logprobs, kind="stable")[:top]:
-            picked.setdefault(int(t), float(logprobs[t]))
+        top = min(top, logits.shape[0])
+        # every entry at least the top-th largest value: the top ones and their ties
+        kth = np.partition(logits, logits.shape[0] - top)[logits.shape[0] - top]
+        ids = np.flatnonzero(logits >= kth)
+        values = logprob(ids)
+        for i in np.lexsort((ids, -values))[:top]:  # by logprob, descending; ties by id
+            picked.setdefault(int(ids[i]), float(values[i]))
     return picked

@@ -1,0 +1,44 @@
+"""The engine's logprobs (`llm_engine._logprobs`): a partial selection of the top entries gives
+exactly what sorting the whole row gives: the same tokens, values and order (ties by id)."""
+import numpy as np
+import pytest
+
+from msinfer.engine.llm_engine import _logprobs
+
+
+def full_sort(logits, token, top):
+    """The reference: the whole row's log-probabilities, sorted (msinfer before 0.2.x)."""
+    row = logits.astype(np.float64)
+    shifted = row - row.max()
+    logprobs = shifted - np.log(np.exp(shifted).sum())
+    picked = {token: float(logprobs[token])}
+    if top:
+        for t in np.argsort(-logprobs, kind="stable")[:top]:
+            picked.setdefault(int(t), float(logprobs[t]))
+    return picked
+
+
+def rows():
+    rng = np.random.default_rng(7)
+    yield "random", (rng.standard_normal((8, 151936)) * 3).astype(np.float32)
+    yield "many ties", rng.integers(-3, 3, (8, 5000)).astype(np.float32)
+    yield "all equal", np.zeros((2, 64), np.float32)
+    yield "float16", (rng.standard_normal((4, 3000)) * 4).astype(np.float16)
+    yield "tiny vocabulary", rng.standard_normal((3, 4)).astype(np.float32)
+
+
+@pytest.mark.parametrize("top", [0, 1, 5, 20])
+@pytest.mark.parametrize("name, logits", list(rows()), ids=lambda x: x if isinstance(x, str)
+                         else "")
+def test_partial_selection_equals_the_full_sort(name, logits, top):
+    rng = np.random.default_rng(top)
+    for row in logits:
+        for token in (int(np.argmax(row)), int(rng.integers(len(row)))):
+            got, want = _logprobs(row, token, top), full_sort(row, token, top)
+            assert list(got.items()) == list(want.items()), name
+
+
+def test_the_values_are_log_probabilities():
+    row = np.log(np.array([0.5, 0.25, 0.125, 0.125], np.float32))
+    assert _logprobs(row, 3, 2) == pytest.approx({3: np.log(0.125), 0: np.log(0.5),
+                                                  1: np.log(0.25)})
