@@ -53,7 +53,8 @@ class _Request(BaseModel):
     frequency_penalty: Optional[float] = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
-    # vLLM's sampling extensions msinfer knows; only their neutral values are accepted so far
+    # Fields (vLLM's and OpenAI's) msinfer knows but does not do yet: only the values that
+    # ask for nothing are accepted (unsupported())
     repetition_penalty: Optional[float] = Field(default=None, gt=0.0)
     min_tokens: int = Field(default=0, ge=0)
     min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
