@@ -59,7 +59,7 @@ def test_a_field_name_that_is_not_printable_ascii_is_escaped():
 
 
 @pytest.mark.parametrize("extra", [
-    {"stop": None}, {"n": 1}, {"n": None}, {"best_of": 1}, {"echo": False},
+    {"stop": None}, {"n": 1}, {"n": None}, {"best_of": 1}, {"echo": False}, {"echo": None},
     {"logprobs": None}, {"temperature": None}, {"top_p": None}, {"seed": None},
     {"repetition_penalty": 1.0}, {"presence_penalty": 0}, {"frequency_penalty": 0.0},
     {"min_tokens": 0}, {"min_p": 0}, {"logit_bias": {}}, {"logit_bias": None},

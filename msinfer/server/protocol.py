@@ -151,6 +151,11 @@ class CompletionRequest(_Request):
     best_of: Optional[int] = Field(default=None, ge=1)
     suffix: Optional[str] = None
 
+    @field_validator("echo", mode="before")
+    @classmethod
+    def _null_echo_is_false(cls, value):
+        return False if value is None else value
+
     def unsupported(self):
         if self.echo:
             return "echo", "echo is not supported"
