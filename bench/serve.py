@@ -244,8 +244,8 @@ def soak(url, model, args):
     rng_args = argparse.Namespace(**vars(args))
     rng_args.num_prompts = args.soak
     requests = make_requests(rng_args, load_tokenizer(args))
-    watched = ("msinfer_kv_blocks_used", "msinfer_num_requests_running",
-               "msinfer_num_requests_waiting")
+    watched = ("msinfer_kv_blocks_used", "vllm:num_requests_running",
+               "vllm:num_requests_waiting")
     results, duration = asyncio.run(run_load(url, model, requests, args.soak_rate, args.seed,
                                              args.disconnect_fraction))
     summary = summarize(results, duration, requests)
@@ -432,7 +432,7 @@ def main(argv=None):
                 report.setdefault("server_metrics", {})[side] = scrape(url, (
                     "msinfer_handoff_seconds_sum", "msinfer_handoff_seconds_count",
                     "msinfer_engine_step_seconds_sum", "msinfer_engine_step_seconds_count",
-                    "msinfer_num_preemptions_total", "msinfer_kv_blocks_total"))
+                    "vllm:num_preemptions_total", "msinfer_kv_blocks_total"))
             if args.soak and side == "msinfer":
                 report.setdefault("soak", {})[side] = soak(url, model, args)
         finally:
