@@ -1,5 +1,6 @@
-"""The engine's logprobs (`llm_engine._logprobs`): a partial selection of the top entries gives
-exactly what sorting the whole row gives: the same tokens, values and order (ties by id)."""
+"""The engine's logprobs (`llm_engine._logprobs`): its partial selection of the top entries
+(candidates bounded by block maxima) gives exactly what sorting the whole row gives: the same
+tokens, values and order (ties by id)."""
 import numpy as np
 import pytest
 
@@ -25,6 +26,11 @@ def rows():
     yield "all equal", np.zeros((2, 64), np.float32)
     yield "float16", (rng.standard_normal((4, 3000)) * 4).astype(np.float16)
     yield "tiny vocabulary", rng.standard_normal((3, 4)).astype(np.float32)
+    clustered = rng.standard_normal((3, 151936)).astype(np.float32)
+    clustered[0, 768:800] += 10  # the top ones in one block
+    clustered[1, -30:] += 10  # in the tail beyond the last whole block
+    clustered[2, ::256] += 10  # one in each block, at its start
+    yield "clustered", clustered
 
 
 @pytest.mark.parametrize("top", [0, 1, 5, 20])

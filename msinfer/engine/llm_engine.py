@@ -275,14 +275,19 @@ class LLMEngine:
         return self.runner.compilations - before
 
 
+_LOGPROB_BLOCK = 256  # entries per block whose maxima bound the top ones (_logprobs)
+
+
 def _logprobs(logits, token, top):
     """{token: logprob} for the sampled token and the `top` most likely ones, from the model's
     distribution (before temperature and truncation, as vLLM reports them).
 
     The row's log-sum-exp is taken in float64, and log-probabilities only for the entries
-    returned; the top ones are found by a partial selection (np.partition, O(vocabulary))
-    and only they are sorted: the same values, in the same order (ties by token id), as
-    sorting the whole row's log-probabilities, for ~1/8 of its cost (docs/engine.md)."""
+    returned. The top ones are found without sorting the row: the top-th largest of its
+    blocks' maxima is a bound every one of the top entries reaches (k blocks reach it, so k
+    entries do), which leaves a handful of candidates; only they are sorted. The same values
+    in the same order (ties by token id) as sorting the whole row, for ~1/20 of its cost
+    (docs/engine.md)."""
     peak = logits.max()
     shifted = np.subtract(logits, peak, dtype=np.float64)  # the one full-row temporary
     np.exp(shifted, out=shifted)
@@ -292,10 +297,19 @@ def _logprobs(logits, token, top):
         return (logits[ids].astype(np.float64) - np.float64(peak)) - lse
     picked = {token: float(logprob(token))}
     if top:
-        top = min(top, logits.shape[0])
-        # every entry at least the top-th largest value: the top ones and their ties
-        kth = np.partition(logits, logits.shape[0] - top)[logits.shape[0] - top]
-        ids = np.flatnonzero(logits >= kth)
+        whole = len(logits) // _LOGPROB_BLOCK * _LOGPROB_BLOCK
+        maxima = logits[:whole].reshape(-1, _LOGPROB_BLOCK).max(axis=1)
+        if whole < len(logits):
+            maxima = np.append(maxima, logits[whole:].max())
+        if len(maxima) > top:
+            bound = np.partition(maxima, len(maxima) - top)[len(maxima) - top]
+            ids = np.flatnonzero(logits >= bound)
+        else:
+            ids = np.arange(len(logits))
+        if len(ids) > top:  # keep the top-th largest candidate and all above or equal to it
+            values = logits[ids]
+            kth = np.partition(values, len(ids) - top)[len(ids) - top]
+            ids = ids[values >= kth]
         values = logprob(ids)
         for i in np.lexsort((ids, -values))[:top]:  # by logprob, descending; ties by id
             picked.setdefault(int(ids[i]), float(values[i]))
