@@ -163,8 +163,8 @@ def test_http_answers_an_openai_error_and_serves_the_others(server, alone):
     assert ok.status_code == 200
     assert ok.json()["choices"][0]["finish_reason"] == "length"
     metrics = httpx.get(server.url + "/metrics").text
-    assert 'msinfer_request_success_total{finished_reason="error",model_name="fake-model"}' \
-        in metrics
+    assert 'vllm:request_success_total{engine="0",finished_reason="error",' \
+        'model_name="fake-model"}' in metrics
 
 
 def test_a_stream_gets_finish_reason_error_an_error_event_then_done(server):

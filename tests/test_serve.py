@@ -18,10 +18,16 @@ import pytest
 from msinfer.parallel.distributed import free_port
 from msinfer.tools.tiny_model import make_tiny_model
 
+pytestmark = pytest.mark.server
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TP4 = os.path.join(ROOT, "strategies", "qwen2_tp4.yaml")
 NAME = "tiny"
 MAX_LEN = 128
+# The same engine settings for the one-process server and the tp4 job (their completions are
+# compared); a 32-token prefill chunk keeps the graphs to warm up few.
+SERVE_ARGS = ["--served-model-name", NAME, "--max-len", str(MAX_LEN), "--max-num-seqs", "4",
+              "--max-prefill-tokens", "32"]
 PROMPTS = ["The capital of France is", "Tensor parallelism splits each layer", "Hello",
            "one two three four five six seven"]
 
@@ -83,8 +89,8 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     log = str(tmp_path_factory.mktemp("log") / "serve.log")
-    s = ServerProcess(["serve", "--model", model_dir, "--served-model-name", NAME,
-                       "--max-len", str(MAX_LEN), "--max-num-seqs", "4"], log)
+    s = ServerProcess(["serve", *SERVE_ARGS, "--model", model_dir, "--shutdown-timeout", "60"],
+                      log)
     yield s
     s.kill()
 
@@ -187,41 +193,14 @@ def test_a_client_leaving_mid_stream_frees_its_blocks(server):
     assert server.metric("vllm:time_to_first_token_seconds_count") > 0
 
 
-def test_sigterm_refuses_new_work_finishes_in_flight_and_exits_0(model_dir, tmp_path):
-    s = ServerProcess(["serve", "--model", model_dir, "--served-model-name", NAME,
-                       "--max-len", str(MAX_LEN), "--shutdown-timeout", "60"],
-                      str(tmp_path / "serve.log"))
-    try:
-        with httpx.Client(timeout=120) as c:
-            with c.stream("POST", s.url + "/v1/completions", json={
-                    "model": NAME, "prompt": "last words", "max_tokens": 60, "stream": True,
-                    "ignore_eos": True}) as r:
-                lines = r.iter_lines()
-                assert next(lines).startswith("data: ")
-                s.process.send_signal(signal.SIGTERM)
-                deadline = time.monotonic() + 10
-                while c.get(s.url + "/health").status_code == 200:
-                    assert time.monotonic() < deadline
-                    time.sleep(0.05)
-                refused = c.post(s.url + "/v1/completions", json={"model": NAME, "prompt": "x"})
-                assert refused.status_code == 503
-                events = [json.loads(line[6:]) for line in lines
-                          if line.startswith("data: {")]
-        assert events[-1]["choices"][0]["finish_reason"] == "length"
-        assert s.process.wait(timeout=60) == 0
-    finally:
-        s.kill()
-
-
+@pytest.mark.multirank
 def test_tp4_under_mpirun_serves_the_same_completions_and_dies_with_a_rank(
         server, model_dir, tmp_path):
     """One start of the 4-rank job: same greedy completions as tp1; the hand-off cost is in
     /metrics; killing rank 2 fails /health and brings the job down non-zero."""
     log = str(tmp_path / "tp4.log")
     job = ServerProcess(["launch", "--nproc", "4", "--strategy", TP4, "--", "serve",
-                         "--model", model_dir, "--served-model-name", NAME,
-                         "--max-len", str(MAX_LEN), "--max-num-seqs", "4"], log,
-                        ready_timeout=900)
+                         "--model", model_dir, *SERVE_ARGS], log, ready_timeout=900)
     try:
         for prompt in PROMPTS:
             assert greedy(job, prompt).choices[0].text == greedy(server, prompt).choices[0].text
@@ -245,3 +224,29 @@ def test_tp4_under_mpirun_serves_the_same_completions_and_dies_with_a_rank(
         assert time.monotonic() - killed < 60
     finally:
         job.kill()
+
+
+def test_sigterm_refuses_new_work_finishes_in_flight_and_exits_0(server):
+    """Last in this file: it stops the module's server (its in-flight stream has the 60 s of
+    --shutdown-timeout to finish)."""
+    s = server
+    try:
+        with httpx.Client(timeout=120) as c:
+            with c.stream("POST", s.url + "/v1/completions", json={
+                    "model": NAME, "prompt": "last words", "max_tokens": 60, "stream": True,
+                    "ignore_eos": True}) as r:
+                lines = r.iter_lines()
+                assert next(lines).startswith("data: ")
+                s.process.send_signal(signal.SIGTERM)
+                deadline = time.monotonic() + 10
+                while c.get(s.url + "/health").status_code == 200:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+                refused = c.post(s.url + "/v1/completions", json={"model": NAME, "prompt": "x"})
+                assert refused.status_code == 503
+                events = [json.loads(line[6:]) for line in lines
+                          if line.startswith("data: {")]
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        assert s.process.wait(timeout=60) == 0
+    finally:
+        s.kill()
