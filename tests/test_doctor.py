@@ -314,19 +314,8 @@ def test_bad_input_is_a_one_line_error(capsys, tmp_path):
 
 def test_npu_smi_of_a_910b_box_numbers_devices_in_order():
     # The A2 layout: no Device column, HBM-Usage after Memory-Usage (vllm-ascend#1767).
-    text = """\
-| npu-smi 24.1.0.3                 Version: 24.1.0.3                                             |
-+---------------------------+---------------+----------------------------------------------------+
-| NPU   Name                | Health        | Power(W)    Temp(C)           Hugepages-Usage(page)|
-| Chip                      | Bus-Id        | AICore(%)   Memory-Usage(MB)  HBM-Usage(MB)        |
-+===========================+===============+====================================================+
-| 0     910B2               | OK            | 96.4        37                0    / 0             |
-| 0                         | 0000:C1:00.0  | 0           0    / 0          3397 / 65536         |
-+===========================+===============+====================================================+
-| 1     910B2               | Warning       | 88.7        37                0    / 0             |
-| 0                         | 0000:C2:00.0  | 0           0    / 0          3395 / 65536         |
-+===========================+===============+====================================================+
-"""
+    with open(os.path.join(FIXTURES, "a2_2chips.txt")) as f:
+        text = f.read()
     smi = parse_npu_smi(text)
     assert smi.version == "24.1.0.3"
     assert [(c.npu, c.chip, c.device, c.health) for c in smi.chips] == [
