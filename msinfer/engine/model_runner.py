@@ -64,6 +64,9 @@ class ModelRunner:
     """What both runners share: shape buckets, a step's inputs built from the block tables,
     timings, compiling ahead. A subclass runs the padded call (`_run`) and names its graphs."""
 
+    # Whether every call computes logits rows (a whole-model graph always has its lm_head).
+    needs_rows = False
+
     def __init__(self, ctx: ParallelContext, layout: CacheLayout, max_num_seqs: int,
                  max_prefill_tokens: int, max_model_len: int):
         config = ctx.config
@@ -176,9 +179,6 @@ class ModelRunner:
         logits = logits[:len(rows)] if logits is not None else np.zeros((0, 0), np.float32)
         self._time("prefill", start, total, compiled, f"chunk {size} x context {context}")
         return logits
-
-    # Whether every call computes logits rows (a whole-model graph always has its lm_head).
-    needs_rows = False
 
     def prefill_rows(self, count, size):
         """The lm_head rows a prefill call of `size` tokens computes when `count` of its chunks
