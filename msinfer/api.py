@@ -7,14 +7,12 @@ rank of a sharded job the same code runs; every rank returns the same outputs.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
-
-import numpy as np
 
 from . import log
 from .config import ModelConfig, eos_token_ids
 from .engine import LLMEngine, RequestOutput
-from .engine.llm_engine import non_finite_message
 from .engine.sampling import SamplingParams
 from .engine.tokenizer import encode_prompts
 from .errors import MsinferError, NonFiniteLogits
@@ -160,45 +158,43 @@ class LLM:
                                          f"{stats.num_waiting} waiting")
         outputs = [finished.get(ids[i]) if i in ids else None for i in range(len(encoded))]
         if self.replicas > 1:
-            self._exchange(outputs, texts, token_lists, max(p.max_tokens for p in params))
+            self._exchange(outputs)
         failed = [out for out in outputs if out is not None and out.finish_reason == "error"]
         if failed:  # on every rank alike, after the exchange (no rank is left waiting in it)
             more = f" (and {len(failed) - 1} more prompt(s))" if len(failed) > 1 else ""
             raise NonFiniteLogits(f"{failed[0].error or 'non-finite logits'}{more}", outputs)
         return outputs
 
-    def _exchange(self, outputs, texts, token_lists, max_tokens):
-        """Give every rank every replica's results: one AllGather over the job of fixed-size
-        rows [prompt index, finish reason (_REASONS), count, tokens...] (float32 holds ids
-        < 2**24 exactly)."""
-        from .parallel.distributed import all_gather_rows
+    def _exchange(self, outputs):
+        """Give every rank every replica's finished outputs, each field exactly as its replica
+        computed it (token ids, text cut at stop strings, finish reason, logprobs, error,
+        request id). They travel as JSON, once per generate call: two AllGathers over the job
+        (distributed.all_gather_json); of each replica, its tensor rank 0's are read."""
+        from .parallel.distributed import all_gather_json
 
-        per_replica = -(-len(outputs) // self.replicas)
-        rows = np.full((per_replica, 3 + max_tokens), -1, np.float32)
-        mine = [i for i, out in enumerate(outputs) if out is not None]
-        for slot, index in enumerate(mine):
-            out = outputs[index]
-            rows[slot, :3] = (index, _REASONS.index(out.finish_reason or "length"),
-                              len(out.token_ids))
-            rows[slot, 3:3 + len(out.token_ids)] = out.token_ids
-        everyone = all_gather_rows(rows).reshape(self.dist.world_size, per_replica, -1)
-        for row in everyone[::self.shard_plan.tensor].reshape(-1, rows.shape[1]):  # one rank each
-            index = int(row[0])
-            if index < 0 or outputs[index] is not None:
-                continue
-            tokens = row[3:3 + int(row[2])].astype(np.int64).tolist()
-            text = self.tokenizer.decode(tokens) if self.has_tokenizer else ""
-            reason = _REASONS[int(row[1])]
-            outputs[index] = RequestOutput(
-                request_id=f"generate-{self._batches}-{index}", prompt=texts[index],
-                prompt_token_ids=token_lists[index], token_ids=tokens, text=text,
-                finished=True, finish_reason=reason,
-                error=non_finite_message(f"generate-{self._batches}-{index}", len(tokens),
-                                         self.compute_dtype) if reason == "error" else None)
+        mine = [[i, _output_to_json(out)] for i, out in enumerate(outputs) if out is not None]
+        everyone = all_gather_json(self.dist, mine)
+        for replica in everyone[::self.shard_plan.tensor]:  # ranks of a replica are consecutive
+            for index, fields in replica:
+                if outputs[index] is None:
+                    outputs[index] = _output_from_json(fields)
 
 
-# The finish reasons _exchange carries, by their index.
-_REASONS = ("length", "stop", "abort", "error")
+def _output_to_json(out: RequestOutput) -> dict:
+    """A RequestOutput as JSON takes it: logprobs {token id: logprob} as [id, logprob] pairs
+    (JSON object keys are strings); floats survive exactly (json writes repr)."""
+    fields = {field.name: getattr(out, field.name) for field in dataclasses.fields(out)}
+    if out.logprobs is not None:
+        fields["logprobs"] = [list(step.items()) for step in out.logprobs]
+    return fields
+
+
+def _output_from_json(fields: dict) -> RequestOutput:
+    fields = dict(fields)
+    if fields.get("logprobs") is not None:
+        fields["logprobs"] = [{int(token): logprob for token, logprob in step}
+                              for step in fields["logprobs"]]
+    return RequestOutput(**fields)
 
 
 def _log_start(llm, report):

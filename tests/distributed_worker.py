@@ -1,6 +1,8 @@
 """One rank of a multi-process test job (started by tests/test_distributed.py under mpirun or
 msrun). Runs greedy generation on a batch of prompts, records the logits of the prefill and
 the first decode steps, and writes them with this rank's memory figures to OUT/rank_R.npz.
+With --sampling (SamplingParams arguments per prompt, as JSON) it writes instead every field
+of every output this rank returns to OUT/rank_R.json (output_fields).
 
 Test hooks, once every rank has written its results (so that one job checks both the results
 and the failure): MSINFER_TEST_KILL_RANK=r makes rank r SIGKILL itself, MSINFER_TEST_FAIL_RANK=r
@@ -12,6 +14,7 @@ processor's forms (hardware.cpu_matmul_forms), so that the sharded lm_head's tra
 gather runs.
 """
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -37,6 +40,7 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--prompts", required=True, help="JSON list of token-id lists")
     p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--sampling", help="JSON list of SamplingParams arguments, one per prompt")
     p.add_argument("--weight-first", action="store_true")
     args = p.parse_args()
     os.environ.setdefault("GLOG_v", "3")
@@ -61,6 +65,12 @@ def main():
     after_load = rss_bytes()
 
     prompts = json.loads(args.prompts)
+    if args.sampling:
+        outs = llm.generate(prompts, [SamplingParams(**kwargs)
+                                      for kwargs in json.loads(args.sampling)])
+        with open(os.path.join(args.out, f"rank_{rank}.json"), "w") as f:
+            json.dump([output_fields(out) for out in outs], f)
+        return 0
     vocab = llm.config.vocab_size
     outs = llm.generate(prompts, SamplingParams(max_tokens=args.new_tokens, temperature=0.0,
                                                 ignore_eos=True, logprobs=vocab))
@@ -87,6 +97,15 @@ def main():
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     return 0
+
+
+def output_fields(out):
+    """Every field of a RequestOutput as JSON writes it exactly (floats by repr); logprobs as
+    [token id, logprob] pairs, since JSON keys are strings."""
+    fields = dataclasses.asdict(out)
+    if out.logprobs is not None:
+        fields["logprobs"] = [sorted(step.items()) for step in out.logprobs]
+    return fields
 
 
 def lose_a_rank(out_dir, rank):

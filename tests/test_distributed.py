@@ -1,12 +1,13 @@
 """Real multi-process jobs on CPU: tensor parallelism through MindSpore's collectives.
 
-Three jobs (mpirun or msrun, 2 or 4 ranks), each started once as a subprocess and checked for
-many things: every rank agrees, log-probabilities match transformers within 1e-4, greedy
-tokens are identical, each rank holds only its slice. Once their results are written, the two
-worker jobs lose a rank (tests/distributed_worker.py's test hooks: under mpirun one is killed,
-under msrun one fails with a user error) while the others wait in a collective, and the job
-must come down quickly and non-zero. Jobs run in their own process group and are killed on
-timeout, so no rank outlives a test.
+Three jobs of tests/distributed_worker.py (mpirun or msrun, 2 or 4 ranks), each started once
+as a subprocess and checked for many things: every rank agrees, log-probabilities match
+transformers within 1e-4, greedy tokens are identical, each rank holds only its slice; with two
+data replicas, every rank returns every output exactly as the replica that ran it computed
+it. Once their results are written, the tp4 and tp2 jobs lose a rank (the worker's test hooks:
+under mpirun one is killed, under msrun one fails with a user error) while the others wait in
+a collective, and the job must come down quickly and non-zero. Jobs run in their own process
+group and are killed on timeout, so no rank outlives a test.
 """
 import json
 import os
@@ -196,26 +197,85 @@ def test_tp2_under_msrun_matches_hf_with_tied_embeddings(models, tp2_msrun):
     check_ranks_against_hf(job.dir, 2, models["tied"][1], "msrun")
 
 
-def test_msinfer_launch_dp2_tp2_prints_rank0_results_identical_to_hf_greedy(models, tmp_path):
-    """Two data replicas of two tensor ranks: replica 0 runs prompts 0 and 2, replica 1
-    prompt 1, each in its own tensor group; rank 0 prints all three."""
+def test_dp2_tp2_every_rank_returns_exactly_what_one_process_returns(models, tmp_path):
+    """Two data replicas of two tensor ranks under mpirun: replica 0 runs prompts 0 and 2,
+    replica 1 prompts 1 and 3, each in its own tensor group, and then every rank returns
+    every output with every field as its replica computed it. Replica 1's prompts are the
+    telling ones: prompt 1 is cut at a stop string (with logprobs), prompt 3 reports 5 logprobs
+    per token and ends at max_tokens; replica 0's prompt 0 stops at a stop token id."""
+    from distributed_worker import output_fields
+
+    from msinfer import LLM, SamplingParams
+    from msinfer.engine.tokenizer import Tokenizer
+
     model_dir, hf = models["tied"]
-    cmd = [sys.executable, "-m", "msinfer", "launch", "--nproc", "4",
-           "--strategy", os.path.join(STRATEGIES, "qwen2_dp2_tp2.yaml"), "--",
-           "generate", "--model", model_dir, "--max-tokens", str(NEW_TOKENS), "--ignore-eos",
-           "--max-len", "128", "--json"]
-    for prompt in PROMPTS:
-        cmd += ["--prompt-ids", ",".join(map(str, prompt))]
+    hf_tokens = [hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+                 for prompt in PROMPTS]
+    # Two characters from the middle of what prompt 1 generates: its text is cut there.
+    text = Tokenizer.from_model_dir(model_dir).decode(hf_tokens[1])
+    stop = next(text[i:i + 2] for i in range(len(text) // 2, len(text) - 1)
+                if "\ufffd" not in text[i:i + 2])
+    greedy = dict(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    sampling = [dict(greedy, stop_token_ids=[hf_tokens[0][9]]),
+                dict(greedy, stop=[stop], logprobs=2), dict(greedy), dict(greedy, logprobs=5)]
+    cmd = (mpirun_prefix(4) + [sys.executable]
+           + worker_args(model_dir, "qwen2_dp2_tp2.yaml", tmp_path)
+           + ["--sampling", json.dumps(sampling)])
     code, out, _ = run_job(cmd)
     assert code == 0, out[-3000:]
-    assert "FITS" in out  # the planner ran before the ranks started
-    results = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    assert len(results) == len(PROMPTS)  # printed by rank 0 only
-    for prompt, result in zip(PROMPTS, results):
-        assert result["prompt"] == prompt
-        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
-                               do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert result["token_ids"] == expected[0, len(prompt):].tolist()
+    assert "2 data replicas" in out
+    ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(4)]
+    for r, outputs in enumerate(ranks):  # exactly, floats included: nothing lost on the way
+        assert outputs == ranks[0], f"rank {r} differs from rank 0"
+    results = ranks[0]
+    # What the engine in one process returns for the same prompts and sampling, field by field.
+    llm = LLM(model_dir, max_len=128, block_size=4, max_prefill_tokens=16,
+              kv_cache_memory=1 << 20)
+    expected = [json.loads(json.dumps(output_fields(out)))
+                for out in llm.generate(PROMPTS, [SamplingParams(**s) for s in sampling])]
+    for i, (result, one) in enumerate(zip(results, expected)):
+        got_logprobs, one_logprobs = result["logprobs"], one["logprobs"]
+        assert dict(result, logprobs=None) == dict(one, logprobs=None), f"prompt {i}"  # all else
+        if one_logprobs is None:
+            assert got_logprobs is None, f"prompt {i}"
+            continue
+        # Tensor-parallel sums add in another order than one process's: same ids, close values.
+        assert [[t for t, _ in step] for step in got_logprobs] == [
+            [t for t, _ in step] for step in one_logprobs], f"prompt {i} logprob ids"
+        np.testing.assert_allclose([lp for step in got_logprobs for _, lp in step],
+                                   [lp for step in one_logprobs for _, lp in step], atol=1e-5)
+    # and the tokens are transformers' greedy ones, up to where a stop ended them
+    for i, result in enumerate(results):
+        assert result["request_id"] == f"generate-1-{i}"
+        assert result["token_ids"] == hf_tokens[i][:len(result["token_ids"])], f"prompt {i}"
+    # The cases asked for happened.
+    assert [r["finish_reason"] for r in results] == ["stop", "stop", "length", "length"]
+    assert len(results[0]["token_ids"]) <= 10 and results[0]["token_ids"][-1] == hf_tokens[0][9]
+    assert stop not in results[1]["text"] and len(results[1]["token_ids"]) < NEW_TOKENS
+    assert len(results[1]["logprobs"]) == len(results[1]["token_ids"])
+    assert {len(step) for step in results[3]["logprobs"]} == {5}  # the greedy token among them
+    assert len(results[3]["token_ids"]) == NEW_TOKENS
+
+
+def test_outputs_cross_the_replica_exchange_with_every_field_intact():
+    """What the job above cannot produce on demand: "error" and "abort" outputs, an error
+    message, non-ASCII text, an infinite logprob (the exchange's encoding, alone: no
+    collective runs at world size 1, the JSON round trip does)."""
+    from msinfer.api import _output_from_json, _output_to_json
+    from msinfer.engine import RequestOutput
+    from msinfer.parallel.distributed import DistInfo, all_gather_json
+
+    outputs = [
+        RequestOutput(request_id="generate-3-1", prompt="héllo ✓", prompt_token_ids=[1, 2],
+                      token_ids=[5, 6], text="ab\u00e9", finished=True, finish_reason="error",
+                      logprobs=[{5: -0.1, 7: -2.5000000000000004}, {6: float("-inf")}],
+                      error="non-finite logits (NaN or inf) for request 'generate-3-1' ..."),
+        RequestOutput(request_id="generate-3-3", prompt=None, prompt_token_ids=[3],
+                      token_ids=[], text="", finished=True, finish_reason="abort")]
+    alone = DistInfo(rank=0, world_size=1, launcher="single")
+    (back,) = all_gather_json(alone, [_output_to_json(out) for out in outputs])
+    assert [_output_from_json(fields) for fields in back] == outputs
 
 
 def test_a_killed_rank_brings_the_mpirun_job_down_quickly(tp4_mpirun):

@@ -362,6 +362,29 @@ def all_gather_rows(rows: np.ndarray) -> np.ndarray:
     return _over_the_job("AllGather", rows)
 
 
+def all_gather_json(info: DistInfo, obj) -> list:
+    """Every rank's `obj` (anything `json.dumps` writes), in rank order, on every rank, as
+    `json.loads` reads it back (so also alone: dict keys become strings).
+
+    Two AllGathers over the job: each rank's byte count, then every rank's UTF-8 JSON padded
+    to the longest. MindSpore's CPU collectives take float32, so each byte travels as one
+    float32 (0..255 exactly) and each count as two (below 2**24 each): the job moves
+    world_size x longest x 4 bytes to every rank. Alone (world size 1) no collective runs."""
+    import json
+
+    import numpy as np
+
+    data = json.dumps(obj).encode()
+    if info.world_size == 1:
+        return [json.loads(data)]
+    counts = all_gather_rows(np.array([divmod(len(data), 1 << 24)], np.float32))
+    counts = [int(high) * (1 << 24) + int(low) for high, low in counts]
+    row = np.zeros((1, max(counts)), np.float32)
+    row[0, :len(data)] = np.frombuffer(data, np.uint8)
+    rows = all_gather_rows(row)
+    return [json.loads(rows[r, :n].astype(np.uint8).tobytes()) for r, n in enumerate(counts)]
+
+
 def _over_the_job(collective, array):
     """One collective (an `ops` primitive name) over the whole job, on a host array."""
     from mindspore import Tensor, nn, ops
