@@ -192,6 +192,42 @@ def test_mpirun_on_cpu_bridges_every_rank_to_a_loopback_scheduler(model_dir, cap
         assert env["OMPI_*"] == "(removed)"
 
 
+@pytest.mark.parametrize("launcher", ["mpirun", "msrun"])
+def test_ascend_ranks_get_serving_hccl_timeouts_unless_the_environment_sets_them(
+        model_dir, capsys, monkeypatch, launcher):
+    """HCCL's defaults let a stuck chip hold a service for 30 minutes; launch gives the ranks
+    shorter ones (HCCL_TIMEOUTS), keeps the user's, and sets none off Ascend."""
+    from msinfer.cli.launch import HCCL_TIMEOUTS
+
+    launch = ["--launcher", launcher, "--nproc", "4", "--strategy", TP4]
+    rank = ("generate", "--model", model_dir, "--prompt", "hi")
+    monkeypatch.delenv("HCCL_CONNECT_TIMEOUT", raising=False)
+    monkeypatch.delenv("HCCL_EXEC_TIMEOUT", raising=False)
+    assert HCCL_TIMEOUTS == {"HCCL_CONNECT_TIMEOUT": "600", "HCCL_EXEC_TIMEOUT": "340"}
+    code, command, ranks, _ = dry_run(capsys, *launch, "--hardware", "atlas-300i-duo",
+                                      rank=rank)
+    assert code == 0
+    for r in range(4):
+        env = ranks[r][1]
+        assert (env["HCCL_CONNECT_TIMEOUT"], env["HCCL_EXEC_TIMEOUT"]) == ("600", "340")
+    if launcher == "mpirun":  # exported with -x, so ranks on other hosts get them too
+        assert "HCCL_EXEC_TIMEOUT=340" in command and "HCCL_CONNECT_TIMEOUT=600" in command
+    monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "1836")
+    code, command, ranks, _ = dry_run(capsys, *launch, "--hardware", "atlas-300i-duo",
+                                      rank=rank)
+    assert code == 0
+    for r in range(4):
+        env = ranks[r][1]
+        assert (env["HCCL_CONNECT_TIMEOUT"], env["HCCL_EXEC_TIMEOUT"]) == ("600", "1836")
+    if launcher == "mpirun":
+        assert "HCCL_EXEC_TIMEOUT=1836" in command
+    monkeypatch.delenv("HCCL_EXEC_TIMEOUT")
+    code, command, ranks, _ = dry_run(capsys, *launch, "--hardware", "cpu", rank=rank)
+    assert code == 0
+    assert not [w for w in command if w.startswith("HCCL_")]
+    assert not [k for r in range(4) for k in ranks[r][1] if k.startswith("HCCL_")]
+
+
 # ---- the parallel mode is known before anything starts ----
 
 def test_semi_auto_with_replicated_kv_heads_is_refused_before_spawning(model_dir, tmp_path,

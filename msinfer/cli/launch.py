@@ -11,6 +11,8 @@ process starts. mpirun brings the whole job down as soon as one rank exits with 
 
 `--dry-run` prints the command and the environment each rank will run with: what the launcher
 sets, and what msinfer's own start-up (msinfer.distributed.rank_environment) makes of it.
+On Ascend, the ranks also get HCCL's timeouts fit for a serving job (HCCL_TIMEOUTS) unless the
+environment sets them.
 """
 from __future__ import annotations
 
@@ -35,7 +37,24 @@ RANK_COMMANDS = ("generate", "serve", "commtest")
 MODEL_COMMANDS = ("generate", "serve")
 # What the dry run shows of each rank's environment (MPI variables are summarised).
 _SHOWN = ("RANK_TABLE_FILE", "RANK_ID", "RANK_SIZE", "DEVICE_ID", "MS_ROLE", "MS_WORKER_NUM",
-          "MS_SCHED_HOST", "MS_SCHED_PORT", "MS_NODE_ID", "MSINFER_MULTI_HOST")
+          "MS_SCHED_HOST", "MS_SCHED_PORT", "MS_NODE_ID", "MSINFER_MULTI_HOST",
+          "HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT")
+# HCCL's watchdogs, in seconds, as an Ascend job's ranks get them unless the environment sets
+# them (hccl_timeouts; docs/environment.md, "HCCL timeouts"). HCCL's defaults suit training:
+# connect 120 s, and a collective waits 1836 s for a peer, so one stuck chip holds a service
+# for half an hour. msinfer serve's own watchdog (--stall-timeout, 60 s by default) is the
+# first line; these are the backstop, and the only watchdog of jobs it does not watch
+# (generate, commtest).
+HCCL_TIMEOUTS = {
+    # Setting up the links between devices, when a group is set up or first used: first-run
+    # graph compiles and weight loading put the ranks there minutes apart (HCCL: 120..7200).
+    "HCCL_CONNECT_TIMEOUT": "600",
+    # A device waiting in a collective for its peers. The longest legitimate wait is warm-up:
+    # each graph's collectives wait for the rank slowest to compile that graph (a minute or
+    # two at first run); a stuck chip is given up on after under 6 minutes. 5 x 68 s, since
+    # the 310P (300I Duo) rounds the value down to a multiple of 68 s.
+    "HCCL_EXEC_TIMEOUT": "340",
+}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -95,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
     _check_plan(args, rank_args[0], rank, profile)
     _check_hosts(args, profile)
+    args.rank_env = hccl_timeouts(profile.device_target, os.environ)
     command = (_mpirun_command(args, rank_args) if args.launcher == "mpirun"
                else _msrun_command(args, rank_args))
     print("msinfer launch: " + shlex.join(command), file=sys.stderr, flush=True)
@@ -104,7 +124,15 @@ def run(args: argparse.Namespace) -> int:
             print(describe_rank_environment(r, _launcher_environment(args, r, command),
                                             profile.device_target, rank_table))
         return 0
-    return _run(command, args.timeout)
+    return _run(command, args.timeout, args.rank_env)
+
+
+def hccl_timeouts(device_target: str, env) -> dict[str, str]:
+    """HCCL_TIMEOUTS, with the values `env` already sets (not empty) in their place; {} off
+    Ascend (HCCL is Ascend's collective library)."""
+    if device_target != "Ascend":
+        return {}
+    return {key: env.get(key) or value for key, value in HCCL_TIMEOUTS.items()}
 
 
 def _rank_table(args, profile):
@@ -197,6 +225,8 @@ def _mpirun_command(args, rank_args):
         command.append("--oversubscribe")
     if args.timeout:
         command += ["--timeout", str(args.timeout)]
+    for key, value in args.rank_env.items():  # -x: to the ranks on other hosts too
+        command += ["-x", f"{key}={value}"]
     return command + [sys.executable, "-m", "msinfer"] + rank_args
 
 
@@ -217,7 +247,7 @@ def _msrun_command(args, rank_args):
 def _launcher_environment(args, rank, command):
     """The variables the launcher gives rank `rank` (what mpirun or msrun export to it), on
     top of the launching shell's environment."""
-    env = dict(os.environ)
+    env = dict(os.environ, **args.rank_env)  # msrun's workers inherit them (_run)
     n = args.nproc
     if args.launcher == "msrun":
         # msrun's process manager (mindspore/parallel/cluster/process_entity/_api.py).
@@ -305,9 +335,9 @@ class _Stop(Exception):
     """SIGTERM to the launcher: stop the job as Ctrl-C does."""
 
 
-def _run(command, timeout):
+def _run(command, timeout, rank_env):
     # msrun starts each worker with the `python` found on PATH: make it this interpreter.
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep +
+    env = dict(os.environ, **rank_env, PATH=os.path.dirname(sys.executable) + os.pathsep +
                os.environ.get("PATH", ""))
     # Own process group, so an interrupt or a timeout takes every rank down with the launcher.
     process = subprocess.Popen(command, start_new_session=True, env=env, text=True,
