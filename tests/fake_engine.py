@@ -66,18 +66,24 @@ class FakeEngine:
         self.aborted_ids = []
         self.pending_aborts = []
         self.prompt_tokens = self.generation_tokens = 0
-        self.steps = 0
+        self.steps = self.step_count = 0
+        self.decisions = []
+        # what LLMEngine's scheduler holds, as the planted-divergence hook reads it
+        self.scheduler = types.SimpleNamespace(running=self.running, waiting=self.waiting)
 
     def warmup(self):
         pass
 
     def add_request(self, request_id, prompt_token_ids, params, prompt=None):
         ids = list(prompt_token_ids)
-        check_request_limits(ids, params, self.vocab_size, self.max_model_len, self.layout,
-                             has_tokenizer=True, name=f"request {request_id!r}")
+        self.check_request(ids, params, name=f"request {request_id!r}")
         if any(r.request_id == request_id for r in self.waiting + self.running):
             raise MsinferError(f"request id {request_id!r} is already running")
         self.waiting.append(_Request(request_id, ids, params, prompt))
+
+    def check_request(self, ids, params, name="prompt"):
+        check_request_limits(ids, params, self.vocab_size, self.max_model_len, self.layout,
+                             has_tokenizer=True, name=name)
 
     def abort_request(self, request_id):
         for queue in (self.waiting, self.running):
@@ -98,8 +104,13 @@ class FakeEngine:
         return bool(self.waiting or self.running)
 
     def step(self):
-        time.sleep(self.step_delay)
-        self.steps += 1
+        outputs, schedule = self.begin_step()
+        if not schedule.empty:
+            outputs += self.run_step(schedule)
+        return outputs
+
+    # the split step of a sharded server (LLMEngine.begin_step / run_step / apply_decisions)
+    def begin_step(self):
         outputs = [self._output(r, "abort") for r in self.pending_aborts]
         self.pending_aborts = []
         while (self.waiting and len(self.running) < self.max_num_seqs
@@ -108,6 +119,16 @@ class FakeEngine:
             r = self.waiting.pop(0)
             self.prompt_tokens += len(r.prompt_ids)
             self.running.append(r)
+        return outputs, FakeSchedule([(r.request_id, len(r.generated)) for r in self.running])
+
+    def run_step(self, schedule, sample=True):
+        time.sleep(self.step_delay)
+        self.steps += 1
+        self.step_count = self.steps
+        self.decisions = []
+        if not sample:
+            return []
+        outputs = []
         for r in list(self.running):
             token = r.planned[len(r.generated)]
             r.generated.append(token)
@@ -124,8 +145,21 @@ class FakeEngine:
                 reason = "length"
             if reason:
                 self.running.remove(r)
+            self.decisions.append([r.request_id, token, reason])
             outputs.append(self._output(r, reason))
         return outputs
+
+    def apply_decisions(self, decisions):
+        by_id = {r.request_id: r for r in self.running}
+        for request_id, token, reason in decisions:
+            if request_id not in by_id:
+                raise MsinferError(f"the leader decided for request {request_id!r}, which "
+                                   f"this rank does not hold")
+            r = by_id[request_id]
+            r.generated.append(token)
+            self.generation_tokens += 1
+            if reason:
+                self.running.remove(r)
 
     def _output(self, r, reason):
         text = self.tokenizer.decode(r.generated)
@@ -142,8 +176,23 @@ class FakeEngine:
                            0, self.prompt_tokens, self.generation_tokens)
 
 
+class FakeSchedule:
+    def __init__(self, rows):
+        self.rows = rows  # (request id, tokens generated) per running request
+
+    @property
+    def empty(self):
+        return not self.rows
+
+    def describe(self):
+        return f"{len(self.rows)} requests"
+
+    def digest(self):
+        return repr(self.rows)
+
+
 def fake_llm(**engine_options):
     engine = FakeEngine(**engine_options)
-    return types.SimpleNamespace(engine=engine, tokenizer=engine.tokenizer,
+    return types.SimpleNamespace(engine=engine, tokenizer=engine.tokenizer, replicas=1,
                                  dist=types.SimpleNamespace(rank=0, world_size=1),
                                  config=types.SimpleNamespace(vocab_size=engine.vocab_size))

@@ -1,7 +1,8 @@
 """`msinfer serve` as a real process on a tiny checkpoint: one start, many checks through the
 official openai client and raw HTTP; then the same server as a 4-rank tp4 job under mpirun,
 whose completions must equal the single process's, and which must fail /health and exit
-non-zero when one of its ranks is killed."""
+non-zero when one of its ranks stops; then as the dp2 x tp2 job, whose replicas share the
+requests, and which ends when a rank falls out of step."""
 import json
 import os
 import re
@@ -22,6 +23,7 @@ pytestmark = pytest.mark.server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TP4 = os.path.join(ROOT, "strategies", "qwen2_tp4.yaml")
+DP2_TP2 = os.path.join(ROOT, "strategies", "qwen2_dp2_tp2.yaml")
 NAME = "tiny"
 MAX_LEN = 128
 # The same engine settings for the one-process server and the tp4 job (their completions are
@@ -33,11 +35,11 @@ PROMPTS = ["The capital of France is", "Tensor parallelism splits each layer", "
 
 
 class ServerProcess:
-    def __init__(self, argv, log_path, ready_timeout=600):
+    def __init__(self, argv, log_path, ready_timeout=600, env=None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", GLOG_v="3")
+        env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", GLOG_v="3", **(env or {}))
         self.log = open(log_path, "w")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "msinfer"] + argv + ["--port", str(self.port)],
@@ -65,10 +67,12 @@ class ServerProcess:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0,
                              timeout=120)
 
-    def metric(self, name):
+    def metric(self, name, where=""):
+        """The sum of `name`'s samples (those whose labels contain `where`)."""
         text = httpx.get(self.url + "/metrics", timeout=10).text
         values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                  if line.startswith(name + "{") or line.startswith(name + " ")]
+                  if (line.startswith(name + "{") or line.startswith(name + " "))
+                  and where in line]
         assert values, f"{name} not in /metrics"
         return sum(values)
 
@@ -193,14 +197,32 @@ def test_a_client_leaving_mid_stream_frees_its_blocks(server):
     assert server.metric("vllm:time_to_first_token_seconds_count") > 0
 
 
+def wait_unhealthy(job, since, bound):
+    """Poll /health until it fails; its body, within `bound` seconds of `since`."""
+    while True:
+        try:
+            r = httpx.get(job.url + "/health", timeout=5)
+            if r.status_code != 200:
+                return r.json()["status"]
+        except httpx.HTTPError:
+            return "unreachable"
+        assert time.monotonic() - since < bound, f"/health still ok after {bound}s"
+        time.sleep(0.1)
+
+
+STALL = 5  # --stall-timeout of the sharded jobs below
+
+
 @pytest.mark.multirank
-def test_tp4_under_mpirun_serves_the_same_completions_and_dies_with_a_rank(
+def test_tp4_under_mpirun_serves_the_same_completions_and_a_stopped_rank_ends_it(
         server, model_dir, tmp_path):
     """One start of the 4-rank job: same greedy completions as tp1; the hand-off cost is in
-    /metrics; killing rank 2 fails /health and brings the job down non-zero."""
+    /metrics; a rank that stops (SIGSTOP: alive, silent) fails /health within the stall
+    timeout, its in-flight request gets an answer, and the job ends non-zero."""
     log = str(tmp_path / "tp4.log")
     job = ServerProcess(["launch", "--nproc", "4", "--strategy", TP4, "--", "serve",
-                         "--model", model_dir, *SERVE_ARGS], log, ready_timeout=900)
+                         "--model", model_dir, *SERVE_ARGS, "--stall-timeout", str(STALL)],
+                        log, ready_timeout=900)
     try:
         for prompt in PROMPTS:
             assert greedy(job, prompt).choices[0].text == greedy(server, prompt).choices[0].text
@@ -214,14 +236,83 @@ def test_tp4_under_mpirun_serves_the_same_completions_and_dies_with_a_rank(
         assert steps > 0 and job.metric("msinfer_handoff_seconds_sum") / steps < 0.01
 
         pid = int(re.search(r"rank 2 is process (\d+)", job.output()).group(1))
-        os.kill(pid, signal.SIGKILL)
-        killed = time.monotonic()
-        while job.healthy():
-            assert time.monotonic() - killed < 10, "/health still ok after a rank died"
-            time.sleep(0.1)
-        code = job.process.wait(timeout=60)
-        assert code != 0
-        assert time.monotonic() - killed < 60
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        answered = []
+        asker = threading.Thread(target=lambda: answered.append(httpx.post(
+            job.url + "/v1/completions", json={"model": NAME, "prompt": "still there?",
+                                               "max_tokens": 40}, timeout=120)))
+        asker.start()
+        status = wait_unhealthy(job, stopped, STALL + 5)
+        assert "rank 2" in status or status == "unreachable", status
+        asker.join(60)
+        assert answered and answered[0].status_code in (500, 503), answered
+        assert job.process.wait(timeout=60) != 0
+        assert time.monotonic() - stopped < STALL + 30
+        assert "rank 2 has said nothing" in job.output() or "step" in job.output()
+    finally:
+        job.kill()
+
+
+@pytest.mark.multirank
+def test_dp2_tp2_replicas_share_the_requests_and_a_diverging_rank_ends_the_job(
+        model_dir, tmp_path):
+    """The deploy guide's dp2 x tp2 job, one start: 32 requests give offline generation's
+    completions; both replicas served (the counts add up to 32) and every prompt token was
+    computed once; then rank 3 (replica 1's follower) is made to drop a request: every rank
+    names it and its step, /health fails, the job ends non-zero."""
+    from msinfer import LLM, SamplingParams
+
+    trigger = tmp_path / "diverge"
+    env = {"MSINFER_PLANT_DIVERGENCE": f"3:{trigger}"}
+    job = ServerProcess(["launch", "--nproc", "4", "--strategy", DP2_TP2, "--", "serve",
+                         "--model", model_dir, *SERVE_ARGS, "--stall-timeout", str(STALL)],
+                        str(tmp_path / "dp2tp2.log"), ready_timeout=900, env=env)
+    try:
+        prompts = [f"{PROMPTS[i % 4]} {i}" for i in range(32)]
+        got = {}
+
+        def ask(i):
+            out = job.client().completions.create(model=NAME, prompt=prompts[i],
+                                                  max_tokens=10, temperature=0)
+            got[i] = (out.choices[0].text, out.choices[0].finish_reason,
+                      out.usage.prompt_tokens)
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(32)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        offline = LLM(model_dir, max_len=MAX_LEN, max_num_seqs=4, max_prefill_tokens=32,
+                      hardware="cpu").generate(prompts, SamplingParams(max_tokens=10,
+                                                                       temperature=0))
+        assert [got[i][:2] for i in range(32)] == [(o.text, o.finish_reason) for o in offline]
+        served = [job.metric("vllm:request_success_total", f'engine="{r}"') for r in (0, 1)]
+        assert min(served) > 0 and sum(served) == 32, served
+        prompt_tokens = sum(g[2] for g in got.values())
+        assert job.metric("msinfer_prefill_tokens_computed_total") == prompt_tokens
+        assert job.metric("vllm:prompt_tokens_total") == prompt_tokens
+
+        trigger.touch()
+        started = time.monotonic()
+        answered = []
+        threads = [threading.Thread(target=lambda: answered.append(httpx.post(
+            job.url + "/v1/completions", json={"model": NAME, "prompt": "split brain",
+                                               "max_tokens": 40, "ignore_eos": True},
+            timeout=120).status_code)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        status = wait_unhealthy(job, started, 20)
+        assert "rank 3 diverged" in status or status == "unreachable", status
+        for t in threads:
+            t.join(60)
+        assert len(answered) == 4 and all(code in (200, 500, 503) for code in answered)
+        assert job.process.wait(timeout=60) != 0
+        said = job.output()
+        step = re.search(r"rank 3 diverged from its leader, rank 2, at step (\d+)", said)
+        assert step, said[-3000:]
+        for rank in range(4):  # every rank says which rank and step
+            assert re.search(rf"\[msinfer rank {rank}/4 [^]]*\] .*rank 3 diverged from its "
+                             rf"leader, rank 2, at step {step.group(1)}", said), rank
     finally:
         job.kill()
 

@@ -1,76 +1,140 @@
-"""The ranks of a sharded server stay in lockstep: rank 0's frames, sent over the host-side
-channel, make every follower's engine see the same requests and aborts before the same steps.
-Fake engines (tests/fake_engine.py) stand in for the model; the sockets are real."""
+"""The ranks of a sharded server stay in lockstep, and a rank that leaves it is caught: the
+leader's frames, sent over the host-side links, make every follower see the same requests,
+aborts and decisions before the same steps; a follower whose schedule differs, that dies or
+that goes silent is named; data replicas share requests through rank 0's router. Fake engines
+(tests/fake_engine.py) stand in for the model; the sockets are real."""
+import dataclasses
 import socket
 import threading
 import time
+import types
 
 import pytest
 from fake_engine import FakeEngine
 
 from msinfer.engine.sampling import SamplingParams
 from msinfer.server import handoff
-from msinfer.server.lockstep import EngineLoop, follow
+from msinfer.server.lockstep import (PLANT_DIVERGENCE, EngineLoop, RanksDiverged, StepWatch,
+                                     follow)
+from msinfer.server.replicas import RemoteReplica, ReplicaUplink, Router
+
+TOKEN = 12345
 
 
-def channels(followers, token=12345):
+def channels(followers, silence=handoff.DEFAULT_SILENCE):
+    """A leader (rank 0) and its followers (ranks 1..), connected as open_links connects
+    them."""
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
     ends = {}
 
     def join(rank):
-        ends[rank] = handoff.Follower(handoff._connect("127.0.0.1", port, token, rank),
-                                      local=True)
+        conn = handoff._connect("127.0.0.1", port, {"token": TOKEN, "rank": rank})
+        ends[rank] = handoff.Follower(handoff.Link(conn, 0), local=True, silence=silence)
     threads = [threading.Thread(target=join, args=(r,)) for r in range(1, followers + 1)]
     for t in threads:
         t.start()
-    leader = handoff.Leader(handoff._accept_followers(listener, followers, token))
+    leader = handoff.Leader(handoff._accept(listener, list(range(1, followers + 1)), TOKEN),
+                            silence=silence)
     for t in threads:
         t.join()
     return leader, [ends[r] for r in range(1, followers + 1)]
 
 
-def test_followers_step_through_the_same_requests_and_aborts_as_rank_0():
-    leader, followers = channels(3)
-    engines = [FakeEngine(max_num_seqs=2, step_delay=0) for _ in range(4)]
+def wait_for(condition, seconds):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def run_group(leader, followers, engines, requests, abort_at=None):
+    """Rank 0's loop and its followers over `engines`; submit `requests` ((id, prompt ids,
+    max_tokens) each); returns ({id: (tokens, finish reason)}, follower errors)."""
     loop = EngineLoop(engines[0], leader)
     loop.open()
-    threads = [threading.Thread(target=follow, args=(e, f)) for e, f in zip(engines[1:],
-                                                                            followers)]
-    threads.append(threading.Thread(target=loop.run))
+    errors, left = [], []
+
+    def run_follower(engine, channel, rank):
+        try:
+            follow(engine, channel, rank)
+        except RanksDiverged as e:
+            errors.append(str(e))
+            channel.report(str(e))
+        except handoff.PeerGone as e:  # the job failed elsewhere: leave
+            left.append(str(e))
+    threads = [threading.Thread(target=run_follower, args=(e, f, r))
+               for r, (e, f) in enumerate(zip(engines[1:], followers), start=1)]
+    def lead():
+        try:
+            loop.run()
+        except RuntimeError:  # failed: what the test does with it is the test's
+            pass
+    threads.append(threading.Thread(target=lead, daemon=True))
     for t in threads:
         t.start()
-    finished = []
-    done = threading.Event()
+    finished = {}
 
     def sink(out):
-        if out.finished:
-            finished.append((out.request_id, tuple(out.token_ids), out.finish_reason))
-            if len(finished) == 6:
-                done.set()
-    for i in range(6):
-        long = 80 if i == 1 else 5 + i  # r1 is still running when its abort comes
-        loop.submit(f"r{i}", [i + 1] * (i + 1), SamplingParams(max_tokens=long), None, sink)
-        if i == 3:
-            loop.abort("r1")
+        if not isinstance(out, Exception) and out.finished:
+            finished[out.request_id] = (tuple(out.token_ids), out.finish_reason)
+    for i, (request_id, ids, max_tokens) in enumerate(requests):
+        loop.submit(request_id, ids, SamplingParams(max_tokens=max_tokens), None, sink)
+        if abort_at is not None and i == abort_at[0]:
+            loop.abort(abort_at[1])
         time.sleep(0.003 * i)
-    refused = loop.submit("bad", [], SamplingParams(), None, sink)  # refused on every rank
-    assert done.wait(10)
-    assert "empty" in str(refused.exception(timeout=5))
+    return loop, threads, finished, errors
+
+
+def test_followers_run_the_leaders_schedule_and_take_its_decisions():
+    leader, followers = channels(3)
+    engines = [FakeEngine(max_num_seqs=2, step_delay=0) for _ in range(4)]
+    requests = [(f"r{i}", [i + 1] * (i + 1), 80 if i == 1 else 5 + i) for i in range(6)]
+    loop, threads, finished, errors = run_group(leader, followers, engines, requests,
+                                                abort_at=(3, "r1"))
+    refused = loop.submit("bad", [], SamplingParams(), None, lambda out: None)
+    wait_for(lambda: len(finished) == 6, 10)
+    assert "empty" in str(refused.exception(timeout=5))  # refused by the leader alone
     loop.drain(5)
-    leader_done = threads[-1]
-    leader_done.join(10)
+    threads[-1].join(10)
     leader.close()
     for t in threads:
         t.join(10)
         assert not t.is_alive()
-    history = [(e.steps, e.aborted_ids, e.generation_tokens, e.prompt_tokens) for e in engines]
+    assert errors == []
+    assert finished["r1"][1] == "abort"
+    history = [(e.steps, e.aborted_ids, e.prompt_tokens) for e in engines]
     assert all(h == history[0] for h in history), history
     assert engines[0].aborted_ids == ["r1"]
-    assert ("r1", "abort") in [(r, why) for r, _, why in finished]
+    # followers sampled nothing: every token they hold is one the leader decided
+    assert all(e.generation_tokens <= engines[0].generation_tokens for e in engines[1:])
     assert leader.frames == engines[0].steps
     assert all(f.frames == engines[0].steps for f in followers)
     assert "us and" in leader.summary() and "latency from rank 0" in followers[0].summary()
+
+
+def test_a_follower_that_drops_a_request_is_caught_at_that_step_and_named(monkeypatch):
+    """The planted divergence: follower 2 drops a request before step 4 (as a rank that
+    decided by itself that it finished would); it must not run step 4 and the leader hears
+    which rank and step."""
+    monkeypatch.setenv(PLANT_DIVERGENCE, "2:4")
+    leader, followers = channels(2)
+    reported = []
+    leader.watch(reported.append)
+    engines = [FakeEngine(max_num_seqs=4, step_delay=0.002) for _ in range(3)]
+    requests = [(f"r{i}", [i + 1] * 3, 20) for i in range(3)]
+    loop, threads, finished, errors = run_group(leader, followers, engines, requests)
+    wait_for(lambda: errors and reported, 10)
+    assert len(errors) == 1
+    assert "rank 2 diverged from its leader, rank 0, at step 4" in errors[0]
+    assert reported == errors  # what the leader's watch hears is the follower's own words
+    wait_for(lambda: engines[1].steps >= 4, 5)  # the healthy follower ran step 4 ...
+    assert engines[2].steps == 3  # ... rank 2 did not
+    loop.fail(reported[0])
+    loop.fail_all(reported[0])
+    leader.fail(reported[0])
+    threads[1].join(10)
+    assert not threads[1].is_alive()  # the healthy follower left on the job's failure
 
 
 def test_a_follower_that_dies_is_noticed_by_rank_0_within_a_second():
@@ -78,31 +142,46 @@ def test_a_follower_that_dies_is_noticed_by_rank_0_within_a_second():
     gone = []
     leader.watch(gone.append)
     start = time.monotonic()
-    followers[1].conn.close()
-    while not gone and time.monotonic() - start < 5:
-        time.sleep(0.01)
-    assert gone and "rank 2 is gone" in gone[0]
+    followers[1].link.conn.close()
+    wait_for(lambda: gone, 5)
+    assert "rank 2 is gone" in gone[0]
     assert time.monotonic() - start < 2 * handoff.WATCH_INTERVAL + 0.5
     with pytest.raises(handoff.PeerGone, match="rank 2"):
         for _ in range(100):  # the kernel may take one send before it reports the reset
-            leader.send({"add": [], "abort": []})
+            leader.send({"step": 1, "events": [], "schedule": ["", ""]})
             time.sleep(0.01)
 
 
-def test_rank_0_that_dies_is_noticed_by_followers():
+def test_a_silent_follower_is_named_after_the_silence_bound_and_beating_ones_are_not():
+    """A stopped process keeps its socket open but says nothing: heartbeats tell it apart."""
+    leader, followers = channels(2, silence=1.5)
+    followers[1]._done = True  # its heartbeat thread stops, as a SIGSTOPped rank's would
+    gone = []
+    leader.watch(gone.append)
+    start = time.monotonic()
+    wait_for(lambda: gone, 5)
+    assert "rank 2 has said nothing for" in gone[0] and "rank 1" not in gone[0]
+    assert 1.5 <= time.monotonic() - start + handoff.BEAT < 4
+
+
+def test_rank_0_that_dies_is_noticed_by_followers_even_with_frames_unread():
     leader, followers = channels(1)
     gone = []
     followers[0].watch(gone.append)
+    leader.send({"step": 1, "events": [], "schedule": ["", ""]})  # left unread (mid-step)
     leader.followers[0].close()  # no stop frame: rank 0 vanished
+    wait_for(lambda: gone, 5)
+    assert "rank 0 is gone" in gone[0]
+    assert followers[0].recv()["step"] == 1
     with pytest.raises(handoff.PeerGone, match="rank 0"):
         followers[0].recv()
-    start = time.monotonic()
-    while not gone and time.monotonic() - start < 5:
-        time.sleep(0.05)
-    assert gone and "rank 0 is gone" in gone[0]
 
 
-def test_a_stop_frame_ends_followers_without_alarm():
+def test_a_follower_hears_a_silent_leader_and_a_stop_frame_ends_it_without_alarm():
+    leader, followers = channels(1, silence=1.0)
+    leader._done = True  # rank 0 stops beating
+    with pytest.raises(handoff.PeerGone, match="rank 0 has said nothing for 1s"):
+        followers[0].recv()
     leader, followers = channels(1)
     gone = []
     followers[0].watch(gone.append)
@@ -112,18 +191,123 @@ def test_a_stop_frame_ends_followers_without_alarm():
     assert gone == []
 
 
+def test_a_step_that_outlives_the_stall_timeout_is_reported_once_with_rank_and_step():
+    stalls = []
+    watch = StepWatch(0.4, stalls.append, rank=3)
+    watch.start(7)
+    time.sleep(0.2)
+    watch.done()  # a quick step: nothing
+    time.sleep(0.5)
+    assert stalls == []
+    watch.start(8)
+    wait_for(lambda: stalls, 3)
+    time.sleep(0.5)
+    assert len(stalls) == 1 and stalls[0].startswith("rank 3: step 8 has not completed in")
+
+
 def test_a_stranger_without_the_token_is_turned_away():
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
-    stranger = threading.Thread(target=handoff._connect, args=("127.0.0.1", port, 999, 1))
+    stranger = threading.Thread(target=handoff._connect,
+                                args=("127.0.0.1", port, {"token": 999, "rank": 1}))
     stranger.start()
     friend = []
     t = threading.Thread(target=lambda: (time.sleep(0.3), friend.append(
-        handoff._connect("127.0.0.1", port, 42, 1))))
+        handoff._connect("127.0.0.1", port, {"token": 42, "rank": 1}))))
     t.start()
-    accepted = handoff._accept_followers(listener, 1, 42)
+    accepted = handoff._accept(listener, [1], 42)
     stranger.join()
     t.join()
-    assert len(accepted) == 1
-    accepted[0].sendall(b"\x00\x00\x00\x02{}")
-    assert handoff._recv_frame(friend[0]) == {}
+    assert [link.peer_rank for link in accepted] == [1]
+    accepted[0].send({"x": 1})
+    assert handoff._recv_frame(friend[0]) == {"x": 1}
+
+
+def test_a_dp2_tp2_job_connects_each_follower_to_its_own_replica_leader(monkeypatch):
+    """open_links over 4 ranks (threads here; the start-up broadcast stubbed): rank 0 leads
+    rank 1 and reaches replica 1's leader, rank 2, which leads rank 3."""
+    shared = {}
+    ready = threading.Event()
+
+    def broadcast(dist, values):
+        if dist.rank == 0:
+            shared["values"] = values
+            ready.set()
+        ready.wait(10)
+        return shared["values"]
+    monkeypatch.setattr(handoff, "broadcast_from_rank0", broadcast)
+    links = {}
+
+    def rank(r):
+        links[r] = handoff.open_links(types.SimpleNamespace(rank=r, world_size=4), tensor=2,
+                                      silence=5)
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert [link.peer_rank for link in links[0].channel.followers] == [1]
+    assert [link.peer_rank for link in links[0].replicas] == [2]
+    assert [link.peer_rank for link in links[2].channel.followers] == [3]
+    assert links[2].front.peer_rank == 0
+    assert links[1].channel.leader_rank == 0 and links[3].channel.leader_rank == 2
+    links[2].channel.send({"step": 1})
+    assert links[3].channel.recv() == {"step": 1, "sent_at": pytest.approx(time.monotonic(),
+                                                                           abs=5)}
+    links[0].replicas[0].send({"add": 1})
+    assert links[2].front.recv(timeout=5) == {"add": 1}
+
+
+def test_the_router_sends_each_request_to_one_replica_and_a_remote_one_returns_it_whole():
+    """Replica 0 local, replica 1 behind a real link (its own loop, uplink and fake engine):
+    requests alternate by load, each runs once, and what comes back over the link (tokens,
+    text cut at a stop string, finish reason, logprobs with int keys) equals a local run."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    b = socket.create_connection(listener.getsockname())
+    a, _ = listener.accept()
+    listener.close()
+    front, uplink_link = handoff.Link(a, 1), handoff.Link(b, 0)
+    engines = [FakeEngine(step_delay=0.001) for _ in range(2)]
+    local = EngineLoop(engines[0], handoff.Leader([]))
+    uplink = ReplicaUplink(uplink_link)
+    remote_loop = EngineLoop(engines[1], handoff.Leader([]), on_step=uplink.on_step)
+    remote = RemoteReplica(1, front)
+    router = Router(local, [remote], engines[0])
+    stop = threading.Event()
+    threading.Thread(target=handoff.watch_links, daemon=True,
+                     args=([front], stop.is_set, pytest.fail, 30, remote.on_frame)).start()
+
+    def take():  # the replica leader's reader (api_server._replica)
+        while not stop.is_set():
+            frame = uplink_link.recv(timeout=30)
+            if "add" in frame:
+                rid, ids, params, prompt = frame["add"]
+                remote_loop.submit(rid, ids, SamplingParams(**params), prompt, uplink.sink)
+    threading.Thread(target=take, daemon=True).start()
+    for loop in (local, remote_loop):
+        loop.open()
+        threading.Thread(target=loop.run, daemon=True).start()
+    remote.on_frame(front, {"ready": dataclasses.astuple(engines[1].stats())})
+    assert router.ready
+    params = SamplingParams(max_tokens=20, stop=["ok"], logprobs=2)
+    got, where = {}, {}
+    for i in range(6):
+        rid = f"q{i}"
+        accepted = router.submit(rid, [i + 3] * 4, params, f"p{i}",
+                                 lambda out, rid=rid: got.__setitem__(rid, out))
+        where[rid] = accepted.result(5)
+    wait_for(lambda: len(got) == 6 and all(o.finished for o in got.values()), 10)
+    assert set(where.values()) == {0, 1}
+    assert engines[0].prompt_tokens + engines[1].prompt_tokens == 6 * 4  # each request once
+    alone = FakeEngine(step_delay=0)
+    for rid, out in got.items():
+        i = int(rid[1:])
+        alone.add_request(rid, [i + 3] * 4, params, prompt=f"p{i}")
+        while alone.has_unfinished_requests():
+            expected = [o for o in alone.step() if o.request_id == rid][-1]
+        assert out == expected, (rid, where[rid])
+    assert any(o.finish_reason == "stop" for o in got.values())
+    assert router.queue_depth() == 0
+    stop.set()
+    local.drain(0)
+    remote_loop.drain(0)

@@ -32,7 +32,7 @@ class RunningServer:
         self.engine = self.llm.engine
         self.metrics = ServerMetrics(MODEL, self.engine.stats(),
                                      max_model_len=self.engine.max_model_len)
-        self.loop = EngineLoop(self.engine, Leader([]), self.metrics)
+        self.loop = EngineLoop(self.engine, Leader([]), self.metrics.observer(0))
         config = ServerConfig(model_names=[MODEL], max_model_len=self.engine.max_model_len,
                               api_key=api_key, max_queue=max_queue,
                               max_request_bytes=max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,

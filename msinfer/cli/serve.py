@@ -32,6 +32,9 @@ def register(subparsers):
                    help="waiting requests beyond which new ones get 503 + Retry-After")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
+    p.add_argument("--stall-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="a step that runs longer, or a rank silent for longer, fails /health "
+                        "and ends the job non-zero (default 60; docs/deploy-300i-duo.md)")
     p.add_argument("--max-request-bytes", type=request_bytes, default=None, metavar="BYTES",
                    help="largest request body; larger ones get 413 unread (default 4MiB; "
                         "units as --kv-cache-memory)")
@@ -55,6 +58,8 @@ def _check_args(args):
         raise MsinferError(f"--max-queue {args.max_queue}: must be at least 1")
     if args.shutdown_timeout < 0:
         raise MsinferError(f"--shutdown-timeout {args.shutdown_timeout}: must be >= 0")
+    if not args.stall_timeout > 0:
+        raise MsinferError(f"--stall-timeout {args.stall_timeout}: must be > 0 seconds")
 
 
 def run(args):
@@ -70,4 +75,5 @@ def run(args):
     return serve(llm, ServeOptions(
         model_names=args.served_model_name or [args.model], host=args.host, port=args.port,
         api_key=args.api_key, max_queue=args.max_queue,
-        shutdown_timeout=args.shutdown_timeout, max_request_bytes=args.max_request_bytes))
+        shutdown_timeout=args.shutdown_timeout, max_request_bytes=args.max_request_bytes,
+        stall_timeout=args.stall_timeout))

@@ -70,6 +70,7 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    prefill_tokens_computed: int = 0  # prompt tokens run through prefill, recomputes included
 
 
 def check_request_limits(ids, params, vocab_size, max_model_len, layout, *, has_tokenizer,
@@ -121,7 +122,9 @@ class LLMEngine:
         self._aborted = []  # outputs of aborted requests, returned by the next step
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.prefill_tokens_computed = 0
         self.step_count = 0
+        self.decisions = []  # of the last run_step: [request id, token, finish reason]
 
     # ---- requests ----
 
@@ -168,23 +171,42 @@ class LLMEngine:
             num_blocks_total=self.blocks.num_usable, num_blocks_used=self.blocks.num_used,
             num_preemptions=self.scheduler.preemptions,
             prompt_tokens_total=self.prompt_tokens_total,
-            generation_tokens_total=self.generation_tokens_total)
+            generation_tokens_total=self.generation_tokens_total,
+            prefill_tokens_computed=self.prefill_tokens_computed)
 
     # ---- the step ----
 
     def step(self) -> list[RequestOutput]:
         """Run one step; returns a RequestOutput for each request that got a token, finished or
         was aborted since the last step."""
+        outputs, schedule = self.begin_step()
+        if not schedule.empty:
+            outputs += self.run_step(schedule)
+        return outputs
+
+    # A sharded server splits the step (server/lockstep.py): each tensor group's leader calls
+    # begin_step and run_step and sends its `decisions`; the other ranks call begin_step,
+    # check that their schedule is the leader's, run it with sample=False and apply the
+    # leader's decisions before the next one. Only the leader samples and decides finishes.
+
+    def begin_step(self):
+        """(outputs of the requests aborted since the last step, the scheduler's decisions for
+        this step); the schedule is empty when there is nothing to run."""
         outputs, self._aborted = self._aborted, []
-        schedule = self.scheduler.schedule()
-        if schedule.empty:
-            return outputs
+        return outputs, self.scheduler.schedule()
+
+    def run_step(self, schedule, sample: bool = True) -> list[RequestOutput]:
+        """Run `schedule`'s graphs. With `sample`: sample each finished row, decide what ends,
+        return the outputs and keep the decisions in `self.decisions` ([request id, token or
+        None, finish reason or None] per row). Without (a follower): the graphs only; []."""
         self.step_count += 1
+        self.decisions = []
         sampled_seqs, logits = [], []
         if schedule.chunks:
             chunk_logits = self.runner.prefill(schedule.chunks)
             for chunk in schedule.chunks:
                 chunk.seq.computed += chunk.count
+                self.prefill_tokens_computed += chunk.count
             completed = [c.seq for c in schedule.chunks if c.completes]
             if completed:
                 sampled_seqs += completed
@@ -194,8 +216,9 @@ class LLMEngine:
             for seq in schedule.decodes:
                 seq.computed += 1
             sampled_seqs += schedule.decodes
-        if not sampled_seqs:
-            return outputs
+        if not sampled_seqs or not sample:
+            return []
+        outputs = []
         # one call's logits need no copy (16 x 151,936 float32 is 9.7 MB)
         logits = logits[0] if len(logits) == 1 else np.concatenate(logits)
         finite = np.isfinite(logits).all(axis=1)  # 0.2 ms for 16 x 151,936
@@ -205,6 +228,7 @@ class LLMEngine:
             # model_runner's zero slot).
             for row in np.flatnonzero(~finite):
                 outputs.append(self._fail(sampled_seqs[row]))
+                self.decisions.append([sampled_seqs[row].request_id, None, "error"])
             sampled_seqs = [s for s, ok in zip(sampled_seqs, finite) if ok]
             logits = logits[finite]
             if not sampled_seqs:
@@ -214,7 +238,22 @@ class LLMEngine:
         for row, (seq, token) in enumerate(zip(sampled_seqs, tokens)):
             self._append(seq, int(token), logits[row])
             outputs.append(self._output(seq))
+            self.decisions.append([seq.request_id, int(token), seq.finish_reason])
         return outputs
+
+    def apply_decisions(self, decisions) -> None:
+        """A follower's half of the leader's `run_step`: append each row's token and finish
+        what the leader finished (rows as in `decisions`)."""
+        for request_id, token, reason in decisions:
+            seq = self._requests.get(request_id)
+            if seq is None:
+                raise MsinferError(f"the leader decided for request {request_id!r}, which "
+                                   f"this rank does not hold")
+            if token is not None:
+                seq.generated.append(token)
+                self.generation_tokens_total += 1
+            if reason:
+                self._finish(seq, reason)
 
     def _append(self, seq, token, logits):
         seq.generated.append(token)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 
 from .block_manager import BlockManager
 from .sequence import Sequence, Status
@@ -48,6 +49,21 @@ class Schedule:
     @property
     def empty(self) -> bool:
         return not self.decodes and not self.chunks
+
+    def describe(self) -> str:
+        tokens = sum(c.count for c in self.chunks)
+        return (f"{len(self.decodes)} decodes and {len(self.chunks)} prefill chunks "
+                f"({tokens} tokens)")
+
+    def digest(self) -> str:
+        """What the ranks of a tensor group must agree on before they run a step together:
+        which sequences, at which positions, in which cache blocks (16 hex digits)."""
+        h = hashlib.blake2b(digest_size=8)
+        for seq in self.decodes:
+            h.update(f"d{seq.request_id}:{seq.length}:{seq.block_table};".encode())
+        for c in self.chunks:
+            h.update(f"c{c.seq.request_id}:{c.start}:{c.count}:{c.seq.block_table};".encode())
+        return h.hexdigest()
 
 
 class Scheduler:

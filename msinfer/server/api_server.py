@@ -1,10 +1,16 @@
 """Running `msinfer serve` on one rank: `serve(llm, options)`, until the job stops.
 
-Every rank of a sharded job runs it. Rank 0 listens for HTTP and drives the engine loop; the
-others follow it step for step (lockstep.py) over the hand-off channel (handoff.py). SIGTERM
-(or Ctrl-C) on rank 0 drains: new requests get 503, in-flight ones have `shutdown_timeout`
-seconds to finish, then the job exits 0. A rank that disappears fails /health at once and
-takes the job down (exit 1) within seconds.
+Every rank of a sharded job runs it, in one of three roles (handoff.py connects them):
+- rank 0, the front end: listens for HTTP, routes each request to a data replica
+  (replicas.py) and leads replica 0's tensor group (lockstep.py);
+- the first rank of every other tensor group leads its replica: it takes rank 0's requests,
+  steps its group and reports the outputs back;
+- every other rank follows its group's leader step for step.
+
+SIGTERM (or Ctrl-C) on rank 0 drains: new requests get 503, in-flight ones have
+`shutdown_timeout` seconds to finish, then the job exits 0. A rank that dies, stalls (a step
+longer than `stall_timeout`, or silence that long) or falls out of step fails /health at once
+and ends the job non-zero within `stall_timeout` + a few seconds, with a message naming it.
 """
 import dataclasses
 import os
@@ -15,8 +21,9 @@ import time
 
 from .. import log
 from ..errors import MsinferError
-from .handoff import PeerGone, log_summary, open_channel
-from .lockstep import follow
+from .handoff import (EXIT_WAIT, PeerGone, log_summary, open_links, start_heartbeats,
+                      wait_hung_up, watch_links)
+from .lockstep import EngineLoop, RanksDiverged, ServerBusy, StepWatch, follow
 
 _DEAD_RANK_GRACE = 2.0  # seconds /health reports the failure before rank 0 exits
 
@@ -30,32 +37,22 @@ class ServeOptions:
     max_queue: int = 1024  # waiting requests beyond which new ones get 503 + Retry-After
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
     max_request_bytes: int = None  # larger request bodies get 413; None: 4 MiB (serving.py)
+    stall_timeout: float = 60.0  # a step or a silence longer than this ends the job
 
 
 def serve(llm, options):
     """Serve `llm` (an api.LLM) on this rank until the job stops; returns the exit code (0).
-    A rank of the job that disappears ends this process with exit code 1."""
+    A failure anywhere in the job ends this process with exit code 1."""
     logger = log.get()
-    logger.info("serve: rank %d is process %d", llm.dist.rank, os.getpid())
-    channel = open_channel(llm.dist)
-    if llm.dist.rank != 0:
-        return _follow(llm, channel)
-    return _lead(llm, channel, options)
-
-
-def _follow(llm, channel):
-    logger = log.get()
-    # Rank 0 decides when the job stops (it drains first); a signal here waits for it.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: logger.info("signal: rank 0 decides when to stop"))
-    channel.watch(_die)
-    llm.engine.warmup()
-    try:
-        follow(llm.engine, channel)
-    except PeerGone as e:
-        _die(str(e))
-    log_summary(channel)
-    return 0
+    rank = llm.dist.rank
+    logger.info("serve: rank %d is process %d", rank, os.getpid())
+    group = llm.dist.world_size // llm.replicas
+    links = open_links(llm.dist, group, silence=options.stall_timeout)
+    if rank == 0:
+        return _front(llm, links, options)
+    if rank % group == 0:
+        return _replica(llm, links, options)
+    return _follow(llm, links.channel, options)
 
 
 def _die(message):
@@ -63,12 +60,109 @@ def _die(message):
     os._exit(1)
 
 
-def _lead(llm, channel, options):
+def _ignore_signals():
+    """Rank 0 decides when the job stops (it drains first); a signal elsewhere waits for it."""
+    logger = log.get()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: logger.info("signal: rank 0 decides when to stop"))
+
+
+def _follow(llm, channel, options):
+    rank = llm.dist.rank
+
+    def leave(message):
+        channel.report(message)
+        _die(message)
+    _ignore_signals()
+    channel.watch(_die)
+    watch = StepWatch(options.stall_timeout, leave, rank)
+    llm.engine.warmup()
+    try:
+        follow(llm.engine, channel, rank, watch)
+    except PeerGone as e:
+        _die(str(e))
+    except RanksDiverged as e:
+        leave(str(e))
+    except Exception as e:  # noqa: BLE001 - whatever it is, the leader must hear it
+        log.get().exception("rank %d failed", rank)
+        leave(f"rank {rank} failed: {type(e).__name__}: {e}")
+    log_summary(channel)
+    return 0
+
+
+def _replica(llm, links, options):
+    """Lead replica `rank // group`: rank 0's requests in, this group's outputs out."""
+    from ..engine.sampling import SamplingParams
+    from .replicas import ReplicaUplink
+
+    rank, front, channel = llm.dist.rank, links.front, links.channel
+    replica = llm.shard_plan.data_rank(rank)
+    uplink = ReplicaUplink(front)
+    stopped = threading.Event()
+
+    def fail(message):
+        channel.fail(message)
+        try:
+            front.send({"error": message}, timeout=1.0)
+        except PeerGone:
+            pass
+        _die(message)
+    _ignore_signals()
+    loop = EngineLoop(llm.engine, channel, on_step=uplink.on_step, replica=replica,
+                      watch=StepWatch(options.stall_timeout, fail, rank))
+    channel.watch(fail)
+    start_heartbeats([front], stopped.is_set)
+
+    def take_requests():
+        while True:
+            try:
+                frame = front.recv(timeout=options.stall_timeout)
+            except PeerGone as e:
+                if not stopped.is_set():
+                    channel.fail(str(e))
+                    _die(str(e))
+                return
+            if "add" in frame:
+                request_id, ids, params, prompt = frame["add"]
+                try:
+                    loop.submit(request_id, ids, SamplingParams(**params), prompt, uplink.sink)
+                except ServerBusy as e:
+                    front.send({"refused": [request_id, str(e)]})
+            elif "abort" in frame:
+                loop.abort(frame["abort"])
+            elif "drain" in frame:
+                loop.drain(frame["drain"])
+            elif "fail" in frame:
+                channel.fail(frame["fail"])
+                _die(f"the job failed: {frame['fail']}")
+            elif "stop" in frame:
+                return
+    llm.engine.warmup()
+    loop.open()
+    reader = threading.Thread(target=take_requests, daemon=True, name="msinfer-front-link")
+    reader.start()
+    front.send({"ready": dataclasses.astuple(llm.engine.stats())})
+    try:
+        loop.run()
+    except Exception as e:  # noqa: BLE001 - rank 0 must hear it
+        if not loop.failure:
+            log.get().exception("replica %d's engine loop stopped", replica)
+        fail(f"replica {replica} (rank {rank}): engine loop stopped: {e}")
+    channel.close()
+    log_summary(channel)
+    front.send({"done": 1})
+    reader.join(timeout=options.stall_timeout)  # until rank 0 says stop: then it expects us gone
+    stopped.set()
+    log.get().info("serve: replica %d stopped after %d steps", replica, loop.steps)
+    return 0
+
+
+def _front(llm, links, options):
     import uvicorn
 
     from .app import build_app
-    from .lockstep import EngineLoop
     from .metrics import ServerMetrics
+    from .replicas import RemoteReplica, Router
     from .serving import DEFAULT_MAX_REQUEST_BYTES, ServerConfig
 
     logger = log.get()
@@ -78,48 +172,81 @@ def _lead(llm, channel, options):
     except OSError as e:
         raise MsinferError(f"cannot listen on {options.host}:{options.port}: "
                            f"{e.strerror}") from None
-    metrics = ServerMetrics(names[0], llm.engine.stats(),
+    channel = links.channel
+    metrics = ServerMetrics(names[0], llm.engine.stats(), replicas=llm.replicas,
                             max_model_len=llm.engine.max_model_len)
-    loop = EngineLoop(llm.engine, channel, metrics)
+    remotes = [RemoteReplica(i, link, on_step=metrics.observer(i))
+               for i, link in enumerate(links.replicas, start=1)]
+    stopping = threading.Event()
+    failing = threading.Lock()
+
+    def rank_gone(message):
+        if not failing.acquire(blocking=False):
+            return  # already going down
+        logger.error("%s: /health fails now, rank 0 exits in %.0fs", message,
+                     _DEAD_RANK_GRACE)
+        router.fail(message)
+        router.fail_all(message)
+        channel.fail(message)
+        for remote in remotes:
+            remote.stop(message)
+        time.sleep(_DEAD_RANK_GRACE)
+        os._exit(1)
+
+    loop = EngineLoop(llm.engine, channel, replica=0,
+                      on_step=metrics.observer(0),
+                      watch=StepWatch(options.stall_timeout, rank_gone, 0))
+    router = Router(loop, remotes, llm.engine)
     config = ServerConfig(model_names=names, max_model_len=llm.engine.max_model_len,
                           api_key=options.api_key, max_queue=options.max_queue,
                           max_request_bytes=options.max_request_bytes
                           or DEFAULT_MAX_REQUEST_BYTES,
                           root=getattr(llm, "model_dir", None),
                           vocab_size=getattr(getattr(llm, "config", None), "vocab_size", None))
-    app = build_app(loop, llm.tokenizer, config, metrics)
+    app = build_app(router, llm.tokenizer, config, metrics)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=5))
     http = threading.Thread(target=server.run, kwargs={"sockets": [listener]},
                             name="msinfer-http", daemon=True)
     http.start()
 
-    def rank_gone(message):
-        logger.error("%s: /health fails now, rank 0 exits in %.0fs", message,
-                     _DEAD_RANK_GRACE)
-        loop.fail(message)
-        loop.fail_all(message)
-        time.sleep(_DEAD_RANK_GRACE)
-        os._exit(1)
-
     def drain(sig, frame):
         logger.info("%s: draining (new requests get 503; in-flight ones have %.0fs)",
                     signal.Signals(sig).name, options.shutdown_timeout)
-        loop.drain(options.shutdown_timeout)
+        router.drain(options.shutdown_timeout)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, drain)
     channel.watch(rank_gone)
+    if remotes:
+        by_link = {remote.link: remote for remote in remotes}
+        start_heartbeats(list(by_link), stopping.is_set)
+        threading.Thread(target=watch_links, daemon=True, name="msinfer-watch-replicas",
+                         args=(list(by_link), stopping.is_set, rank_gone,
+                               options.stall_timeout,
+                               lambda link, frame: by_link[link].on_frame(link, frame))).start()
     start = time.monotonic()
     llm.engine.warmup()
     loop.open()
-    logger.info("serve: warm after %.1fs; listening on http://%s:%d (model %s)",
-                time.monotonic() - start, options.host, listener.getsockname()[1], names[0])
+    while not router.ready and not router.failure:  # the other replicas warm up too
+        time.sleep(0.1)
+    logger.info("serve: warm after %.1fs; listening on http://%s:%d (model %s, %d replica%s)",
+                time.monotonic() - start, options.host, listener.getsockname()[1], names[0],
+                router.replicas, "s" if router.replicas > 1 else "")
     try:
         loop.run()
-    except Exception as e:  # a rank vanished mid-step, or the engine failed
-        logger.exception("engine loop stopped")
-        rank_gone(f"engine loop stopped: {e}")
+    except Exception as e:  # the job is failing (a rank's report), or the engine failed
+        if not router.failure:
+            logger.exception("engine loop stopped")
+        rank_gone(f"engine loop stopped: {e}")  # returns at once when already failing
+        threading.Event().wait()  # for the failing thread to end the process
+    for remote in remotes:  # they drain as long as replica 0 did, then report done
+        if not remote.done.wait(timeout=options.shutdown_timeout + options.stall_timeout):
+            rank_gone(f"replica {remote.index} did not stop after draining")
+    stopping.set()
+    for remote in remotes:
+        remote.stop()
+    wait_hung_up([remote.link for remote in remotes], EXIT_WAIT)  # rank 0 leaves last
     channel.close()
     log_summary(channel)
     server.should_exit = True

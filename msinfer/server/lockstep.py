@@ -1,15 +1,22 @@
-"""The engine loop of a server: rank 0 drives, every other rank follows, step for step.
+"""The engine loop of a tensor group: its leader drives and decides, the others follow, step
+for step.
 
-Rank 0's HTTP handlers `submit` requests and `abort` them from the event loop's thread; the
-loop (`EngineLoop.run`, on the main thread) collects what arrived since the last step into one
-frame, hands the frame to the other ranks, applies it to its own engine and steps. Each other
-rank (`follow`) applies the same frames in the same order and steps too. The engine is
-deterministic, so every rank then holds the same tokens; only rank 0 delivers them.
+The leader (`EngineLoop.run`, on its main thread) takes what arrived since the last step
+(requests submitted and aborted from other threads), applies it to its engine, schedules the
+step and sends its followers one frame: the step's number, the events since the last frame
+(adds, aborts, and the tokens and finishes the leader decided in its last step) and a digest
+of the schedule. Then it runs the step and samples. Each follower (`follow`) applies the
+events in the same order, schedules, and runs the step only if its schedule is the leader's:
+followers never sample nor decide when a request ends, so a rank cannot drift from its leader
+by deciding differently, and anything else that makes it drift (a lost event, a bug) is caught
+before the step whose collectives it would corrupt, named by rank and step.
 
-Every frame is exactly one step on every rank: rank 0 sends a frame only when it will step.
+Every frame is exactly one step on every rank of the group: the leader sends a frame only
+when it runs a step. A watchdog (`StepWatch`) ends a step that does not complete in time.
 """
 import concurrent.futures
 import dataclasses
+import os
 import threading
 import time
 
@@ -17,9 +24,18 @@ from .. import log
 from ..engine.sampling import SamplingParams
 from ..errors import MsinferError
 
+# A test-only hook: "RANK:STEP" or "RANK:PATH" makes follower RANK drop a request from its own
+# state before step STEP (or the first step after PATH exists), as a rank that decided by
+# itself that the request finished would: the next frame must catch it.
+PLANT_DIVERGENCE = "MSINFER_PLANT_DIVERGENCE"
+
 
 class ServerBusy(Exception):
     """Not taking requests now (still warming up, shutting down, or a rank is gone)."""
+
+
+class RanksDiverged(MsinferError):
+    """A follower's state is no longer its leader's."""
 
 
 @dataclasses.dataclass
@@ -32,30 +48,54 @@ class _Submission:
     accepted: concurrent.futures.Future
 
 
-def _apply(engine, adds, aborts, on_refused=None):
-    """What every rank does with one frame before its step, in the same order."""
-    for request_id, prompt_token_ids, params, prompt in adds:
-        try:
-            engine.add_request(request_id, prompt_token_ids, params, prompt=prompt)
-        except MsinferError as e:  # every rank refuses it alike; rank 0 tells the client
-            if on_refused:
-                on_refused(request_id, e)
-    for request_id in aborts:
-        engine.abort_request(request_id)
+class StepWatch:
+    """Calls `on_stall(message)` (from its thread) once one step has run longer than
+    `timeout` seconds: a peer stopped, or a collective waits for a rank that will not come."""
+
+    def __init__(self, timeout, on_stall, rank):
+        self.timeout, self.on_stall, self.rank = timeout, on_stall, rank
+        self._since = None  # monotonic start of the step in progress
+        self._step = None
+        threading.Thread(target=self._watch, daemon=True, name="msinfer-step-watch").start()
+
+    def start(self, step):
+        self._step, self._since = step, time.monotonic()
+
+    def done(self):
+        self._since = None
+
+    def stalled_for(self):
+        since = self._since
+        return 0.0 if since is None else time.monotonic() - since
+
+    def _watch(self):
+        while True:
+            time.sleep(min(0.5, self.timeout / 4))
+            if self.stalled_for() > self.timeout:
+                self.on_stall(f"rank {self.rank}: step {self._step} has not completed in "
+                              f"{self.timeout:.0f}s (a rank of its group stopped or stalled; "
+                              f"--stall-timeout)")
+                return
 
 
 class EngineLoop:
-    """Rank 0's side: turns submissions from HTTP handlers into engine steps."""
+    """A tensor group's leader: turns submissions into engine steps and frames.
 
-    def __init__(self, engine, channel, metrics=None):
+    on_step(handoff_seconds, step_seconds, stats) is called after each pass, step_seconds None
+    when no step ran (the metrics of rank 0, or the report a replica's leader sends rank 0)."""
+
+    def __init__(self, engine, channel, on_step=None, replica=0, watch=None):
         self.engine = engine
         self.channel = channel
-        self.metrics = metrics
+        self.on_step = on_step
+        self.replica = replica
+        self.watch = watch
         self.stats = engine.stats()
         self.steps = 0
         self._cond = threading.Condition()
         self._adds = []
         self._aborts = []
+        self._events = []  # applied here, not yet sent to the followers
         self._live = {}  # request_id -> sink, requests the engine holds
         self._accepting = False
         self._stop_at = None  # monotonic deadline once draining
@@ -76,13 +116,14 @@ class EngineLoop:
         return self._failed
 
     def queue_depth(self):
-        """Requests not yet running: submitted but not handed over, plus the engine's waiting."""
+        """Requests not yet running: submitted but not taken, plus the engine's waiting."""
         with self._cond:
             return len(self._adds) + self.stats.num_waiting
 
     def submit(self, request_id, prompt_token_ids, params, prompt, sink):
         """Queue a request for the next step; the returned future resolves once the engine has
-        taken it (None) or refused it (MsinferError). Raises ServerBusy when not accepting."""
+        taken it (to this loop's replica index) or refused it (MsinferError). Raises
+        ServerBusy when not accepting."""
         accepted = concurrent.futures.Future()
         with self._cond:
             if not self.ready:
@@ -105,9 +146,10 @@ class EngineLoop:
             self._cond.notify()
 
     def fail(self, message):
-        """A rank is gone: refuse everything from now on."""
+        """A rank is gone or out of step: refuse everything from now on."""
         with self._cond:
-            self._failed = message
+            if self._failed is None:
+                self._failed = message
             self._accepting = False
             self._cond.notify()
 
@@ -135,38 +177,58 @@ class EngineLoop:
         return bool(self._adds or self._aborts or self._live)
 
     def _step(self, adds, aborts):
-        live = self._live
-        aborts = [r for r in aborts
-                  if r in live or any(s.request_id == r for s in adds)]
-        frame = {"add": [[s.request_id, s.prompt_token_ids, dataclasses.asdict(s.params),
-                          s.prompt] for s in adds],
-                 "abort": aborts}
-        handoff = self.channel.send(frame)
-        refused = {}
-        _apply(self.engine, [(s.request_id, s.prompt_token_ids, s.params, s.prompt)
-                             for s in adds], aborts,
-               on_refused=lambda rid, e: refused.__setitem__(rid, e))
+        engine, live, events = self.engine, self._live, self._events
         for s in adds:
-            if s.request_id in refused:
-                s.accepted.set_exception(refused[s.request_id])
-            else:
-                live[s.request_id] = s.sink
-                s.accepted.set_result(None)
+            try:
+                engine.add_request(s.request_id, s.prompt_token_ids, s.params, prompt=s.prompt)
+            except MsinferError as e:  # refused here; the followers never see it
+                s.accepted.set_exception(e)
+                continue
+            live[s.request_id] = s.sink
+            events.append(["add", s.request_id, s.prompt_token_ids, dataclasses.asdict(s.params),
+                           s.prompt])
+            s.accepted.set_result(self.replica)
+        for request_id in dict.fromkeys(aborts):
+            if request_id in live:
+                engine.abort_request(request_id)
+                events.append(["abort", request_id])
+        aborted, schedule = engine.begin_step()
+        self._deliver(aborted)
+        if schedule.empty:  # the events wait for the next frame
+            if self.on_step is not None:
+                self.on_step(0.0, None, engine.stats())
+            return
+        step = engine.step_count + 1
+        if self.watch is not None:
+            self.watch.start(step)
+        handoff = 0.0
+        if self.channel.followers:
+            handoff = self.channel.send({"step": step, "events": events,
+                                         "schedule": [schedule.digest(), schedule.describe()]})
+        self._events = []
         start = time.perf_counter()
-        outputs = self.engine.step()
+        outputs = engine.run_step(schedule)
         step_seconds = time.perf_counter() - start
+        if self.watch is not None:
+            self.watch.done()
+        if engine.decisions:
+            self._events.append(["decided", engine.decisions])
         self.steps += 1
+        self._deliver(outputs)
+        stats = engine.stats()
+        with self._cond:
+            self.stats = stats
+        if self.on_step is not None:
+            self.on_step(handoff, step_seconds, stats)
+
+    def _deliver(self, outputs):
+        live = self._live
         for out in outputs:
             sink = live.get(out.request_id)
             if out.finished:
                 live.pop(out.request_id, None)
             if sink is not None:
                 sink(out)
-        stats = self.engine.stats()
-        with self._cond:
-            self.stats = stats
-        if self.metrics is not None:
-            self.metrics.observe_step(handoff, step_seconds, stats)
 
     def fail_all(self, message):
         """After a fatal error: every client still waiting hears about it."""
@@ -179,14 +241,60 @@ class EngineLoop:
             sink(ServerBusy(message))
 
 
-def follow(engine, channel):
-    """Every rank but 0: apply rank 0's frames and step, until told to stop."""
+def follow(engine, channel, rank, watch=None):
+    """A follower: apply its leader's frames, check that each step's schedule is the
+    leader's, run it; until told to stop. RanksDiverged when it is not."""
+    leader = channel.leader_rank
+    plant = _planted_divergence(rank)
     while True:
         frame = channel.recv()
         if frame is None:
             return
-        adds = [(rid, ids, SamplingParams(**params), prompt)
-                for rid, ids, params, prompt in frame["add"]]
-        _apply(engine, adds, frame["abort"],
-               on_refused=lambda rid, e: log.get().debug("request %s refused: %s", rid, e))
-        engine.step()
+        step = frame["step"]
+        try:
+            for event in frame["events"]:
+                if event[0] == "add":
+                    _, request_id, ids, params, prompt = event
+                    engine.add_request(request_id, ids, SamplingParams(**params), prompt=prompt)
+                elif event[0] == "abort":
+                    engine.abort_request(event[1])
+                else:
+                    engine.apply_decisions(event[1])
+        except MsinferError as e:
+            raise RanksDiverged(f"rank {rank} diverged from its leader, rank {leader}, before "
+                                f"step {step}: {e}") from None
+        if plant is not None and plant(step):
+            _drop_a_request(engine, rank, step)
+            plant = None
+        _, schedule = engine.begin_step()
+        digest, described = frame["schedule"]
+        if engine.step_count + 1 != step or schedule.digest() != digest:
+            raise RanksDiverged(
+                f"rank {rank} diverged from its leader, rank {leader}, at step {step}: the "
+                f"leader runs {described}, this rank would run {schedule.describe()} as its "
+                f"step {engine.step_count + 1} (schedule digests {digest} and "
+                f"{schedule.digest()})")
+        if watch is not None:
+            watch.start(step)
+        engine.run_step(schedule, sample=False)
+        if watch is not None:
+            watch.done()
+
+
+def _planted_divergence(rank):
+    value = os.environ.get(PLANT_DIVERGENCE, "")
+    target, _, when = value.partition(":")
+    if not value or not target.isdigit() or int(target) != rank:
+        return None
+    if when.isdigit():
+        return lambda step: step >= int(when)
+    return lambda step: os.path.exists(when)
+
+
+def _drop_a_request(engine, rank, step):
+    running = engine.scheduler.running or list(engine.scheduler.waiting)
+    if running:
+        request_id = running[-1].request_id
+        log.get().warning("%s: rank %d drops request %r before step %d (planted divergence)",
+                          PLANT_DIVERGENCE, rank, request_id, step)
+        engine.abort_request(request_id)

@@ -9,8 +9,10 @@ keeps the `msinfer_` prefix: KV blocks in use and in the pool, refused requests 
 engine step's wall time, rank 0's hand-off to the other ranks.
 
 The engine's own counts (running, waiting, KV blocks, token totals, preemptions) come from
-the last step's `EngineStats` when scraped; latencies are observed as requests produce tokens
-and finish.
+each replica's last `EngineStats` when scraped; latencies are observed as requests produce
+tokens and finish. With data-parallel replicas every series is per replica: vLLM's `engine`
+label is the replica's index (as vLLM labels its data-parallel engines), msinfer's series
+have a `replica` label.
 """
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -28,8 +30,6 @@ _STEP_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 
                  5.0)
 _HANDOFF_BUCKETS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3, 0.01)
 
-ENGINE = "0"  # vLLM's `engine` label: one engine (data-parallel replicas share the loop)
-
 
 def build_1_2_5_buckets(max_value):
     """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's token-count buckets)."""
@@ -43,20 +43,19 @@ def build_1_2_5_buckets(max_value):
 
 
 class ServerMetrics:
-    def __init__(self, model_name, stats, max_model_len=None):
-        """stats: the engine's EngineStats before its first step; max_model_len sizes the
-        token-count histograms' buckets (as vLLM's)."""
+    def __init__(self, model_name, stats, replicas=1, max_model_len=None):
+        """stats: replica 0's EngineStats before its first step (every replica starts alike);
+        max_model_len sizes the token-count histograms' buckets (as vLLM's)."""
         self.registry = CollectorRegistry()
-        self.stats = stats
+        self.stats = [stats] * replicas  # each replica's after its last step
         self._model = model_name
-        self._tokens_seen = stats.prompt_tokens_total + stats.generation_tokens_total
+        self._tokens_seen = [stats.prompt_tokens_total + stats.generation_tokens_total] * replicas
         self.registry.register(_EngineCollector(self))
         labels = ["model_name", "engine"]
         token_buckets = build_1_2_5_buckets(max_model_len or stats.num_blocks_total or 1)
 
         def histogram(name, doc, buckets):
-            return Histogram(name, doc, labels, buckets=buckets,
-                             registry=self.registry).labels(model_name, ENGINE)
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
         self.ttft = histogram("vllm:time_to_first_token_seconds",
                               "Histogram of time to first token in seconds.", TTFT_BUCKETS)
         self.itl = histogram("vllm:inter_token_latency_seconds",
@@ -92,42 +91,54 @@ class ServerMetrics:
                                 "Requests answered with an error status, by status",
                                 ["model_name", "status"], registry=self.registry)
         self.step_time = Histogram("msinfer_engine_step_seconds", "Wall time of one engine step",
-                                   ["model_name"], buckets=_STEP_BUCKETS,
-                                   registry=self.registry).labels(model_name)
+                                   ["model_name", "replica"], buckets=_STEP_BUCKETS,
+                                   registry=self.registry)
         self.handoff = Histogram("msinfer_handoff_seconds",
-                                 "Rank 0's time to hand one step's requests and aborts to the "
-                                 "other ranks", ["model_name"], buckets=_HANDOFF_BUCKETS,
-                                 registry=self.registry).labels(model_name)
+                                 "A tensor group leader's time to hand one step's frame to "
+                                 "the other ranks of its group", ["model_name", "replica"],
+                                 buckets=_HANDOFF_BUCKETS, registry=self.registry)
 
-    def observe_step(self, handoff_seconds, step_seconds, stats):
-        self.stats = stats
-        self.step_time.observe(step_seconds)
-        self.handoff.observe(handoff_seconds)
+    def observer(self, replica):
+        """The `on_step` of `replica`'s engine loop (lockstep.EngineLoop)."""
+        return lambda handoff, seconds, stats: self.observe_step(replica, handoff, seconds,
+                                                                 stats)
+
+    def observe_step(self, replica, handoff_seconds, step_seconds, stats):
+        """After a pass of `replica`'s engine loop (step_seconds None: no step ran)."""
+        self.stats[replica] = stats
+        if step_seconds is None:
+            return
+        label = str(replica)
+        self.step_time.labels(self._model, label).observe(step_seconds)
+        self.handoff.labels(self._model, label).observe(handoff_seconds)
         tokens = stats.prompt_tokens_total + stats.generation_tokens_total
-        if tokens > self._tokens_seen:
-            self.iteration_tokens.observe(tokens - self._tokens_seen)
-        self._tokens_seen = tokens
+        if tokens > self._tokens_seen[replica]:
+            self.iteration_tokens.labels(self._model, label).observe(
+                tokens - self._tokens_seen[replica])
+        self._tokens_seen[replica] = tokens
 
-    def observe_token_gap(self, seconds):
+    def observe_token_gap(self, seconds, replica=0):
         """The time between two successive tokens of a request."""
-        self.itl.observe(seconds)
-        self.tpot.observe(seconds)
+        self.itl.labels(self._model, str(replica)).observe(seconds)
+        self.tpot.labels(self._model, str(replica)).observe(seconds)
 
     def observe_request(self, arrival, first_token, finished, generated, finish_reason,
-                        prompt_tokens=None, max_tokens=None):
+                        prompt_tokens=None, max_tokens=None, replica=0):
         """Monotonic times of one finished request (first_token None when it got none)."""
-        self.finished.labels(self._model, ENGINE, finish_reason or "abort").inc()
+        labels = (self._model, str(replica))
+        self.finished.labels(*labels, finish_reason or "abort").inc()
         if prompt_tokens is not None:
-            self.request_prompt_tokens.observe(prompt_tokens)
-        self.request_generation_tokens.observe(generated)
+            self.request_prompt_tokens.labels(*labels).observe(prompt_tokens)
+        self.request_generation_tokens.labels(*labels).observe(generated)
         if max_tokens:
-            self.request_max_tokens.observe(max_tokens)
+            self.request_max_tokens.labels(*labels).observe(max_tokens)
         if first_token is None:
             return
-        self.ttft.observe(first_token - arrival)
-        self.e2e.observe(finished - arrival)
+        self.ttft.labels(*labels).observe(first_token - arrival)
+        self.e2e.labels(*labels).observe(finished - arrival)
         if generated > 1:
-            self.request_tpot.observe((finished - first_token) / (generated - 1))
+            self.request_tpot.labels(*labels).observe(
+                (finished - first_token) / (generated - 1))
 
     def observe_rejected(self, status):
         self.rejected.labels(self._model, str(status)).inc()
@@ -138,28 +149,35 @@ class _EngineCollector:
         self.metrics = metrics
 
     def collect(self):
-        stats, model = self.metrics.stats, self.metrics._model
+        model = self.metrics._model
+        per_replica = list(enumerate(self.metrics.stats))
 
-        def family(kind, name, doc, value, labels=("model_name", "engine")):
-            f = kind(name, doc, labels=list(labels))
-            f.add_metric([model, ENGINE][:len(labels)], value)
+        def family(kind, name, doc, value_of, label="engine"):
+            f = kind(name, doc, labels=["model_name", label])
+            for replica, stats in per_replica:
+                f.add_metric([model, str(replica)], value_of(stats))
             return f
 
         yield family(GaugeMetricFamily, "vllm:num_requests_running",
-                     "Number of requests in model execution batches.", stats.num_running)
+                     "Number of requests in model execution batches.", lambda s: s.num_running)
         yield family(GaugeMetricFamily, "vllm:num_requests_waiting",
-                     "Number of requests waiting to be processed.", stats.num_waiting)
-        total = stats.num_blocks_total
+                     "Number of requests waiting to be processed.", lambda s: s.num_waiting)
         yield family(GaugeMetricFamily, "vllm:kv_cache_usage_perc",
                      "KV-cache usage. 1 means 100 percent usage.",
-                     stats.num_blocks_used / total if total else 0.0)
+                     lambda s: s.num_blocks_used / s.num_blocks_total if s.num_blocks_total
+                     else 0.0)
         yield family(CounterMetricFamily, "vllm:prompt_tokens",
-                     "Number of prefill tokens processed.", stats.prompt_tokens_total)
+                     "Number of prefill tokens processed.", lambda s: s.prompt_tokens_total)
         yield family(CounterMetricFamily, "vllm:generation_tokens",
-                     "Number of generation tokens processed.", stats.generation_tokens_total)
+                     "Number of generation tokens processed.",
+                     lambda s: s.generation_tokens_total)
         yield family(CounterMetricFamily, "vllm:num_preemptions",
-                     "Cumulative number of preemption from the engine.", stats.num_preemptions)
+                     "Cumulative number of preemption from the engine.",
+                     lambda s: s.num_preemptions)
+        yield family(CounterMetricFamily, "msinfer_prefill_tokens_computed",
+                     "Prompt tokens run through prefill (recomputed ones again after a "
+                     "preemption)", lambda s: s.prefill_tokens_computed, label="replica")
         yield family(GaugeMetricFamily, "msinfer_kv_blocks_used", "KV cache blocks in use",
-                     stats.num_blocks_used, labels=("model_name",))
+                     lambda s: s.num_blocks_used, label="replica")
         yield family(GaugeMetricFamily, "msinfer_kv_blocks_total", "KV cache blocks in the pool",
-                     total, labels=("model_name",))
+                     lambda s: s.num_blocks_total, label="replica")

@@ -116,7 +116,7 @@ class Serving:
                 raise ApiError(503, str(e), "service_unavailable",
                                headers={"Retry-After": "5"}) from None
             try:
-                await asyncio.wrap_future(accepted)
+                streams[-1].replica = await asyncio.wrap_future(accepted) or 0
             except MsinferError as e:
                 self._abort(streams[:-1])
                 raise ApiError(400, str(e), param="prompt") from None
@@ -294,6 +294,7 @@ class RequestStream:
         self.arrival = arrival
         self.metrics = metrics
         self.first_token = self.last_token = None
+        self.replica = 0  # the data replica running it
         self.token_ids = []
         self.logprobs = []
         self.text = ""  # final text once finished; what may be sent so far before
@@ -310,7 +311,8 @@ class RequestStream:
             if self.first_token is None:
                 self.first_token = now
             else:
-                self.metrics.observe_token_gap((now - self.last_token) / len(new_ids))
+                self.metrics.observe_token_gap((now - self.last_token) / len(new_ids),
+                                               self.replica)
             self.last_token = now
         self.token_ids = list(out.token_ids)
         self.logprobs = list(out.logprobs or [])
@@ -323,7 +325,8 @@ class RequestStream:
             self.metrics.observe_request(self.arrival, self.first_token, now,
                                          len(self.token_ids), out.finish_reason,
                                          prompt_tokens=len(self.prompt_token_ids),
-                                         max_tokens=self.params.max_tokens)
+                                         max_tokens=self.params.max_tokens,
+                                         replica=self.replica)
         delta = text[self.sent:]
         self.text, self.sent = text, max(self.sent, len(text))
         return Delta(delta, new_ids, new_logprobs)

@@ -1,0 +1,244 @@
+"""Data-parallel replicas behind one front end: each request runs on one replica.
+
+Rank 0 serves HTTP and leads replica 0; the first rank of every other tensor group leads its
+replica. The `Router` on rank 0 gives each request to the least loaded replica (tokens still
+to compute for its requests, then free KV blocks), locally to its own `EngineLoop` or over the
+host link to that replica's leader (`RemoteReplica`). A replica's leader runs its own engine
+loop (`ReplicaUplink` turns its outputs into one report per step: what is new of each
+request, and its stats) and its tensor group steps with it alone: replicas never step
+together and no collective spans them.
+"""
+import concurrent.futures
+import dataclasses
+import os
+import threading
+
+from ..engine import EngineStats, RequestOutput
+from ..errors import MsinferError
+from .lockstep import ServerBusy
+
+
+class Router:
+    """The engine loop as the HTTP side sees it, over every replica of the job."""
+
+    def __init__(self, local, remotes, engine):
+        self.local = local  # replica 0's EngineLoop
+        self.remotes = remotes  # RemoteReplica for replicas 1..
+        self.engine = engine  # replica 0's, for the refusals every replica makes alike
+        self._lock = threading.Lock()
+        self._owed = {}  # request id -> (replica, tokens it may still compute)
+        self._failed = None
+
+    @property
+    def replicas(self):
+        return 1 + len(self.remotes)
+
+    def open(self):
+        self.local.open()
+
+    @property
+    def ready(self):
+        return self.local.ready and all(r.ready for r in self.remotes) and not self._failed
+
+    @property
+    def failure(self):
+        return self._failed or self.local.failure
+
+    def queue_depth(self):
+        return self.local.queue_depth() + sum(r.queue_depth() for r in self.remotes)
+
+    def stats(self, replica):
+        return self.local.stats if replica == 0 else self.remotes[replica - 1].stats
+
+    def submit(self, request_id, prompt_token_ids, params, prompt, sink):
+        """As EngineLoop.submit, on the replica chosen; the future resolves to its index."""
+        if not self.ready:
+            raise ServerBusy(self.failure or "the server is not accepting requests")
+        try:  # refused before it is routed: every replica has the same limits
+            self.engine.check_request(prompt_token_ids, params, name=f"request {request_id!r}")
+        except MsinferError as e:
+            refused = concurrent.futures.Future()
+            refused.set_exception(e)
+            return refused
+        with self._lock:
+            replica = self._least_loaded()
+            self._owed[request_id] = (replica, len(prompt_token_ids) + params.max_tokens)
+        total = len(prompt_token_ids) + params.max_tokens
+
+        def counted(out):
+            with self._lock:
+                if isinstance(out, Exception) or out.finished:
+                    self._owed.pop(request_id, None)
+                elif request_id in self._owed:
+                    self._owed[request_id] = (replica, total - len(out.token_ids))
+            sink(out)
+        target = self.local if replica == 0 else self.remotes[replica - 1]
+        try:
+            return target.submit(request_id, prompt_token_ids, params, prompt, counted)
+        except ServerBusy:
+            with self._lock:
+                self._owed.pop(request_id, None)
+            raise
+
+    def _least_loaded(self):
+        load = [0] * self.replicas
+        for replica, tokens in self._owed.values():
+            load[replica] += tokens
+
+        def free_blocks(replica):
+            stats = self.stats(replica)
+            return stats.num_blocks_total - stats.num_blocks_used if stats else 0
+        return min(range(self.replicas), key=lambda r: (load[r], -free_blocks(r), r))
+
+    def abort(self, request_id):
+        with self._lock:
+            replica = self._owed.get(request_id, (None,))[0]
+        if replica == 0:
+            self.local.abort(request_id)
+        elif replica is not None:
+            self.remotes[replica - 1].abort(request_id)
+
+    def drain(self, timeout):
+        self.local.drain(timeout)
+        for remote in self.remotes:
+            remote.drain(timeout)
+
+    def fail(self, message):
+        if self._failed is None:
+            self._failed = message
+        self.local.fail(message)
+
+    def fail_all(self, message):
+        self.local.fail_all(message)
+        for remote in self.remotes:
+            remote.fail_all(message)
+
+
+class RemoteReplica:
+    """Rank 0's handle on another replica's leader, over their Link. Its frames arrive on
+    the thread that watches the links (`on_frame`), which calls the requests' sinks."""
+
+    def __init__(self, index, link, on_step=None):
+        self.index, self.link, self.on_step = index, link, on_step
+        self.stats = None  # the replica's EngineStats after its last step
+        self.ready = False  # warm, taking requests
+        self.done = threading.Event()  # drained and stopped
+        self._requests = {}  # request id -> _Mirror
+        self._lock = threading.Lock()
+
+    def queue_depth(self):
+        return self.stats.num_waiting if self.stats else 0
+
+    def submit(self, request_id, prompt_token_ids, params, prompt, sink):
+        accepted = concurrent.futures.Future()
+        with self._lock:
+            self._requests[request_id] = _Mirror(prompt, list(prompt_token_ids), sink)
+        self.link.send({"add": [request_id, list(prompt_token_ids), dataclasses.asdict(params),
+                                prompt]})
+        accepted.set_result(self.index)
+        return accepted
+
+    def abort(self, request_id):
+        self.link.send({"abort": request_id})
+
+    def drain(self, timeout):
+        self.link.send({"drain": timeout})
+
+    def stop(self, message=None):
+        """After the job's last step (or its failure: `message`), best effort."""
+        try:
+            self.link.send({"fail": message} if message else {"stop": True}, timeout=1.0)
+        except Exception:  # noqa: BLE001 - it may be gone already
+            pass
+
+    def fail_all(self, message):
+        with self._lock:
+            requests, self._requests = self._requests, {}
+        for mirror in requests.values():
+            mirror.sink(ServerBusy(message))
+
+    def on_frame(self, link, frame):
+        if "report" in frame:
+            report = frame["report"]
+            for entry in report["outputs"]:
+                self._apply(entry)
+            self.stats = EngineStats(*report["stats"])
+            if self.on_step is not None:
+                self.on_step(report["handoff"], report["step_seconds"], self.stats)
+        elif "refused" in frame:
+            request_id, message = frame["refused"]
+            with self._lock:
+                mirror = self._requests.pop(request_id, None)
+            if mirror is not None:
+                mirror.sink(ServerBusy(f"replica {self.index}: {message}"))
+        elif "ready" in frame:
+            self.stats = EngineStats(*frame["ready"])
+            self.ready = True
+        elif "done" in frame:
+            self.done.set()
+
+    def _apply(self, entry):
+        request_id, tokens, keep, text, finished, reason, logprobs, error = entry
+        with self._lock:
+            mirror = self._requests.get(request_id)
+            if mirror is None:
+                return
+            if finished:
+                del self._requests[request_id]
+        mirror.token_ids += tokens
+        mirror.text = mirror.text[:keep] + text
+        if logprobs is not None:
+            mirror.logprobs = (mirror.logprobs or []) + [
+                {int(t): v for t, v in row} for row in logprobs]
+        mirror.sink(RequestOutput(
+            request_id=request_id, prompt=mirror.prompt,
+            prompt_token_ids=mirror.prompt_token_ids, token_ids=list(mirror.token_ids),
+            text=mirror.text, finished=finished, finish_reason=reason,
+            logprobs=list(mirror.logprobs) if mirror.logprobs is not None else None,
+            error=error))
+
+
+@dataclasses.dataclass
+class _Mirror:
+    prompt: str
+    prompt_token_ids: list
+    sink: object
+    token_ids: list = dataclasses.field(default_factory=list)
+    text: str = ""
+    logprobs: list = None
+
+
+class ReplicaUplink:
+    """A replica leader's side: its engine loop's outputs, one report per step to rank 0 with
+    only what is new of each request (tokens, text beyond what rank 0 has, logprobs)."""
+
+    def __init__(self, link):
+        self.link = link
+        self._outputs = []
+        self._sent = {}  # request id -> (tokens sent, text sent)
+
+    def sink(self, out):
+        if isinstance(out, Exception):
+            return  # the loop failed: rank 0 hears it from the failure itself
+        self._outputs.append(out)
+
+    def on_step(self, handoff, step_seconds, stats):
+        """After each pass of the loop (step_seconds None when no step ran)."""
+        if not self._outputs and step_seconds is None:
+            return
+        outputs, self._outputs = self._outputs, []
+        self.link.send({"report": {"outputs": [self._entry(out) for out in outputs],
+                                   "stats": dataclasses.astuple(stats),
+                                   "step_seconds": step_seconds, "handoff": handoff}})
+
+    def _entry(self, out):
+        tokens, text = self._sent.pop(out.request_id, (0, ""))
+        keep = len(text) if out.text.startswith(text) else len(
+            os.path.commonprefix([text, out.text]))
+        if not out.finished:
+            self._sent[out.request_id] = (len(out.token_ids), out.text)
+        logprobs = None
+        if out.logprobs is not None:
+            logprobs = [list(row.items()) for row in out.logprobs[tokens:]]
+        return [out.request_id, out.token_ids[tokens:], keep, out.text[keep:], out.finished,
+                out.finish_reason, logprobs, out.error]
