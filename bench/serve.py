@@ -154,6 +154,11 @@ def _percentiles(values):
 
 # -- starting servers ------------------------------------------------------------------------
 
+# sharded msinfer servers: ranks and strategy
+SHARDED = {"msinfer-tp2": (2, "qwen2_tp2.yaml"), "msinfer-tp4": (4, "qwen2_tp4.yaml"),
+           "msinfer-dp2tp2": (4, "qwen2_dp2_tp2.yaml")}
+
+
 def start_server(side, args, port):
     """Popen of one server (own session) and the model name its requests use."""
     env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", GLOG_v="3")
@@ -171,10 +176,11 @@ def start_server(side, args, port):
         serve = ["serve", "--model", args.model_dir, "--port", str(port),
                  "--served-model-name", "bench", "--max-len", str(args.max_len)]
         serve += args.msinfer_option
-        if side == "msinfer-tp4":
-            serve[serve.index("--model") + 1] = args.tp4_model_dir
-            command = [sys.executable, "-m", "msinfer", "launch", "--nproc", "4",
-                       "--strategy", os.path.join(ROOT, "strategies", "qwen2_tp4.yaml"),
+        if side in SHARDED:
+            nproc, strategy = SHARDED[side]
+            serve[serve.index("--model") + 1] = args.tp4_model_dir or args.model_dir
+            command = [sys.executable, "-m", "msinfer", "launch", "--nproc", str(nproc),
+                       "--strategy", os.path.join(ROOT, "strategies", strategy),
                        "--"] + serve
         else:
             command = [sys.executable, "-m", "msinfer"] + serve
@@ -219,6 +225,27 @@ def scrape(url, names):
         for name in names:
             if line.startswith(name + "{") or line.startswith(name + " "):
                 found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def scrape_per_replica(url):
+    """{replica: {requests finished, prompt tokens computed, engine steps}} (vLLM's `engine`
+    label and msinfer's `replica` label are the replica's index)."""
+    import re
+    try:
+        text = httpx.get(url + "/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return {}
+    names = {"vllm:request_success_total": "requests",
+             "msinfer_prefill_tokens_computed_total": "prefill_tokens",
+             "msinfer_engine_step_seconds_count": "steps"}
+    found = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0]
+        where = re.search(r'(?:engine|replica)="(\d+)"', line)
+        if name in names and where:
+            row = found.setdefault(where.group(1), {})
+            row[names[name]] = row.get(names[name], 0.0) + float(line.rsplit(" ", 1)[1])
     return found
 
 
@@ -356,11 +383,12 @@ def main(argv=None):
     p.add_argument("--url", help="benchmark this running server")
     p.add_argument("--model", help="model name for --url (default: its first /v1/models)")
     p.add_argument("--start", action="append", default=[],
-                   choices=("msinfer", "hf", "msinfer-tp4"),
+                   choices=("msinfer", "hf", *SHARDED),
                    help="start this server on --model-dir, benchmark it, stop it "
                         "(repeatable; run in the order given)")
     p.add_argument("--model-dir", help="checkpoint for --start")
-    p.add_argument("--tp4-model-dir", help="checkpoint for msinfer-tp4 (heads divisible by 4)")
+    p.add_argument("--tp4-model-dir", help="checkpoint for the sharded servers (msinfer-tp2, "
+                   "-tp4, -dp2tp2; heads divisible by 4; default --model-dir)")
     p.add_argument("--keep-tokenizer", action="store_true",
                    help="do not give every model id a text (see with_visible_vocabulary)")
     p.add_argument("--tokenizer", help="tokenizer.json directory to size prompts "
@@ -433,6 +461,7 @@ def main(argv=None):
                     "msinfer_handoff_seconds_sum", "msinfer_handoff_seconds_count",
                     "msinfer_engine_step_seconds_sum", "msinfer_engine_step_seconds_count",
                     "vllm:num_preemptions_total", "msinfer_kv_blocks_total"))
+                report.setdefault("per_replica", {})[side] = scrape_per_replica(url)
             if args.soak and side == "msinfer":
                 report.setdefault("soak", {})[side] = soak(url, model, args)
         finally:
