@@ -24,7 +24,7 @@ from test_hf_parity import (ENGINE, assert_matches_hf, case_spec, greedy,  # noq
                             prompts_for)
 
 from msinfer import LLM  # noqa: E402
-from msinfer.tools.layouts import ELEMENTWISE, STAGE, parse_ir  # noqa: E402
+from msinfer.tools.layouts import ELEMENTWISE, dumping_ir, parse_ir, stage_dumps  # noqa: E402
 
 CONTEXT = 128  # a context bucket no other axis of these graphs has
 GQA = case_spec("gqa_untied_config4")  # 8 query heads over 2 KV heads, as test_hf_parity's
@@ -52,17 +52,10 @@ def expanded(tmp_path_factory, tiny_checkpoint, hf_model):
 
 def compiled_calls(llm, kind, size, folder):
     """The primitive calls of the graphs (embedding, layers, lm_head) one call compiles."""
-    import mindspore as ms
-
-    ms.set_context(save_graphs=1, save_graphs_path=str(folder))
-    try:
+    with dumping_ir(folder):
         llm.engine.runner.compile_shape(kind, size, CONTEXT)
-    finally:
-        ms.set_context(save_graphs=0)
-    dumps = sorted(f for f in os.listdir(folder) if f.startswith(STAGE))
-    assert dumps, f"MindSpore wrote no {STAGE}*.ir under {folder}"
     calls = []
-    for name in dumps:
+    for name in stage_dumps(folder):
         with open(os.path.join(folder, name)) as f:
             calls += parse_ir(f.read(), kind)
     return calls

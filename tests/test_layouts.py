@@ -1,6 +1,7 @@
 """msinfer layouts: MindSpore's strategy rules, the IR reader, the reduced model, and the
 command on every shipped strategy (clean, or refused as the planner refuses), with planted
 violations reported."""
+import functools
 import glob
 import json
 import math
@@ -195,9 +196,24 @@ REFUSED = {("qwen2-1.5b", "qwen2_tp4"): "tensor=4 exceeds the 2 KV heads",
            ("qwen2-7b", "qwen2_tp8"): "the 28 attention heads do not split into 8"}
 
 
+def report(model, strategy, hardware="cpu"):
+    """msinfer.tools.layouts.run, once per module for each (model, strategy, hardware): each
+    compiles a decode step and a prefill chunk. The tests read the report, never change it."""
+    return _report(model, strategy, hardware)
+
+
+@functools.lru_cache(maxsize=None)
+def _report(model, strategy, hardware):
+    from msinfer.tools import layouts
+
+    return layouts.run(model, strategy, hardware)
+
+
 @pytest.mark.parametrize("model", ["qwen2-1.5b", "qwen2-7b", "qwen2-72b"])
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=os.path.basename)
-def test_every_shipped_strategy_is_clean_or_refused_like_the_planner(model, strategy, capsys):
+def test_every_shipped_strategy_is_clean_or_refused_like_the_planner(model, strategy, capsys,
+                                                                     monkeypatch):
+    monkeypatch.setattr("msinfer.cli.layouts.run", report)  # the command prints the report
     code = main(["layouts", "--model", model, "--strategy", strategy])
     out = capsys.readouterr().out
     refusal = REFUSED.get((model, os.path.basename(strategy)[:-5]))
@@ -226,10 +242,8 @@ def test_json_shows_the_cache_split_by_kv_head_and_the_embedding_ids_1d(capsys):
 
 
 def test_the_logits_leave_the_real_graph_whole():
-    from msinfer.tools.layouts import run
-
-    report = run("qwen2-7b", TP4)
-    returned = [(c.graph, c.op, c.strategy) for c in report["calls"] if c.returned]
+    returned = [(c.graph, c.op, c.strategy) for c in report("qwen2-7b", TP4)["calls"]
+                if c.returned]
     assert returned == [("decode", "Identity", ((1, 1),)), ("prefill", "Identity", ((1, 1),))]
 
 

@@ -27,6 +27,7 @@ world_size ranks divides it exactly when it divides the real size; the head and 
 ones, and two decoder layers stand for all (one compiled Cell; the second shows that each
 layer's cache is laid out alike).
 """
+import contextlib
 import dataclasses
 import json
 import math
@@ -44,6 +45,10 @@ NO_STRATEGY = {"Load", "MakeTuple", "TupleGetItem", "UpdateState", "Depend", "Re
                "Reshape"}
 ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "RealDiv", "Maximum", "Minimum", "Pow"}
 STAGE = "opt_pass_2_opt_a_"  # the dump file after the opt_a group, where step_parallel runs
+# The passes MindSpore dumps when MS_DEV_DUMP_IR_PASSES names them (it reads the variable once,
+# at a process's first dump): the STAGE graph alone instead of ~100 files a compile, which
+# took half of this check's time.
+DUMP_PASSES = STAGE.rstrip("_")
 ENGINE = dict(max_num_seqs=4, max_prefill_tokens=16, max_model_len=64)
 
 
@@ -468,17 +473,36 @@ def record(config, plan, dtype, ir_dir):
     steps = (("decode", runner.batch_buckets[0]), ("prefill", runner.chunk_buckets[0]))
     for kind, size in steps:
         folder = os.path.join(ir_dir, kind)
-        ms.set_context(save_graphs=1, save_graphs_path=folder)
-        try:
+        with dumping_ir(folder):
             runner.compile_shape(kind, size, runner.context_buckets[0])
-        finally:
-            ms.set_context(save_graphs=0)
-        dumps = sorted(f for f in os.listdir(folder) if f.startswith(STAGE))
-        if not dumps:
-            raise RuntimeError(f"MindSpore wrote no {STAGE}*.ir under {folder}")
-        with open(os.path.join(folder, dumps[-1])) as f:
+        with open(os.path.join(folder, stage_dumps(folder)[-1])) as f:
             calls += parse_ir(f.read(), kind)
     return calls
+
+
+@contextlib.contextmanager
+def dumping_ir(folder):
+    """MindSpore's IR dump into `folder` for what compiles inside: the STAGE graph (every
+    pass's where this process dumped before without MS_DEV_DUMP_IR_PASSES)."""
+    import mindspore as ms
+
+    os.environ.setdefault("MS_DEV_DUMP_IR_PASSES", DUMP_PASSES)
+    ms.set_context(save_graphs=1, save_graphs_path=str(folder))
+    try:
+        yield
+    finally:
+        ms.set_context(save_graphs=0)
+
+
+def stage_dumps(folder):
+    """The STAGE files under `folder`, in the order MindSpore wrote them."""
+    dumps = sorted(f for f in os.listdir(folder) if f.startswith(STAGE))
+    if not dumps:
+        passes = os.environ.get("MS_DEV_DUMP_IR_PASSES")
+        raise RuntimeError(f"MindSpore wrote no {STAGE}*.ir under {folder}"
+                           + (f" (MS_DEV_DUMP_IR_PASSES={passes} leaves it out?)"
+                              if passes and DUMP_PASSES not in passes else ""))
+    return dumps
 
 
 def run(model, strategy_path, hardware="cpu"):
