@@ -21,7 +21,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DP2_TP2 = os.path.join(ROOT, "strategies", "qwen2_dp2_tp2.yaml")
 TP4 = os.path.join(ROOT, "strategies", "qwen2_tp4.yaml")
 JOB_TIMEOUT = 240
-SMALL = ["--max-bytes", "2K", "--factor", "4", "--iters", "3", "--warmup", "1"]
+SMALL = ["--max-bytes", "2K", "--factor", "16", "--iters", "3", "--warmup", "1"]
+# MindSpore's workers retry joining the scheduler every 3-5 s by default: rank 0 starts the
+# scheduler once it has imported MindSpore, so each job waited for one retry (~5 s a job).
+FAST_JOIN = {"MS_RETRY_INTERVAL_LOWER": "1", "MS_RETRY_INTERVAL_UPPER": "1"}
 
 
 def test_sizes_follow_hccl_test_notation():
@@ -116,7 +119,7 @@ def test_launch_still_checks_the_world_size_and_refuses_non_rank_commands(capsys
 
 def run_job(cmd, env=None):
     """A job in its own process group, killed whole on timeout; (exit code, stdout, stderr)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", GLOG_v="3", **(env or {}))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", GLOG_v="3", **FAST_JOIN, **(env or {}))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, cwd=ROOT, start_new_session=True)
     try:
@@ -162,7 +165,7 @@ def test_four_cpu_ranks_measure_world_tensor_groups_and_pairs_correctly(tmp_path
                         ("tensor groups", "AllReduce"), ("same-card pairs", "AllReduce"),
                         ("cross-card pairs", "AllReduce")}
     world_ar = [r for r in rows if r["group"] == "world" and r["op"] == "AllReduce"]
-    assert [r["size_bytes"] for r in world_ar] == [8, 32, 128, 512, 2048]
+    assert [r["size_bytes"] for r in world_ar] == [8, 128, 2048]
     for r in rows:
         assert r["check"] == "success" and r["time_us"] > 0
         n = r["ranks_per_group"]
