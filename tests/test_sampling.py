@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from msinfer import SamplingParams as ExportedSamplingParams
-from msinfer.engine.sampling import Sampler, SamplingParams
+from msinfer.engine.sampling import Sampler, SamplingParams, adjust_scores
 from msinfer.errors import MsinferError
 
 
@@ -128,3 +128,91 @@ def test_extreme_logits_do_not_overflow():
 def test_mismatched_batch_is_refused():
     with pytest.raises(ValueError, match="one SamplingParams"):
         Sampler()(np.zeros((2, 4), np.float32), [SamplingParams()], [None])
+
+
+# ---- what changes the scores before sampling: against HF's processors and OpenAI's formula
+
+def _hf_processed(processor, row, ids):
+    torch = pytest.importorskip("torch")
+    scores = torch.tensor(np.asarray(row, np.float32)[None, :])
+    return processor(torch.tensor([ids]), scores)[0].numpy()
+
+
+def _scores(vocab=64, seed=3):
+    return np.random.default_rng(seed).normal(0, 3, vocab).astype(np.float32)
+
+
+def test_repetition_penalty_is_hfs_over_prompt_and_output():
+    transformers = pytest.importorskip("transformers")
+    row, prompt, generated = _scores(), [1, 5, 9, 5], [9, 12, 30]
+    ours = adjust_scores(row, SamplingParams(repetition_penalty=1.7), prompt, generated)
+    hf = _hf_processed(transformers.RepetitionPenaltyLogitsProcessor(1.7), row,
+                       prompt + generated)
+    np.testing.assert_allclose(ours, hf, rtol=1e-6)
+    assert (ours != row).sum() == len(set(prompt + generated))
+
+
+def test_presence_and_frequency_penalties_follow_openais_formula():
+    """OpenAI: mu[j] - c[j] * frequency_penalty - (c[j] > 0) * presence_penalty, c counted
+    over the output only (as vLLM)."""
+    row, prompt, generated = _scores(), [2, 3], [4, 4, 4, 7, 2]
+    ours = adjust_scores(row, SamplingParams(frequency_penalty=0.5, presence_penalty=-1.25),
+                         prompt, generated)
+    expected = row.astype(np.float64).copy()
+    for j in range(row.size):
+        c = generated.count(j)
+        expected[j] -= c * 0.5 + (c > 0) * -1.25
+    np.testing.assert_allclose(ours, expected, rtol=1e-6)
+    assert ours[3] == row[3]  # in the prompt only: untouched
+
+
+def test_min_tokens_masks_eos_and_stop_tokens_until_reached_like_hf():
+    transformers = pytest.importorskip("transformers")
+    row = _scores()
+    params = SamplingParams(max_tokens=8, min_tokens=3, stop_token_ids=[11])
+    early = adjust_scores(row, params, [1, 2], [5, 6], eos_token_ids={0})
+    hf = _hf_processed(transformers.MinNewTokensLengthLogitsProcessor(
+        prompt_length_to_skip=2, min_new_tokens=3, eos_token_id=[0, 11]), row, [1, 2, 5, 6])
+    np.testing.assert_array_equal(early, hf)
+    assert np.isinf(early[[0, 11]]).all()
+    assert (adjust_scores(row, params, [1, 2], [5, 6, 7], eos_token_ids={0}) == row).all()
+    ignoring = SamplingParams(max_tokens=8, min_tokens=3, ignore_eos=True)
+    assert adjust_scores(row, ignoring, [1], [], eos_token_ids={0})[0] == row[0]
+
+
+def test_logit_bias_takes_openais_string_keys_and_forces_or_bans_tokens():
+    params = SamplingParams(temperature=0, logit_bias={"7": 100, 3: -100})
+    assert params.logit_bias == {7: 100.0, 3: -100.0}
+    row = _scores()
+    row[3] = row.max() + 50
+    tokens = Sampler()(np.stack([row, row]), [params, SamplingParams(temperature=0)],
+                       [None, None], [([1], []), ([1], [])])
+    assert tokens.tolist() == [7, 3]  # the biased row only; the caller's logits unchanged
+    assert row[3] == row.max()
+
+
+def test_min_p_keeps_what_hfs_min_p_warper_keeps():
+    transformers = pytest.importorskip("transformers")
+    row = _scores(vocab=200)
+    kept_hf = np.isfinite(_hf_processed(transformers.MinPLogitsWarper(0.05), row, [0]))
+    drawn = set(sample_many(row, SamplingParams(min_p=0.05), draws=3000).tolist())
+    assert drawn <= set(np.flatnonzero(kept_hf).tolist())
+    assert len(drawn) > 1
+
+
+def test_greedy_rows_take_the_argmax_after_the_penalties():
+    row = np.zeros(16, np.float32)
+    row[4], row[5] = 2.0, 1.9
+    tokens = Sampler()(row[None, :], [SamplingParams(temperature=0, presence_penalty=0.5)],
+                       [None], [([1], [4])])
+    assert tokens.tolist() == [5]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("min_p", 1.5), ("presence_penalty", 2.5), ("frequency_penalty", -3),
+    ("repetition_penalty", 0), ("min_tokens", -1), ("min_tokens", 17),
+])
+def test_bad_score_changes_are_refused_naming_the_field(field, value):
+    with pytest.raises(MsinferError, match=re.escape(f"{field}={value!r}")) as error:
+        SamplingParams(**{field: value})
+    assert error.value.field == field

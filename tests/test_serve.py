@@ -150,6 +150,14 @@ def test_seeded_sampling_and_logprobs(server):
     lp = first.choices[0].logprobs
     assert len(lp.token_logprobs) == first.usage.completion_tokens
     assert all(x <= 0 for x in lp.token_logprobs) and all(len(t) == 2 for t in lp.top_logprobs)
+    # what changes the scores reaches the real engine: a biased token is all a greedy
+    # request gets, and penalties and min_p are taken
+    forced = server.client().completions.create(
+        model=NAME, prompt="seeded", max_tokens=4, temperature=0, logit_bias={"300": 100},
+        extra_body={"min_tokens": 4, "repetition_penalty": 1.3, "min_p": 0.1})
+    four = httpx.post(server.url + "/detokenize", json={"model": NAME, "tokens": [300] * 4})
+    assert forced.choices[0].text == four.json()["prompt"]
+    assert forced.usage.completion_tokens == 4
 
 
 def post(server, body):

@@ -84,6 +84,10 @@ def check_request_limits(ids, params, vocab_size, max_model_len, layout, *, has_
     if bad:
         raise MsinferError(f"{name}: token id {bad[0]} is outside the vocabulary "
                            f"(0..{vocab_size - 1})")
+    biased = [t for t in (params.logit_bias or ()) if t >= vocab_size]
+    if biased:
+        raise MsinferError(f"{name}: logit_bias names token id {biased[0]}, outside the "
+                           f"vocabulary (0..{vocab_size - 1})")
     total = len(ids) + params.max_tokens
     if total > max_model_len:
         raise MsinferError(
@@ -234,7 +238,9 @@ class LLMEngine:
             if not sampled_seqs:
                 return outputs
         tokens = self._sampler(logits, [s.params for s in sampled_seqs],
-                               [s.generator for s in sampled_seqs])
+                               [s.generator for s in sampled_seqs],
+                               [(s.prompt_token_ids, s.generated) for s in sampled_seqs],
+                               self.eos_token_ids)
         for row, (seq, token) in enumerate(zip(sampled_seqs, tokens)):
             self._append(seq, int(token), logits[row])
             outputs.append(self._output(seq))

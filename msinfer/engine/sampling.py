@@ -1,8 +1,12 @@
 """Choosing the next token from logits: SamplingParams (vLLM-like) and a numpy Sampler.
 
-Logits warp in Hugging Face's order (temperature, then top-k, then top-p) so a request means
-the same here as in `transformers.generate`. Temperature 0 is greedy: argmax, ties to the
-lowest id as torch.argmax does, so greedy output can be compared token for token.
+First what changes the model's scores, as vLLM applies it: `logit_bias` and `min_tokens`
+(stop tokens masked until that many were generated), then the penalties (repetition over
+prompt and output, frequency and presence over the output). Then logits warp in Hugging
+Face's order (temperature, top-k, top-p, min-p) so a request means the same here as in
+`transformers.generate`. Temperature 0 is greedy: argmax (after the penalties), ties to the
+lowest id as torch.argmax does, so greedy output can be compared token for token. Reported
+logprobs are the model's, before all of this (vLLM's default, raw logprobs).
 """
 import dataclasses
 import math
@@ -29,10 +33,19 @@ class SamplingParams:
     stop_token_ids: Tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int = None  # report the sampled token's logprob and this many most likely ones
+    min_p: float = 0.0  # keep tokens at least this share of the most likely one's probability
+    presence_penalty: float = 0.0  # subtracted once from each token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in what was generated
+    repetition_penalty: float = 1.0  # divides positive / multiplies negative scores of tokens
+    # in the prompt or the output (1 = off)
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
+    logit_bias: Optional[dict] = None  # {token id: bias added to its score}, bias in -100..100
 
     def __post_init__(self):
         def bad(field, value, why):
-            raise MsinferError(f"SamplingParams: {field}={value!r} {why}")
+            error = MsinferError(f"SamplingParams: {field}={value!r} {why}")
+            error.field = field  # the request field to name (HTTP 400's `param`)
+            raise error
 
         def is_int(value):
             return isinstance(value, numbers.Integral) and not isinstance(value, bool)
@@ -61,10 +74,48 @@ class SamplingParams:
                 bad("stop_token_ids", self.stop_token_ids, "must hold non-negative integers")
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             bad("logprobs", self.logprobs, "must be a non-negative integer or None")
+        if (not isinstance(self.min_p, numbers.Real) or isinstance(self.min_p, bool)
+                or not 0 <= self.min_p <= 1):
+            bad("min_p", self.min_p, "must be in [0, 1]")
+        for field in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, field)
+            if (not isinstance(value, numbers.Real) or isinstance(value, bool)
+                    or not -2 <= value <= 2):
+                bad(field, value, "must be in [-2, 2]")
+        if (not isinstance(self.repetition_penalty, numbers.Real)
+                or isinstance(self.repetition_penalty, bool)
+                or not 0 < self.repetition_penalty < math.inf):
+            bad("repetition_penalty", self.repetition_penalty, "must be a number > 0 (1 = off)")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", self.min_tokens, f"must be an integer in 0..max_tokens "
+                                               f"({self.max_tokens})")
+        if self.logit_bias:
+            bias = {}
+            for key, value in dict(self.logit_bias).items():
+                # JSON object keys are strings ("50256": -100 as OpenAI documents it)
+                token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+                if not is_int(token) or token < 0:
+                    bad("logit_bias", key, "keys must be token ids (non-negative integers)")
+                if (not isinstance(value, numbers.Real) or isinstance(value, bool)
+                        or not -100 <= value <= 100):
+                    bad("logit_bias", {key: value}, "biases must be in [-100, 100]")
+                bias[int(token)] = float(value)
+            self.logit_bias = bias
+        else:
+            self.logit_bias = None
         self.max_tokens, self.top_k = int(self.max_tokens), int(self.top_k)
         self.temperature, self.top_p = float(self.temperature), float(self.top_p)
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
         self.ignore_eos = bool(self.ignore_eos)
+        self.min_p, self.min_tokens = float(self.min_p), int(self.min_tokens)
+        self.presence_penalty = float(self.presence_penalty)
+        self.frequency_penalty = float(self.frequency_penalty)
+        self.repetition_penalty = float(self.repetition_penalty)
+
+    def changes_scores(self, generated: int) -> bool:
+        """Whether the model's scores change before sampling, with `generated` tokens out."""
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or generated < self.min_tokens)
 
     @property
     def greedy(self) -> bool:
@@ -75,11 +126,37 @@ class SamplingParams:
         return np.random.default_rng(self.seed)
 
 
+def adjust_scores(row, params, prompt_ids, generated, eos_token_ids=()):
+    """The scores `row` (one float32 row, not changed) after logit_bias, min_tokens and the
+    penalties of `params`, given the request's prompt and generated token ids, as vLLM
+    applies them; a new float32 array."""
+    row = np.array(row, dtype=np.float32)
+    if params.logit_bias:
+        ids = np.fromiter(params.logit_bias, dtype=np.int64)
+        row[ids] += np.fromiter(params.logit_bias.values(), dtype=np.float32)
+    if len(generated) < params.min_tokens:
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        row[[t for t in stops if t < row.size]] = -np.inf
+    if params.repetition_penalty != 1.0:
+        ids = np.unique(np.concatenate([np.asarray(prompt_ids, np.int64),
+                                        np.asarray(generated, np.int64)]))
+        seen = row[ids]
+        row[ids] = np.where(seen > 0, seen / params.repetition_penalty,
+                            seen * params.repetition_penalty)
+    if (params.presence_penalty or params.frequency_penalty) and len(generated):
+        ids, counts = np.unique(np.asarray(generated, np.int64), return_counts=True)
+        row[ids] -= (params.frequency_penalty * counts + params.presence_penalty).astype(
+            np.float32)
+    return row
+
+
 class Sampler:
     """Picks one token per row of a (batch, vocab) float32 logits array."""
 
-    def __call__(self, logits, params, generators):
-        """`params` and `generators` hold one entry per row (greedy rows ignore theirs).
+    def __call__(self, logits, params, generators, histories=None, eos_token_ids=()):
+        """`params` and `generators` hold one entry per row (greedy rows ignore theirs);
+        `histories` one (prompt ids, generated ids) per row, needed by rows whose params
+        change the scores (penalties, logit_bias, min_tokens: `eos_token_ids` are masked too).
 
         Returns an int64 array of shape (batch,).
         """
@@ -87,6 +164,14 @@ class Sampler:
             raise ValueError(
                 f"logits of shape {logits.shape} need one SamplingParams and one generator "
                 f"per row, got {len(params)} and {len(generators)}")
+        adjust = [row for row, p in enumerate(params)
+                  if histories is not None and p.changes_scores(len(histories[row][1]))]
+        if adjust:  # only those rows are copied; the caller's logits stay the model's
+            logits = logits.copy()
+            for row in adjust:
+                prompt, generated = histories[row]
+                logits[row] = adjust_scores(logits[row], params[row], prompt, generated,
+                                            eos_token_ids)
         greedy = np.fromiter((p.greedy for p in params), dtype=bool, count=len(params))
         tokens = np.empty(len(params), dtype=np.int64)
         if greedy.all():
@@ -111,6 +196,11 @@ def _sample_row(logits, params, generator):
     if params.top_p < 1.0:
         # Tokens tied with the last one in stay too, as with top-k.
         keep = probs >= _nucleus_floor(probs, params.top_p)
+        ids, probs = ids[keep], probs[keep]
+        probs /= probs.sum()
+    if params.min_p > 0:
+        # HF's MinPLogitsWarper: relative to the most likely token (which always stays)
+        keep = probs >= params.min_p * probs.max()
         ids, probs = ids[keep], probs[keep]
         probs /= probs.sum()
     cumulative = np.cumsum(probs)

@@ -4,9 +4,9 @@ Requests accept fields msinfer does not know, as vLLM does: they are ignored, lo
 in the response's `X-Msinfer-Ignored-Fields` header (`ignored_fields()`), so clients written
 for vLLM or OpenAI (guidellm, lm-eval, `vllm bench serve`, aiperf) run unmodified. Known fields
 are validated by type and range (400). Fields msinfer knows but cannot honour yet (n > 1,
-penalties, echo, tools, ...) are refused by `unsupported()` with the field's name, never
-silently ignored; a value that asks for nothing (`n: 1`, `presence_penalty: 0`,
-`repetition_penalty: 1`, `min_tokens: 0`, `echo: false`, `tools: []`, ...) is accepted.
+echo, tools, ...) are refused by `unsupported()` with the field's name, never silently
+ignored; a value that asks for nothing (`n: 1`, `echo: false`, `tools: []`, ...) is
+accepted.
 """
 import time
 from typing import Literal, Optional, Union
@@ -53,11 +53,11 @@ class _Request(BaseModel):
     frequency_penalty: Optional[float] = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
-    # Fields (vLLM's and OpenAI's) msinfer knows but does not do yet: only the values that
-    # ask for nothing are accepted (unsupported())
     repetition_penalty: Optional[float] = Field(default=None, gt=0.0)
     min_tokens: int = Field(default=0, ge=0)
     min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    # Fields (vLLM's and OpenAI's) msinfer knows but does not do yet: only the values that
+    # ask for nothing are accepted (unsupported())
     prompt_logprobs: Optional[int] = Field(default=None, ge=-1)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -81,19 +81,8 @@ class _Request(BaseModel):
         """(field, why) for the first field set to something msinfer does not do, else None."""
         if self.n != 1:
             return "n", "only n=1 is supported"
-        if self.presence_penalty or self.frequency_penalty:
-            field = "presence_penalty" if self.presence_penalty else "frequency_penalty"
-            return field, "penalties are not supported (only 0)"
-        if self.repetition_penalty not in (None, 1.0):
-            return "repetition_penalty", "penalties are not supported (only 1.0)"
-        if self.min_tokens:
-            return "min_tokens", "min_tokens is not supported (only 0)"
-        if self.min_p:
-            return "min_p", "min_p is not supported (only 0)"
         if self.prompt_logprobs is not None:
             return "prompt_logprobs", "prompt_logprobs is not supported"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
         if self.include_stop_str_in_output:
             return "include_stop_str_in_output", "only include_stop_str_in_output=false is " \
                                                  "supported"

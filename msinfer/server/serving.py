@@ -232,12 +232,16 @@ def sampling_params(body, max_tokens, logprobs):
         kwargs = dict(max_tokens=max_tokens, temperature=body.temperature,
                       top_k=body.top_k, top_p=body.top_p, seed=body.seed,
                       stop=body.stop_strings(), stop_token_ids=tuple(body.stop_token_ids),
-                      ignore_eos=body.ignore_eos)
+                      ignore_eos=body.ignore_eos, min_p=body.min_p or 0.0,
+                      presence_penalty=body.presence_penalty or 0.0,
+                      frequency_penalty=body.frequency_penalty or 0.0,
+                      repetition_penalty=body.repetition_penalty or 1.0,
+                      min_tokens=body.min_tokens, logit_bias=body.logit_bias or None)
         if logprobs is not None:
             kwargs["logprobs"] = logprobs
         return SamplingParams(**kwargs)
     except (MsinferError, TypeError) as e:
-        raise ApiError(400, str(e)) from None
+        raise ApiError(400, str(e), param=getattr(e, "field", None)) from None
 
 
 def tokenize(step, value):
