@@ -1,8 +1,10 @@
-"""Qwen2 model configuration, read from a Hugging Face config.json.
+"""Model configuration (Qwen2, Qwen2.5 and Qwen3 dense), read from a Hugging Face config.json.
 
-Accepts both spellings in the wild: transformers 4.x (`rope_theta`, `torch_dtype`) and
-5.x (`rope_parameters.rope_theta`, `dtype`). Every derived size is computed here, once, and
-the ids that end a generation are read here, once (`eos_token_ids`).
+Accepts both spellings in the wild: transformers 4.x (`rope_theta`, `rope_scaling`,
+`torch_dtype`) and 5.x (`rope_parameters`, `dtype`). Every derived size is computed here, once,
+and the ids that end a generation are read here, once (`eos_token_ids`). What msinfer cannot
+run (another architecture, a rope type other than default and yarn, Qwen3 with attention
+biases or sliding windows) is refused here, naming the config field and what is supported.
 """
 from __future__ import annotations
 
@@ -12,11 +14,35 @@ import os
 
 from .errors import MsinferError, positive_int
 
-_SUPPORTED_MODEL_TYPES = ("qwen2",)
+# model_type -> the architecture its checkpoints name (models/families.py: the code of each).
+_SUPPORTED_MODEL_TYPES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_SUPPORTED_ROPE_TYPES = ("default", "yarn")
 _REQUIRED_KEYS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads",
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Static YaRN (rope type `yarn`), as HF transformers' `_compute_yarn_parameters` reads it:
+    `factor`, `original_max_position_embeddings`, and the optional `attention_factor`,
+    `beta_fast`, `beta_slow`, `mscale`, `mscale_all_dim`, `truncate` (None: HF's defaults)."""
+
+    rope_type: str
+    factor: float
+    original_max_position_embeddings: int
+    attention_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    @property
+    def max_positions(self) -> int:
+        """The context the scaling reaches: factor x the original context."""
+        return int(self.factor * self.original_max_position_embeddings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +60,26 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     torch_dtype: str = "bfloat16"
     source: str = "<memory>"
+    model_type: str = "qwen2"  # qwen3: per-head q/k RMSNorm, no q/k/v bias
+    rope_scaling: RopeScaling | None = None  # None: HF's default rotary embedding
+
+    @property
+    def qkv_bias(self) -> bool:
+        """q/k/v projections with biases (Qwen2's); Qwen3 has none."""
+        return self.model_type == "qwen2"
+
+    @property
+    def qk_norm(self) -> bool:
+        """Per-head RMSNorm of q and k before the rotary embedding (Qwen3's)."""
+        return self.model_type == "qwen3"
+
+    @property
+    def max_context_len(self) -> int:
+        """The longest sequence the model takes: max_position_embeddings, or what its yarn
+        scaling reaches (factor x original_max_position_embeddings) when that is more, as
+        Qwen2.5's README has it: 32,768 positions scaled by 4 to 131,072."""
+        reach = self.rope_scaling.max_positions if self.rope_scaling else 0
+        return max(self.max_position_embeddings, reach)
 
     @property
     def kv_groups(self) -> int:
@@ -58,14 +104,16 @@ class ModelConfig:
         shapes = {"model.embed_tokens.weight": (self.vocab_size, h)}
         for n in range(self.num_layers):
             p = f"model.layers.{n}."
+            shapes[p + "input_layernorm.weight"] = (h,)
+            for proj, size in (("q_proj", self.q_size), ("k_proj", self.kv_size),
+                               ("v_proj", self.kv_size)):
+                shapes[p + f"self_attn.{proj}.weight"] = (size, h)
+                if self.qkv_bias:
+                    shapes[p + f"self_attn.{proj}.bias"] = (size,)
+            if self.qk_norm:  # over head_dim, shared by every head
+                shapes[p + "self_attn.q_norm.weight"] = (self.head_dim,)
+                shapes[p + "self_attn.k_norm.weight"] = (self.head_dim,)
             shapes.update({
-                p + "input_layernorm.weight": (h,),
-                p + "self_attn.q_proj.weight": (self.q_size, h),
-                p + "self_attn.q_proj.bias": (self.q_size,),
-                p + "self_attn.k_proj.weight": (self.kv_size, h),
-                p + "self_attn.k_proj.bias": (self.kv_size,),
-                p + "self_attn.v_proj.weight": (self.kv_size, h),
-                p + "self_attn.v_proj.bias": (self.kv_size,),
                 p + "self_attn.o_proj.weight": (h, self.q_size),
                 p + "post_attention_layernorm.weight": (h,),
                 p + "mlp.gate_proj.weight": (i, h),
@@ -92,7 +140,15 @@ class ModelConfig:
         if model_type not in _SUPPORTED_MODEL_TYPES:
             raise MsinferError(
                 f"{source}: model_type {model_type!r} is not supported "
-                f"(msinfer runs {', '.join(_SUPPORTED_MODEL_TYPES)})")
+                f"(msinfer runs {_supported_architectures()})")
+        architectures = raw.get("architectures")
+        expected = _SUPPORTED_MODEL_TYPES[model_type]
+        if architectures is not None and list(architectures) != [expected]:
+            raise MsinferError(
+                f"{source}: architectures {architectures!r} is not supported for model_type "
+                f"{model_type!r} (msinfer runs {_supported_architectures()})")
+        if model_type == "qwen3":
+            _check_qwen3(raw, source)
         missing = [k for k in _REQUIRED_KEYS if k not in raw]
         if missing:
             raise MsinferError(f"{source}: missing required key(s): {', '.join(missing)}")
@@ -116,9 +172,7 @@ class ModelConfig:
             head_dim = hidden // heads
         rope = raw.get("rope_parameters") or {}
         rope_theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", (raw.get("rope_scaling") or {}).get("type", "default"))
-        if rope_type not in ("default", None):
-            raise MsinferError(f"{source}: rope scaling {rope_type!r} is not supported")
+        max_positions = int(raw.get("max_position_embeddings", 32768))
         return cls(
             vocab_size=integer("vocab_size"),
             hidden_size=hidden,
@@ -129,10 +183,12 @@ class ModelConfig:
             head_dim=int(head_dim),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"),
             source=source,
+            model_type=model_type,
+            rope_scaling=_rope_scaling(raw, max_positions, source),
         )
 
     @classmethod
@@ -143,6 +199,72 @@ class ModelConfig:
         if not os.path.isfile(path):
             raise MsinferError(f"{path}: not found (a Hugging Face model directory has one)")
         return cls.from_dict(read_json_object(path), source=path)
+
+
+def _supported_architectures():
+    return ", ".join(f"{arch} (model_type {kind})"
+                     for kind, arch in _SUPPORTED_MODEL_TYPES.items())
+
+
+def _check_qwen3(raw, source):
+    """What HF's Qwen3 has that msinfer's does not run, refused by field."""
+    if raw.get("attention_bias"):
+        raise MsinferError(f"{source}: attention_bias true is not supported for qwen3 "
+                           f"(msinfer runs Qwen3 as released: attention_bias false)")
+    if raw.get("use_sliding_window"):
+        raise MsinferError(f"{source}: use_sliding_window true is not supported (msinfer runs "
+                           f"full attention in every layer: use_sliding_window false)")
+    layer_types = raw.get("layer_types")
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        raise MsinferError(f"{source}: layer_types other than full_attention are not supported "
+                           f"(msinfer runs full attention in every layer)")
+
+
+def _rope_scaling(raw, max_positions, source):
+    """The rope scaling of a config.json: transformers 5.x's `rope_parameters` (rope_type and
+    its parameters), else 4.x's `rope_scaling` (`type` or `rope_type`); None for the default
+    rotary embedding, RopeScaling for yarn, refused otherwise. Defaults as transformers fills
+    them in: original_max_position_embeddings is max_position_embeddings, and a missing factor
+    is max_position_embeddings / original."""
+    for field in ("rope_parameters", "rope_scaling"):
+        params = raw.get(field)
+        if params:
+            break
+    else:
+        return None
+    if not isinstance(params, dict):
+        raise MsinferError(f"{source}: {field} must be a JSON object, got {params!r}")
+    key = "rope_type" if "rope_type" in params else "type"
+    rope_type = params.get(key) or "default"
+    if rope_type not in _SUPPORTED_ROPE_TYPES:
+        raise MsinferError(f"{source}: {field}.{key} {rope_type!r} is not supported (msinfer "
+                           f"runs rope types {', '.join(_SUPPORTED_ROPE_TYPES)})")
+    if rope_type == "default":
+        return None
+    top_level = raw.get("original_max_position_embeddings")  # transformers gives it priority
+    original = top_level or params.get("original_max_position_embeddings") or max_positions
+    original = positive_int(original, f"{source}: {field}.original_max_position_embeddings")
+    factor = params.get("factor")
+    if factor is None:
+        factor = max_positions / original
+
+    def number(name):
+        value = params.get(name)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise MsinferError(f"{source}: {field}.{name} must be a number, got {value!r}")
+        return float(value)
+
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 1:
+        raise MsinferError(f"{source}: {field}.factor must be a number of at least 1, "
+                           f"got {factor!r}")
+    return RopeScaling(rope_type=rope_type, factor=float(factor),
+                       original_max_position_embeddings=original,
+                       attention_factor=number("attention_factor"),
+                       beta_fast=number("beta_fast"), beta_slow=number("beta_slow"),
+                       mscale=number("mscale"), mscale_all_dim=number("mscale_all_dim"),
+                       truncate=bool(params.get("truncate", True)))
 
 
 def read_json_object(path: str) -> dict:
@@ -178,20 +300,54 @@ def eos_token_ids(model_dir: str) -> tuple[int, ...]:
     return ()
 
 
-def _preset(vocab, hidden, inter, layers, heads, kv, tie, max_pos):
+def _preset(vocab, hidden, inter, layers, heads, kv, tie, max_pos, head_dim=None,
+            model_type="qwen2", eps=1e-6, rope_scaling=None):
     return ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
                        num_layers=layers, num_heads=heads, num_kv_heads=kv,
-                       head_dim=hidden // heads, tie_word_embeddings=tie,
-                       max_position_embeddings=max_pos)
+                       head_dim=head_dim or hidden // heads, tie_word_embeddings=tie,
+                       max_position_embeddings=max_pos, rms_norm_eps=eps,
+                       model_type=model_type, rope_scaling=rope_scaling)
 
 
-# The published Qwen2 configs (Hugging Face Qwen/Qwen2-*/config.json), for planning
-# without the checkpoint at hand.
+# Qwen2.5's README: beyond 32,768 tokens, static YaRN over the Instruct models' 32,768.
+QWEN25_YARN = RopeScaling(rope_type="yarn", factor=4.0, original_max_position_embeddings=32768)
+
+
+def _qwen3(vocab, hidden, inter, layers, heads, kv, tie):
+    # head_dim 128 in every Qwen3 dense config, whatever hidden / heads (0.6B: 64; 32B: 80).
+    return _preset(vocab, hidden, inter, layers, heads, kv, tie, 40960, head_dim=128,
+                   model_type="qwen3")
+
+
+def _qwen25(hidden, inter, layers, heads, kv, eps, yarn=False):
+    # The Instruct configs: 32,768 positions (their README adds yarn to reach 131,072).
+    return _preset(152064, hidden, inter, layers, heads, kv, False, 32768, eps=eps,
+                   rope_scaling=QWEN25_YARN if yarn else None)
+
+
+# The published configs, for planning without the checkpoint at hand: Qwen2 (Hugging Face
+# Qwen/Qwen2-*/config.json), Qwen2.5 Instruct (Qwen/Qwen2.5-*-Instruct: their native 32,768
+# positions; the -yarn entries add the README's rope_scaling {type yarn, factor 4,
+# original_max_position_embeddings 32768} and so reach 131,072), Qwen3 dense (Qwen/Qwen3-*:
+# head_dim 128, 40,960 positions, no q/k/v bias, q/k norms). Values collected in
+# ../shared/reference/research-anchors-2.md section 4.
 PRESETS = {
     "qwen2-0.5b": _preset(151936, 896, 4864, 24, 14, 2, True, 131072),
     "qwen2-1.5b": _preset(151936, 1536, 8960, 28, 12, 2, True, 131072),
     "qwen2-7b": _preset(152064, 3584, 18944, 28, 28, 4, False, 131072),
     "qwen2-72b": _preset(152064, 8192, 29568, 80, 64, 8, False, 131072),
+    "qwen2.5-7b": _qwen25(3584, 18944, 28, 28, 4, 1e-6),
+    "qwen2.5-14b": _qwen25(5120, 13824, 48, 40, 8, 1e-5),
+    "qwen2.5-32b": _qwen25(5120, 27648, 64, 40, 8, 1e-5),
+    "qwen2.5-72b": _qwen25(8192, 29568, 80, 64, 8, 1e-6),
+    "qwen2.5-7b-yarn": _qwen25(3584, 18944, 28, 28, 4, 1e-6, yarn=True),
+    "qwen2.5-14b-yarn": _qwen25(5120, 13824, 48, 40, 8, 1e-5, yarn=True),
+    "qwen2.5-32b-yarn": _qwen25(5120, 27648, 64, 40, 8, 1e-5, yarn=True),
+    "qwen2.5-72b-yarn": _qwen25(8192, 29568, 80, 64, 8, 1e-6, yarn=True),
+    "qwen3-0.6b": _qwen3(151936, 1024, 3072, 28, 16, 8, True),
+    "qwen3-8b": _qwen3(151936, 4096, 12288, 36, 32, 8, False),
+    "qwen3-14b": _qwen3(151936, 5120, 17408, 40, 40, 8, False),
+    "qwen3-32b": _qwen3(151936, 5120, 25600, 64, 64, 8, False),
 }
 
 

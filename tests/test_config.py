@@ -1,9 +1,10 @@
-"""Reading Hugging Face Qwen2 configs in both spellings, and refusing the ones msinfer cannot run."""
+"""Reading Hugging Face Qwen2/Qwen2.5/Qwen3 configs in both spellings, and refusing the ones
+msinfer cannot run."""
 import json
 
 import pytest
 
-from msinfer.config import PRESETS, ModelConfig, load_config
+from msinfer.config import PRESETS, ModelConfig, RopeScaling, load_config
 from msinfer.errors import MsinferError
 
 BASE = {"model_type": "qwen2", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 176,
@@ -42,15 +43,104 @@ def test_tied_checkpoint_has_no_lm_head_and_untied_one_does():
     assert len(untied) == len(tied) + 1 == 2 * 12 + 3
 
 
-def test_published_qwen2_parameter_counts():
-    counts = {name: config.num_parameters() for name, config in PRESETS.items()}
+def test_published_parameter_counts():
+    counts = {name: config.num_parameters() for name, config in PRESETS.items()
+              if not name.endswith("-yarn")}
     assert counts == {"qwen2-0.5b": 494_032_768, "qwen2-1.5b": 1_543_714_304,
-                      "qwen2-7b": 7_615_616_512, "qwen2-72b": 72_706_203_648}
+                      "qwen2-7b": 7_615_616_512, "qwen2-72b": 72_706_203_648,
+                      # Qwen2.5 (same layout as Qwen2): 7B as Qwen2-7B, 72B as Qwen2-72B
+                      "qwen2.5-7b": 7_615_616_512, "qwen2.5-14b": 14_770_033_664,
+                      "qwen2.5-32b": 32_763_876_352, "qwen2.5-72b": 72_706_203_648,
+                      # Qwen3: the model cards' 0.6B (0.44B without the tied embedding), 8.2B,
+                      # 14.8B, 32.8B
+                      "qwen3-0.6b": 596_049_920, "qwen3-8b": 8_190_735_360,
+                      "qwen3-14b": 14_768_307_200, "qwen3-32b": 32_762_123_264}
+    assert 596_049_920 - 151936 * 1024 == 440_467_456
+
+
+def test_qwen3_presets_carry_head_dim_128_whatever_hidden_over_heads():
+    for name, hidden_over_heads in (("qwen3-0.6b", 64), ("qwen3-8b", 128), ("qwen3-14b", 128),
+                                    ("qwen3-32b", 80)):
+        config = PRESETS[name]
+        assert config.hidden_size // config.num_heads == hidden_over_heads
+        assert (config.head_dim, config.num_kv_heads, config.max_context_len) == (128, 8, 40960)
+        assert config.model_type == "qwen3" and not config.qkv_bias and config.qk_norm
+    shapes = PRESETS["qwen3-0.6b"].parameter_shapes()
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == (2048, 1024)
+    assert shapes["model.layers.0.self_attn.o_proj.weight"] == (1024, 2048)
+    assert shapes["model.layers.0.self_attn.q_norm.weight"] == (128,)
+    assert "lm_head.weight" not in shapes and "model.layers.0.self_attn.q_proj.bias" not in shapes
+
+
+def test_qwen25_presets_native_32k_and_yarn_131k():
+    for size in ("7b", "14b", "32b", "72b"):
+        native, yarn = PRESETS[f"qwen2.5-{size}"], PRESETS[f"qwen2.5-{size}-yarn"]
+        assert native.max_context_len == 32768 and native.rope_scaling is None
+        assert yarn.max_context_len == 131072
+        assert yarn.rope_scaling == RopeScaling("yarn", 4.0, 32768)
+        assert native.parameter_shapes() == yarn.parameter_shapes()
+
+
+QWEN3 = dict(BASE, model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=32,
+             attention_bias=False, tie_word_embeddings=False)
+
+
+def test_qwen3_config_reads_head_dim_and_names_its_norms():
+    config = ModelConfig.from_dict(QWEN3)
+    assert (config.model_type, config.head_dim, config.q_size, config.kv_size) == (
+        "qwen3", 32, 256, 64)
+    shapes = config.parameter_shapes()
+    assert shapes["model.layers.1.self_attn.k_norm.weight"] == (32,)
+    assert shapes["model.layers.1.self_attn.o_proj.weight"] == (64, 256)
+    assert not [n for n in shapes if n.endswith(".bias")]
+    assert len(shapes) == 2 * 11 + 3  # 9 of Qwen2's 12 per layer (no biases), 2 norms
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"attention_bias": True}, "config.json: attention_bias true is not supported for qwen3"),
+    ({"use_sliding_window": True}, "config.json: use_sliding_window true is not supported"),
+    ({"architectures": ["Qwen3MoeForCausalLM"]},
+     r"config.json: architectures \['Qwen3MoeForCausalLM'\] is not supported for model_type "
+     r"'qwen3' \(msinfer runs Qwen2ForCausalLM \(model_type qwen2\), Qwen3ForCausalLM"),
+])
+def test_qwen3_features_msinfer_does_not_run_are_refused_by_field(tmp_path, change, message):
+    with pytest.raises(MsinferError, match=message):
+        load_config(write_config(tmp_path, dict(QWEN3, **change)))
+
+
+def test_yarn_in_both_spellings_reads_the_same():
+    yarn = {"factor": 4.0, "original_max_position_embeddings": 128}
+    v4 = ModelConfig.from_dict(dict(BASE, rope_theta=1e6, rope_scaling=dict(yarn, type="yarn")))
+    v5 = ModelConfig.from_dict(dict(BASE, rope_parameters=dict(yarn, rope_type="yarn",
+                                                               rope_theta=1e6)))
+    assert v4 == v5
+    assert v4.rope_scaling == RopeScaling("yarn", 4.0, 128)
+    assert v4.max_position_embeddings == 512 and v4.max_context_len == 512  # max of both
+    wide = ModelConfig.from_dict(dict(BASE, max_position_embeddings=32768,
+                                      rope_scaling={"type": "yarn", "factor": 4.0,
+                                                    "original_max_position_embeddings": 32768}))
+    assert wide.max_context_len == 131072  # Qwen2.5's README recipe
+
+
+def test_yarn_defaults_are_transformers():
+    """No original_max_position_embeddings: max_position_embeddings; no factor: their ratio;
+    a top-level original_max_position_embeddings wins."""
+    config = ModelConfig.from_dict(dict(BASE, rope_scaling={"type": "yarn", "factor": 2.0}))
+    assert config.rope_scaling.original_max_position_embeddings == 512
+    config = ModelConfig.from_dict(dict(BASE, rope_scaling={
+        "rope_type": "yarn", "original_max_position_embeddings": 128}))
+    assert config.rope_scaling.factor == 4.0
+    config = ModelConfig.from_dict(dict(BASE, original_max_position_embeddings=64,
+                                        rope_scaling={"type": "yarn", "factor": 2.0,
+                                                      "original_max_position_embeddings": 128}))
+    assert config.rope_scaling.original_max_position_embeddings == 64
 
 
 def test_unknown_model_type_names_the_file(tmp_path):
     model_dir = write_config(tmp_path, dict(BASE, model_type="llama"))
-    with pytest.raises(MsinferError, match=r"config.json: model_type 'llama' is not supported"):
+    with pytest.raises(MsinferError, match=r"config.json: model_type 'llama' is not supported "
+                                           r"\(msinfer runs Qwen2ForCausalLM \(model_type "
+                                           r"qwen2\), Qwen3ForCausalLM \(model_type qwen3\)\)"):
         load_config(model_dir)
 
 
@@ -66,7 +156,15 @@ def test_missing_key_names_the_file_and_key(tmp_path):
     ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads=3"),
     ({"hidden_size": 60}, "hidden_size=60 is not divisible by num_attention_heads=8"),
     ({"vocab_size": "big"}, "vocab_size must be a positive integer, got 'big'"),
-    ({"rope_scaling": {"type": "yarn", "factor": 4}}, "rope scaling 'yarn' is not supported"),
+    ({"rope_scaling": {"type": "linear", "factor": 4}},
+     r"config.json: rope_scaling.type 'linear' is not supported \(msinfer runs rope types "
+     r"default, yarn\)"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e6}},
+     "config.json: rope_parameters.rope_type 'llama3' is not supported"),
+    ({"rope_scaling": {"type": "yarn", "factor": 0.5}},
+     "config.json: rope_scaling.factor must be a number of at least 1, got 0.5"),
+    ({"architectures": ["Qwen2ForSequenceClassification"]},
+     r"config.json: architectures \['Qwen2ForSequenceClassification'\] is not supported"),
 ])
 def test_inconsistent_config_is_refused_with_the_values(tmp_path, change, message):
     with pytest.raises(MsinferError, match=message):

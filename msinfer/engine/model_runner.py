@@ -30,9 +30,8 @@ from ..hardware import DTYPE_BYTES
 from ..layers.attention import new_cache
 from ..layers.parallel_context import ParallelContext
 from ..layers.rotary import rotary_tables
+from ..models.families import family_of
 from ..models.loader import full_shapes, rank_weights
-from ..models.qwen2 import (EMBEDDING_WEIGHT, Embedding, LayerStack, LMHead, Qwen2Model,
-                            head_weight_names, layer_weight_names, weight_layout, weight_names)
 from ..planning.kv_layout import TRASH_BLOCK, CacheLayout
 from ..planning.workspace import largest_call_bytes, layer_activation_bytes, layers_per_graph
 
@@ -74,7 +73,9 @@ class ModelRunner:
         self.layout = layout
         self.dtype = ctx.dtype
         self.num_layers = config.num_layers
-        cos, sin = rotary_tables(config.head_dim, config.rope_theta, max_model_len)
+        self.family = family_of(config)  # models/qwen2.py, qwen3.py: the model's Cells
+        cos, sin = rotary_tables(config.head_dim, config.rope_theta, max_model_len,
+                                 config.rope_scaling)
         host = np.float16 if str(ctx.dtype) == "Float16" else np.float32
         self.cos, self.sin = cos.astype(host), sin.astype(host)
         # semi_auto splits the tokens of the dense layers over the data replicas (and MindSpore
@@ -246,19 +247,20 @@ class ExplicitRunner(ModelRunner):
     def __init__(self, ctx, layout, max_num_seqs, max_prefill_tokens, max_model_len, weights,
                  min_layers_per_graph=1):
         """weights: {name: Tensor} of this rank's slices, in the layouts the graphs take
-        (models.qwen2.weight_layout). `min_layers_per_graph`: the hardware profile's."""
+        (the family's weight_layout). `min_layers_per_graph`: the hardware profile's."""
         super().__init__(ctx, layout, max_num_seqs, max_prefill_tokens, max_model_len)
         config = ctx.config
-        self.embedding = Embedding(ctx)
-        self.head = LMHead(ctx)
+        family = self.family
+        self.embedding = family.Embedding(ctx)
+        self.head = family.LMHead(ctx)
         self.stacks = {}  # layers per graph -> LayerStack
         self.caches = [(new_cache(layout.rows_shape, ctx.dtype),
                         new_cache(layout.rows_shape, ctx.dtype))
                        for _ in range(config.num_layers)]
-        self.embed_weight = weights[EMBEDDING_WEIGHT]
-        self.layer_weights = [[weights[n] for n in layer_weight_names(i)]
+        self.embed_weight = weights[family.EMBEDDING_WEIGHT]
+        self.layer_weights = [[weights[n] for n in family.layer_weight_names(i)]
                               for i in range(config.num_layers)]
-        self.head_weights = [weights[n] for n in head_weight_names(config)]
+        self.head_weights = [weights[n] for n in family.head_weight_names(config)]
         # Each layer's arguments of a LayerStack: its K and V caches, then its weights.
         self.layer_args = [t for (k, v), w in zip(self.caches, self.layer_weights)
                            for t in (k, v, *w)]
@@ -286,7 +288,7 @@ class ExplicitRunner(ModelRunner):
 
     def new_stack(self, count):
         """A graph of `count` consecutive decoder layers."""
-        return LayerStack(self.ctx, count)
+        return self.family.LayerStack(self.ctx, count)
 
     def _run(self, ids, positions, write, context_slots, mask, rows):
         cos, sin = self._rotary(positions)
@@ -300,7 +302,7 @@ class ExplicitRunner(ModelRunner):
         if stack is None:
             stack = self.stacks[count] = self.new_stack(count)
         x = self.embedding(Tensor(ids), self.embed_weight)
-        n = LayerStack.ARGS_PER_LAYER
+        n = self.family.LayerStack.ARGS_PER_LAYER
         for first in range(0, self.num_layers, count):
             x = stack(x, cos, sin, *args, *self.layer_args[first * n:(first + count) * n])
         if rows is None:
@@ -318,8 +320,8 @@ class ExplicitRunner(ModelRunner):
 
 
 class SemiAutoRunner(ModelRunner):
-    """semi_auto mode: one whole-model graph (Qwen2Model owns its weights and caches as
-    Parameters, laid out per rank by MindSpore from the primitives' in_strategy)."""
+    """semi_auto mode: one whole-model graph (the family's Model, e.g. Qwen2Model, owns its
+    weights and caches as Parameters, laid out per rank by MindSpore from the primitives' in_strategy)."""
 
     needs_rows = True
 
@@ -360,17 +362,18 @@ def build_runner(model_dir, ctx, layout, limits, world_size, min_layers_per_grap
     """The runner of `ctx.mode`, with this rank's weights loaded from `model_dir` and its KV
     cache allocated (`layout`): what nano-vllm's ModelRunner does in its constructor."""
     config = ctx.config
-    names = weight_names(config)
+    family = family_of(config)
+    names = family.weight_names(config)
     host_dtype = np.float16 if ctx.dtype == ms.float16 else np.float32  # numpy has no bf16
     weights = rank_weights(model_dir, ctx.plan, ctx.tensor_rank, names, host_dtype)
     sizes = dict(max_num_seqs=limits.max_num_seqs, max_prefill_tokens=limits.max_prefill_tokens,
                  max_model_len=limits.max_len)
     if ctx.mode == "semi_auto":
-        model = Qwen2Model(ctx, layout, full_shapes(config, names))
+        model = family.Model(ctx, layout, full_shapes(config, names))
         runner = SemiAutoRunner(ctx, layout, model=model, world_size=world_size, **sizes)
         runner.load(weights, world_size)
         return runner
-    loaded = {name: host_tensor(weight_layout(ctx, name, array), ctx.dtype)
+    loaded = {name: host_tensor(family.weight_layout(ctx, name, array), ctx.dtype)
               for name, array in weights}
     return ExplicitRunner(ctx, layout, weights=loaded, min_layers_per_graph=min_layers_per_graph,
                           **sizes)

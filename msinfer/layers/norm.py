@@ -1,4 +1,4 @@
-"""RMSNorm in float32, as HF's Qwen2RMSNorm."""
+"""RMSNorm in float32, as HF's Qwen2RMSNorm (and Qwen3's, also per head over q and k)."""
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
@@ -7,11 +7,16 @@ from .parallel_context import SemiAutoLayout, shard
 
 
 class RMSNorm(nn.Cell):
-    """HF's Qwen2RMSNorm over the feature axis of (tokens, features), in float32."""
+    """HF's Qwen2RMSNorm over the feature axis of (tokens, features), in float32; `per_head`:
+    over the head_dim axis of (tokens, heads, head_dim), one weight of head_dim for every head
+    (Qwen3's q_norm and k_norm, laid out under semi_auto as the attention's heads are)."""
 
-    def __init__(self, ctx):
+    def __init__(self, ctx, per_head=False):
         super().__init__()
-        rows = SemiAutoLayout(ctx.plan).rows(2) if ctx.mode == "semi_auto" else None
+        rows = None
+        if ctx.mode == "semi_auto":
+            layout = SemiAutoLayout(ctx.plan)
+            rows = layout.per_head(3, 1) if per_head else layout.rows(2)
         self.eps = Tensor(ctx.config.rms_norm_eps, ms.float32)
         self.to_float = shard(ctx, ops.Cast(), rows)
         self.square = shard(ctx, ops.Mul(), rows, rows)

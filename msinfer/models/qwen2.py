@@ -63,15 +63,23 @@ def head_weight_names(config) -> list:
     return ["model.norm.weight", lm_head]
 
 
-def weight_names(config) -> list:
-    """Every weight the model takes, each once, in load order."""
+def weight_names(config, layer_names=layer_weight_names) -> list:
+    """Every weight the model takes, each once, in load order (`layer_names`: a family's
+    layer_weight_names)."""
     names = [EMBEDDING_WEIGHT]
     for n in range(config.num_layers):
-        names += layer_weight_names(n)
+        names += layer_names(n)
     return names + [n for n in head_weight_names(config) if n not in names]
 
 
 class DecoderLayer(nn.Cell):
+    """Qwen2's decoder layer. A family whose layer differs in a step (Qwen3: no q/k/v bias,
+    q/k norms) subclasses it: its own `WEIGHTS` and `construct`, over the shared steps
+    (`_qkv`, `_attend_and_mlp`)."""
+
+    WEIGHTS = LAYER_WEIGHTS  # the weights construct takes, in order
+    QKV_BIAS = True
+
     def __init__(self, ctx):
         super().__init__()
         config, plan = ctx.config, ctx.plan
@@ -81,7 +89,8 @@ class DecoderLayer(nn.Cell):
         forms = matmul_forms(ctx)
         in_out = forms is not None and forms.in_out  # IN_OUT_WEIGHTS
         mlp = dict(in_out=in_out, weight_first=forms.mlp_weight_first if forms else None)
-        self.qkv_proj = ParallelLinear(ctx, p + "self_attn.qkv_proj", bias=True, in_out=in_out)
+        self.qkv_proj = ParallelLinear(ctx, p + "self_attn.qkv_proj", bias=self.QKV_BIAS,
+                                       in_out=in_out)
         self.o_proj = ParallelLinear(ctx, p + "self_attn.o_proj", in_out=in_out)
         self.gate_up_proj = ParallelLinear(ctx, p + "mlp.gate_up_proj", **mlp)
         self.down_proj = ParallelLinear(ctx, p + "mlp.down_proj", **mlp)
@@ -123,6 +132,13 @@ class DecoderLayer(nn.Cell):
         in explicit mode, whose caches are (slots x kv, head_dim), the rows of those
         (CacheLayout.head_rows, N*kv; rows_by_head, G*kv*T); mask: (G, Q, T), 0 where a query
         may look and a large negative number elsewhere."""
+        q, k, v = self._qkv(x, ln1, w_qkv, b_qkv)
+        return self._attend_and_mlp(x, q, k, v, cos, sin, k_cache, v_cache, write_rows,
+                                    context_rows, mask, w_o, ln2, w_gate_up, w_down)
+
+    def _qkv(self, x, ln1, w_qkv, b_qkv):
+        """q (tokens, heads, head_dim), k and v (tokens, kv_heads, head_dim) of the normed x
+        (b_qkv None: no bias)."""
         tokens = x.shape[0]
         qkv = self.qkv_proj(self.input_norm(x, ln1), w_qkv, b_qkv)
         qkv = qkv.reshape(tokens, self.qkv_blocks, -1)
@@ -131,6 +147,12 @@ class DecoderLayer(nn.Cell):
         v = self._block_part(qkv, self.q_block + self.kv_block, self.kv_block)
         k = k.reshape(tokens, self.kv_heads, self.head_dim)
         v = v.reshape(tokens, self.kv_heads, self.head_dim)
+        return q, k, v
+
+    def _attend_and_mlp(self, x, q, k, v, cos, sin, k_cache, v_cache, write_rows,
+                        context_rows, mask, w_o, ln2, w_gate_up, w_down):
+        """The rest of the layer from q, k, v: rotary, paged attention, o_proj and residual,
+        then the MLP and its residual."""
         q = self.rotary(q, cos, sin)
         k = self.rotary(k, cos, sin)
         out = self.attention(q, k, v, k_cache, v_cache, write_rows, context_rows, mask)
@@ -176,11 +198,12 @@ class LayerStack(nn.Cell):
     call (measured: 6 calls over 128 MB caches took 78 ms; 6 distinct Cells 1.0 ms, the same at
     8 MB), which made a decode step's time grow with the KV pool."""
 
-    ARGS_PER_LAYER = 2 + len(LAYER_WEIGHTS)
+    LAYER = DecoderLayer
+    ARGS_PER_LAYER = 2 + len(LAYER.WEIGHTS)
 
     def __init__(self, ctx, count):
         super().__init__()
-        self.layers = nn.CellList([DecoderLayer(ctx) for _ in range(count)])
+        self.layers = nn.CellList([self.LAYER(ctx) for _ in range(count)])
         self.count = count
 
     def construct(self, x, cos, sin, write_slots, context_slots, mask, *per_layer):
@@ -245,11 +268,13 @@ class Qwen2Model(nn.Cell):
     head (MindSpore splits them by head over the tensor ranks, as the layer's cache primitives
     say)."""
 
+    LAYER = DecoderLayer
+
     def __init__(self, ctx, layout, shapes):
         super().__init__()
         config = ctx.config
         self.embedding = Embedding(ctx)
-        self.layer = DecoderLayer(ctx)
+        self.layer = self.LAYER(ctx)
         self.head = LMHead(ctx)
 
         def param(name):
@@ -260,7 +285,8 @@ class Qwen2Model(nn.Cell):
         self.weights = {EMBEDDING_WEIGHT: self.embed_weight}
         holders = []
         for n in range(config.num_layers):
-            params = ms.ParameterTuple([param(name) for name in layer_weight_names(n)])
+            params = ms.ParameterTuple([param(f"model.layers.{n}.{w}")
+                                        for w in self.LAYER.WEIGHTS])
             setattr(self, f"layer{n}_weights", params)  # registered with the Cell
             self.weights.update({p.name: p for p in params})
             holders.append(params)
@@ -282,3 +308,6 @@ class Qwen2Model(nn.Cell):
             x = self.layer(x, cos, sin, self.k_caches[n], self.v_caches[n], write_slots,
                            context_slots, mask, *self.layer_params[n])
         return self.head(x, logit_rows, self.norm_weight, self.lm_weight)
+
+
+Model = Qwen2Model  # the family's whole-model Cell (models/families.py)

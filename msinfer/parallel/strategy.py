@@ -63,6 +63,9 @@ _LAST_NAME_KIND = {
     "down_proj": "mlp_out",
 }
 _TIED_SPLIT = {"vocab": "colwise_gather", "replicate": "replicate"}
+# Qwen3's per-head norms of q and k (one weight of head_dim for every head): whole on every
+# rank, so a strategy need not name them (written for Qwen2, it works for Qwen3 as it is).
+PER_HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 # The model fuses these projections: one matmul of the parts' rows stacked in this order, each
 # rank holding its slice of every part (so fusing changes no rule and no byte count).
 FUSED = {
@@ -87,7 +90,7 @@ def _kind(module):
         return "embedding"
     if module == "lm_head":
         return "lm_head"
-    if module == "model.norm" or module.endswith("layernorm"):
+    if module == "model.norm" or module.endswith(("layernorm",) + PER_HEAD_NORMS):
         return "norm"
     return _LAST_NAME_KIND[module.rsplit(".", 1)[-1]]
 
@@ -359,7 +362,8 @@ class Strategy:
                 f"{src}: rules.{unused[0]}: the pattern matches no module of {config.source} "
                 f"(patterns name modules, e.g. model.layers.*.self_attn.q_proj; the weight and "
                 f"bias follow; '*' stands for one name part)")
-        uncovered = [m for m in modules if m not in rule_of and not (tied and m == "lm_head")]
+        uncovered = [m for m in modules if m not in rule_of and not (tied and m == "lm_head")
+                     and not m.endswith(PER_HEAD_NORMS)]
         if uncovered:
             more = f" and {len(uncovered) - 1} more" if len(uncovered) > 1 else ""
             example = _LAYER.sub("model.layers.*.", uncovered[0])
@@ -367,6 +371,9 @@ class Strategy:
                 f"{src}: rules: no rule covers {uncovered[0]}{more}; add one, e.g. "
                 f"'{example}: {_ALLOWED[_kind(uncovered[0])][0]}'")
         styles = {m: self._style(m, rule_of[m]) for m in rule_of}
+        for module in modules:  # per-head norms no rule names: replicated
+            if module.endswith(PER_HEAD_NORMS):
+                styles.setdefault(module, "replicate")
         if tied:
             embedding = styles["model.embed_tokens"]
             styles.setdefault("lm_head", _TIED_SPLIT[embedding])

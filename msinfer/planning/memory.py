@@ -54,14 +54,20 @@ class EngineLimits:
     @classmethod
     def for_model(cls, config, max_len=None, block_size=None, max_prefill_tokens=None,
                   max_num_seqs=None, kv_cache_memory=None):
-        """Defaults filled in; max_len at most the model's max_position_embeddings;
-        kv_cache_memory in bytes or as parse_bytes reads it ("2GiB")."""
+        """Defaults filled in; max_len at most the model's context (max_position_embeddings,
+        or what its yarn rope scaling reaches: config.max_context_len); kv_cache_memory in
+        bytes or as parse_bytes reads it ("2GiB")."""
         if max_len is None:
             max_len = default_max_len(config)
         positive_int(max_len, "max_len")
-        if max_len > config.max_position_embeddings:
+        if max_len > config.max_context_len:
+            scaled = config.rope_scaling
+            reach = (f" (rope_scaling yarn x{scaled.factor:g} of "
+                     f"{scaled.original_max_position_embeddings}: {config.max_context_len})"
+                     if config.max_context_len > config.max_position_embeddings else "")
             raise MsinferError(f"max_len {max_len} exceeds the model's "
-                               f"max_position_embeddings {config.max_position_embeddings}")
+                               f"max_position_embeddings {config.max_position_embeddings}"
+                               f"{reach}")
         def given(value, default):
             return default if value is None else value
 

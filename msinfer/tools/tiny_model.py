@@ -1,9 +1,10 @@
-"""Random Qwen2 checkpoints in Hugging Face layout, for tests and benchmarks.
+"""Random Qwen2 and Qwen3 checkpoints in Hugging Face layout, for tests and benchmarks.
 
-`make_tiny_model(dir)` writes what a downloaded Qwen2 directory holds: config.json (4.x or
-5.x spelling), safetensors weights (one file or sharded with an index; float32, float16 or
-real bfloat16), generation_config.json, and a byte-level BPE tokenizer.json with Qwen2's
-special tokens and ChatML chat template. Transformers loads it as Qwen2ForCausalLM.
+`make_tiny_model(dir)` writes what a downloaded Qwen2 (`family="qwen3"`: Qwen3 dense)
+directory holds: config.json (4.x or 5.x spelling), safetensors weights (one file or sharded
+with an index; float32, float16 or real bfloat16), generation_config.json, and a byte-level
+BPE tokenizer.json with Qwen2's special tokens and ChatML chat template. Transformers loads it
+as Qwen2ForCausalLM (Qwen3ForCausalLM).
 
 Same arguments and seed, same bytes: every tensor draws from its own generator, seeded by
 (seed, tensor name), so sharding or dtype do not change the values either.
@@ -33,10 +34,16 @@ ROPE_THETA = 1000000.0  # Qwen2's
 MAX_TOKENIZER_VOCAB = 1024
 MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # every byte, plus the special tokens
 
+FAMILIES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
 SHAPE_PRESETS = {
     # Qwen/Qwen2-0.5B's shape, random weights: for benchmarks (about 2 GB in float32).
     "qwen2-0.5b-shape": dict(layers=24, hidden=896, heads=14, kv_heads=2, intermediate=4864,
                              vocab=151936, tie=True, max_position=131072),
+    # Qwen/Qwen3-0.6B's shape (head_dim 128 over hidden 1024), random weights (2.4 GB float32).
+    "qwen3-0.6b-shape": dict(family="qwen3", layers=28, hidden=1024, heads=16, kv_heads=8,
+                             head_dim=128, intermediate=3072, vocab=151936, tie=True,
+                             max_position=40960),
 }
 
 DTYPES = {"float32": ("F32", 4), "float16": ("F16", 2), "bfloat16": ("BF16", 2)}
@@ -49,8 +56,10 @@ def default_intermediate(hidden):
 
 def make_tiny_model(out_dir, *, layers=2, hidden=64, heads=4, kv_heads=2, intermediate=None,
                     vocab=512, tie=False, dtype="float32", seed=0, shards=1, config_style="4",
-                    max_position=4096, progress=None):
-    """Writes a random Qwen2 checkpoint directory; returns its ModelConfig.
+                    max_position=4096, family="qwen2", head_dim=None, progress=None):
+    """Writes a random Qwen2 (or Qwen3: `family="qwen3"`) checkpoint directory; returns its
+    ModelConfig. `head_dim`: the attention head size, written to config.json (None: hidden /
+    heads, written for Qwen3, whose configs always carry it).
 
     `progress(done, total, name)` is called after each tensor is written.
     """
@@ -59,7 +68,8 @@ def make_tiny_model(out_dir, *, layers=2, hidden=64, heads=4, kv_heads=2, interm
     config_style = str(config_style)
     _check_arguments(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
                      intermediate=intermediate, vocab=vocab, dtype=dtype, seed=seed,
-                     shards=shards, config_style=config_style, max_position=max_position)
+                     shards=shards, config_style=config_style, max_position=max_position,
+                     family=family, head_dim=head_dim)
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise MsinferError(f"{out_dir} is not empty; make-tiny-model writes into a new directory")
 
@@ -68,7 +78,7 @@ def make_tiny_model(out_dir, *, layers=2, hidden=64, heads=4, kv_heads=2, interm
     config_json = model_config_dict(
         layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, intermediate=intermediate,
         vocab=vocab, tie=tie, dtype=dtype, max_position=max_position, config_style=config_style,
-        bos_token_id=end_of_text, eos_token_id=end_of_text)
+        bos_token_id=end_of_text, eos_token_id=end_of_text, family=family, head_dim=head_dim)
     config_path = os.path.join(out_dir, "config.json")
     # The checkpoint's tensor names and shapes are the ones msinfer reads back from this config.
     config = ModelConfig.from_dict(config_json, source=config_path)
@@ -88,10 +98,11 @@ def make_tiny_model(out_dir, *, layers=2, hidden=64, heads=4, kv_heads=2, interm
 
 
 def model_config_dict(*, layers, hidden, heads, kv_heads, intermediate, vocab, tie, dtype,
-                      max_position, config_style, bos_token_id, eos_token_id):
+                      max_position, config_style, bos_token_id, eos_token_id, family="qwen2",
+                      head_dim=None):
     """config.json as transformers 4.x (`rope_theta`, `torch_dtype`) or 5.x writes it."""
     config = {
-        "architectures": ["Qwen2ForCausalLM"],
+        "architectures": [FAMILIES[family]],
         "attention_dropout": 0.0,
         "bos_token_id": bos_token_id,
         "eos_token_id": eos_token_id,
@@ -101,7 +112,7 @@ def model_config_dict(*, layers, hidden, heads, kv_heads, intermediate, vocab, t
         "intermediate_size": intermediate,
         "max_position_embeddings": max_position,
         "max_window_layers": layers,
-        "model_type": "qwen2",
+        "model_type": family,
         "num_attention_heads": heads,
         "num_hidden_layers": layers,
         "num_key_value_heads": kv_heads,
@@ -112,6 +123,10 @@ def model_config_dict(*, layers, hidden, heads, kv_heads, intermediate, vocab, t
         "use_sliding_window": False,
         "vocab_size": vocab,
     }
+    if family == "qwen3":  # Qwen3's configs name both
+        config.update(head_dim=head_dim or hidden // heads, attention_bias=False)
+    elif head_dim is not None:
+        config["head_dim"] = head_dim
     if config_style == "4":
         config.update(rope_theta=ROPE_THETA, torch_dtype=dtype, transformers_version="4.40.1")
     else:
@@ -286,7 +301,7 @@ def _write_json(path, value):
 
 
 def _check_arguments(*, layers, hidden, heads, kv_heads, intermediate, vocab, dtype, seed,
-                     shards, config_style, max_position):
+                     shards, config_style, max_position, family="qwen2", head_dim=None):
     def bad(why):
         raise MsinferError(f"make-tiny-model: {why}")
 
@@ -296,10 +311,17 @@ def _check_arguments(*, layers, hidden, heads, kv_heads, intermediate, vocab, dt
         positive_int(value, f"make-tiny-model: {key}={value!r}")
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         bad(f"seed={seed!r} must be a non-negative integer")
-    if hidden % heads:
-        bad(f"hidden={hidden} is not divisible by heads={heads}")
-    if hidden // heads % 2:
-        bad(f"head size hidden/heads={hidden // heads} must be even (rotary embedding)")
+    if family not in FAMILIES:
+        bad(f"family={family!r} must be one of {', '.join(FAMILIES)}")
+    if head_dim is not None:
+        positive_int(head_dim, f"make-tiny-model: head_dim={head_dim!r}")
+        if head_dim % 2:
+            bad(f"head_dim={head_dim} must be even (rotary embedding)")
+    else:
+        if hidden % heads:
+            bad(f"hidden={hidden} is not divisible by heads={heads} (or give head_dim)")
+        if hidden // heads % 2:
+            bad(f"head size hidden/heads={hidden // heads} must be even (rotary embedding)")
     if heads % kv_heads:
         bad(f"heads={heads} is not a multiple of kv_heads={kv_heads}")
     if vocab < MIN_VOCAB:

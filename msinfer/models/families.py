@@ -1,0 +1,17 @@
+"""The model family of a config: the module (one per family) whose Cells and weight names the
+model runner builds the model from. Each family module has the same names: EMBEDDING_WEIGHT,
+Embedding, LayerStack, LMHead, Model (the whole-model Cell of semi_auto), layer_weight_names,
+head_weight_names, weight_names, weight_layout."""
+from ..errors import MsinferError
+from . import qwen2, qwen3
+
+FAMILIES = {"qwen2": qwen2, "qwen3": qwen3}
+
+
+def family_of(config):
+    """The family module of `config.model_type` (config.py refuses the others first)."""
+    try:
+        return FAMILIES[config.model_type]
+    except KeyError:
+        raise MsinferError(f"{config.source}: model_type {config.model_type!r} has no model "
+                           f"code (msinfer runs {', '.join(FAMILIES)})") from None
