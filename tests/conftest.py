@@ -3,6 +3,7 @@ sequence so a run can be reproduced from its log.
 
 Session fixtures: tiny checkpoints and transformers models that several files test against,
 made (loaded) once per session for each distinct set of arguments."""
+import gc
 import inspect
 import json
 import os
@@ -13,6 +14,15 @@ from hypothesis import settings
 settings.register_profile("ci", derandomize=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+
+def pytest_collection_finish(session):
+    """MindSpore runs gc.collect() before every graph it compiles; with torch, transformers and
+    MindSpore imported that walks ~500k objects (0.25 s a graph, hundreds of graphs). What the
+    imports and the collection made lives all session: moved out of the collector's sight, a
+    collection walks only what the tests made since."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(scope="session")
