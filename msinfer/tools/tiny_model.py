@@ -213,7 +213,7 @@ def _tokenizer_config(tokenizer):
 def _init_std(name, shape):
     """Scales that give the random model peaked, input-dependent logits (clear greedy choices)."""
     if name.endswith("norm.weight"):
-        return None  # 1 + noise, see _random_tensor
+        return None  # 1 + noise, see random_tensor
     if name.endswith(".bias"):
         return 0.1
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
@@ -224,7 +224,7 @@ def _init_std(name, shape):
     return 1.5 / np.sqrt(shape[1])
 
 
-def _random_tensor(name, shape, seed):
+def random_tensor(name, shape, seed):
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
     values = rng.standard_normal(shape, dtype=np.float32)
     std = _init_std(name, shape)
@@ -271,7 +271,7 @@ def _write_weights(out_dir, shapes, dtype, seed, shards, progress):
         with open(os.path.join(out_dir, filename), "wb") as f:
             f.write(_safetensors_header({n: shapes[n] for n in group}, code, itemsize))
             for name in group:  # one tensor in memory at a time
-                f.write(memoryview(_encode(_random_tensor(name, shapes[name], seed), dtype)))
+                f.write(memoryview(_encode(random_tensor(name, shapes[name], seed), dtype)))
                 done += 1
                 if progress:
                     progress(done, len(names), name)
