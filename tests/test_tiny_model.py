@@ -269,3 +269,46 @@ def test_transformers_loads_it_and_runs_a_forward_pass(tiny_checkpoint, style, s
     top2 = logits.topk(2, dim=-1).values
     gaps = (top2[..., 0] - top2[..., 1]).flatten()
     assert gaps.min() > 1e-4 and gaps.median() > 0.05
+
+
+def test_family_qwen3_is_what_transformers_loads_as_qwen3_with_its_head_dim(tiny_checkpoint):
+    """--family qwen3: Qwen3ForCausalLM takes every tensor (q/k norms, no q/k/v bias), with a
+    head_dim apart from hidden / heads, and computes with the file's weights."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    path, config = tiny_checkpoint(family="qwen3", head_dim=16, dtype="bfloat16", tie=True,
+                                   **SMALL)
+    raw = read_json(os.path.join(path, "config.json"))
+    assert (raw["model_type"], raw["architectures"], raw["head_dim"], raw["attention_bias"]) == (
+        "qwen3", ["Qwen3ForCausalLM"], 16, False)
+    assert config.q_size == 4 * 16 != config.hidden_size
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, output_loading_info=True)
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    norm = model.model.layers[1].self_attn.k_norm.weight
+    assert tuple(norm.shape) == (16,) and not torch.equal(norm, torch.ones(16))
+    with torch.no_grad():
+        logits = model(torch.arange(1, 20)[None]).logits
+    assert logits.shape == (1, 19, config.vocab_size)
+
+
+def test_qwen3_shape_preset_is_qwen3_0_6b_without_generating_it():
+    kwargs = cli_arguments(parse_cli(["make-tiny-model", "d", "--preset", "qwen3-0.6b-shape"]))
+    raw = model_config_dict(dtype="float32", config_style="4", bos_token_id=0, eos_token_id=0,
+                            **kwargs)
+    config = ModelConfig.from_dict(raw)
+    assert config.parameter_shapes() == PRESETS["qwen3-0.6b"].parameter_shapes()
+    assert config.max_position_embeddings == 40960
+    args = parse_cli(["make-tiny-model", "d", "--family", "qwen3", "--head-dim", "32"])
+    assert cli_arguments(args) == {"family": "qwen3", "head_dim": 32}
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(family="llama"), "family='llama' must be one of qwen2, qwen3"),
+    (dict(family="qwen3", head_dim=15), "head_dim=15 must be even"),
+    (dict(hidden=30, heads=4), r"hidden=30 is not divisible by heads=4 \(or give head_dim\)"),
+])
+def test_bad_family_arguments_are_refused(tmp_path, kwargs, message):
+    with pytest.raises(MsinferError, match=message):
+        make_tiny_model(str(tmp_path / "m"), **{**SMALL, **kwargs})
