@@ -16,13 +16,37 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 
+# MindSpore runs gc.collect() before every graph it compiles. With torch, transformers and
+# MindSpore imported that walked ~500k objects, 0.25-0.45 s a graph, hundreds of graphs. What
+# lives all session (imports, collected tests, session fixtures, caches) is frozen (gc.freeze):
+# out of the collector's sight, so that a collection walks only what the running tests made.
+FREEZE_AFTER = 50_000  # objects made since the last freeze by one test: mostly imports on use
+_frozen_in_module = []
+
+
 def pytest_collection_finish(session):
-    """MindSpore runs gc.collect() before every graph it compiles; with torch, transformers and
-    MindSpore imported that walks ~500k objects (0.25 s a graph, hundreds of graphs). What the
-    imports and the collection made lives all session: moved out of the collector's sight, a
-    collection walks only what the tests made since."""
     gc.collect()
     gc.freeze()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a module's last test, its module fixtures finalized: what is left is what lives
+    on, frozen too. Within a module, a test that left many objects (a first LLM or
+    transformers model imports MindSpore's, torch's and transformers' modules on use) freezes
+    them at once; the module's fixtures may be among them, so its end unfreezes everything and
+    collects it whole before freezing what lives on."""
+    yield
+    if nextitem is None or nextitem.module is not item.module:
+        if _frozen_in_module:
+            gc.unfreeze()
+            _frozen_in_module.clear()
+        gc.collect()
+        gc.freeze()
+    elif len(gc.get_objects()) > FREEZE_AFTER:
+        gc.collect()
+        gc.freeze()
+        _frozen_in_module.append(item.nodeid)
 
 
 @pytest.fixture(scope="session")
