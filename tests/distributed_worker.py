@@ -11,7 +11,8 @@ OUT/down_at first; the other ranks meanwhile wait in a collective that the lost 
 joins, so only the launcher can end them (OUT/rank_R.survived if one ever returns).
 --weight-first computes every MLP and lm_head product as (W @ x.T).T, whatever this
 processor's forms (hardware.cpu_matmul_forms), so that the sharded lm_head's transposed
-gather runs.
+gather runs. --model2 DIR runs a second checkpoint (e.g. another model family) in the same job
+once the first one's results are written, to OUT/rank_R.model2.npz: one job start, two models.
 """
 import argparse
 import dataclasses
@@ -42,6 +43,8 @@ def main():
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--sampling", help="JSON list of SamplingParams arguments, one per prompt")
     p.add_argument("--weight-first", action="store_true")
+    p.add_argument("--model2", help="a second checkpoint to run, after the first, in the job")
+    p.add_argument("--model2-new-tokens", type=int, help="default: --new-tokens")
     args = p.parse_args()
     os.environ.setdefault("GLOG_v", "3")
     if args.weight_first:
@@ -52,12 +55,11 @@ def main():
                                head_weight_first=(1, None))
         msinfer.layers.cpu_forms.cpu_matmul_forms = lambda: forms
 
-    from msinfer import LLM, MsinferError, SamplingParams
+    from msinfer import MsinferError, SamplingParams
 
     baseline = rss_bytes()
     try:
-        llm = LLM(args.model, strategy=args.strategy, max_len=128, block_size=4,
-                  max_prefill_tokens=16, kv_cache_memory=1 << 20)
+        llm = make_llm(args.model, args.strategy)
     except MsinferError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -71,8 +73,40 @@ def main():
         with open(os.path.join(args.out, f"rank_{rank}.json"), "w") as f:
             json.dump([output_fields(out) for out in outs], f)
         return 0
+    write_results(llm, prompts, args, f"rank_{rank}.npz", baseline=baseline,
+                  after_load=after_load)
+    if args.model2:
+        # The job is joined once per process: the second LLM takes the first one's.
+        import msinfer.parallel.distributed as distributed
+
+        distributed.init_distributed = lambda *a, **k: llm.dist
+        second = make_llm(args.model2, args.strategy)
+        write_results(second, prompts, args, f"rank_{rank}.model2.npz",
+                      new_tokens=args.model2_new_tokens)
+    try:
+        lose_a_rank(args.out, rank)
+    except MsinferError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+def make_llm(model, strategy):
+    from msinfer import LLM
+
+    return LLM(model, strategy=strategy, max_len=128, block_size=4, max_prefill_tokens=16,
+               kv_cache_memory=1 << 20)
+
+
+def write_results(llm, prompts, args, name, baseline=0, after_load=0, new_tokens=None):
+    """Greedy tokens (new_tokens of them, default --new-tokens), the first 9 steps' log-probs
+    of the whole vocabulary and this rank's memory figures of `llm` on `prompts`, to
+    OUT/name."""
+    from msinfer import SamplingParams
+
     vocab = llm.config.vocab_size
-    outs = llm.generate(prompts, SamplingParams(max_tokens=args.new_tokens, temperature=0.0,
+    outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens or args.new_tokens,
+                                                temperature=0.0,
                                                 ignore_eos=True, logprobs=vocab))
     logprobs = np.full((len(outs), 9, vocab), np.nan)
     for row, out in enumerate(outs):
@@ -83,7 +117,7 @@ def main():
     weights += [w for w in runner.head_weights if w is not runner.embed_weight]
     param_bytes = sum(w.nbytes for w in weights)
     kv_bytes = runner.cache_bytes
-    np.savez(os.path.join(args.out, f"rank_{rank}.npz"),
+    np.savez(os.path.join(args.out, name),
              tokens=np.array([out.token_ids for out in outs]),
              logprobs=logprobs,
              world_size=llm.dist.world_size,
@@ -91,12 +125,6 @@ def main():
              rss_baseline=baseline, rss_after_load=after_load,
              peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
              param_bytes=param_bytes, kv_bytes=kv_bytes)
-    try:
-        lose_a_rank(args.out, rank)
-    except MsinferError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-    return 0
 
 
 def output_fields(out):

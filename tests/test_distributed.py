@@ -2,7 +2,8 @@
 
 Three jobs of tests/distributed_worker.py (mpirun or msrun, 2 or 4 ranks), each started once
 as a subprocess and checked for many things: every rank agrees, log-probabilities match
-transformers within 1e-4, greedy tokens are identical, each rank holds only its slice; with two
+transformers within 1e-4, greedy tokens are identical, each rank holds only its slice (the
+tp4 job runs a Qwen3 checkpoint as well, after the Qwen2 one); with two
 data replicas, every rank returns every output exactly as the replica that ran it computed
 it. Once their results are written, the tp4 and tp2 jobs lose a rank (the worker's test hooks:
 under mpirun one is killed, under msrun one fails with a user error) while the others wait in
@@ -25,6 +26,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from test_hf_parity import case_spec  # noqa: E402
+from test_qwen3 import CASES as QWEN3_CASES  # noqa: E402
+from test_qwen3 import hf_checkpoint  # noqa: E402,F401  (the session fixture)
 
 from msinfer.parallel.distributed import free_port  # noqa: E402
 
@@ -43,13 +46,16 @@ DOWN_WITHIN = 60
 
 
 @pytest.fixture(scope="module")
-def models(tiny_checkpoint, hf_model):
+def models(tiny_checkpoint, hf_model, hf_checkpoint):
     """Two of test_hf_parity's checkpoints: GQA with 2 KV heads (replicated at tp4), and a
-    tied one in two files."""
+    tied one in two files; and test_qwen3's tied Qwen3 (8 heads of 16 over 4 KV heads, hidden
+    64, bfloat16, written by transformers)."""
     made = {}
     for name, case in {"gqa": "gqa_untied_config4", "tied": "tied_config5_two_shards"}.items():
         path, _ = tiny_checkpoint(**case_spec(case))
         made[name] = (path, hf_model(path))
+    path, _, hf = hf_checkpoint("qwen3_tied", **QWEN3_CASES["qwen3_tied"])
+    made["qwen3"] = (path, hf)
     return made
 
 
@@ -103,14 +109,17 @@ def worker_args(model_dir, strategy, out_dir):
 def hf_reference(hf, prompt, generated):
     with torch.no_grad():
         logits = hf(torch.tensor([prompt + generated])).logits[0]
-    return torch.log_softmax(logits, -1).numpy()[len(prompt) - 1:len(prompt) - 1 + NEW_TOKENS]
+    end = len(prompt) - 1 + len(generated)
+    return torch.log_softmax(logits, -1).numpy()[len(prompt) - 1:end]
 
 
-def check_ranks_against_hf(out_dir, world_size, hf, launcher):
+def check_ranks_against_hf(out_dir, world_size, hf, launcher, results="npz"):
+    """`results`: the worker's file suffix (npz: its first model; model2.npz: its second)."""
     missing = [r for r in range(world_size) if not os.path.exists(
-        os.path.join(out_dir, f"rank_{r}.npz"))]
+        os.path.join(out_dir, f"rank_{r}.{results}"))]
     assert not missing, f"ranks {missing} wrote no results"
-    ranks = [dict(np.load(os.path.join(out_dir, f"rank_{r}.npz"))) for r in range(world_size)]
+    ranks = [dict(np.load(os.path.join(out_dir, f"rank_{r}.{results}")))
+             for r in range(world_size)]
     for r, rank in enumerate(ranks):
         assert int(rank["world_size"]) == world_size
         assert str(rank["launcher"]) == launcher
@@ -142,10 +151,13 @@ def run_losing_a_rank(cmd, out_dir, env, log_dir=None):
 
 @pytest.fixture(scope="module")
 def tp4_mpirun(models, tmp_path_factory):
-    """tp4 under mpirun on the GQA checkpoint; after the results, rank 2 is SIGKILLed."""
+    """tp4 under mpirun on the GQA checkpoint, then on the Qwen3 one in the same job (9 new
+    tokens: every context within the smallest bucket, half the graphs to compile); after the
+    results, rank 2 is SIGKILLed."""
     out_dir = tmp_path_factory.mktemp("tp4_mpirun")
     cmd = (mpirun_prefix(4) + [sys.executable]
-           + worker_args(models["gqa"][0], "qwen2_tp4.yaml", out_dir))
+           + worker_args(models["gqa"][0], "qwen2_tp4.yaml", out_dir)
+           + ["--model2", models["qwen3"][0], "--model2-new-tokens", "9"])
     return run_losing_a_rank(cmd, out_dir, {"MSINFER_TEST_KILL_RANK": "2"})
 
 
@@ -187,6 +199,19 @@ def test_tp4_under_mpirun_matches_hf_with_replicated_kv_heads(models, tp4_mpirun
                        get_profile("cpu"), limits)
     assert [int(r["param_bytes"]) for r in ranks] == [d.weights_bytes for d in report.devices]
     assert [int(r["kv_bytes"]) for r in ranks] == [d.kv_cache_bytes for d in report.devices]
+
+
+def test_tp4_under_mpirun_runs_qwen3_as_transformers_does(models, tp4_mpirun):
+    """Qwen3 at tp4: one KV head and two query heads per rank, the q/k norms whole on every
+    rank, the tied embedding split by vocabulary (lm_head gathered); the same job, after the
+    Qwen2 checkpoint."""
+    model_dir, hf = models["qwen3"]
+    job = tp4_mpirun
+    assert job.down_seconds is not None, job.out[-3000:]
+    ranks = check_ranks_against_hf(job.dir, 4, hf, "mpirun-bridge", results="model2.npz")
+    assert ranks[0]["tokens"].shape == (len(PROMPTS), 9)
+    full_bytes = sum(p.numel() for p in hf.parameters()) * 4
+    assert all(int(r["param_bytes"]) < 0.4 * full_bytes for r in ranks)
 
 
 def test_tp2_under_msrun_matches_hf_with_tied_embeddings(models, tp2_msrun):
