@@ -27,6 +27,9 @@ from msinfer import LLM  # noqa: E402
 from msinfer.tools.layouts import ELEMENTWISE, dumping_ir, parse_ir, stage_dumps  # noqa: E402
 
 CONTEXT = 128  # a context bucket no other axis of these graphs has
+# Two sequences at a time: decode steps of 1 and 2 rows and prefill chunks of 16 cross every
+# threshold of the tables below (a batch of 4 would be 3 more graphs on the same side of each).
+FORMS_ENGINE = dict(ENGINE, max_num_seqs=2)
 GQA = case_spec("gqa_untied_config4")  # 8 query heads over 2 KV heads, as test_hf_parity's
 
 
@@ -72,7 +75,7 @@ def test_each_processors_matmul_forms_are_qwen2(tiny_checkpoint, hf_model, monke
                  in_out=False, mlp_weight_first=(1, None), head_weight_first=(1, None))}
     monkeypatch.setattr("msinfer.layers.cpu_forms.cpu_matmul_forms", lambda: table[forms])
     model_dir, config = tiny_checkpoint(**GQA)
-    llm = LLM(model_dir, **ENGINE)
+    llm = LLM(model_dir, **FORMS_ENGINE)
     hf = hf_model(model_dir)
     prompts = prompts_for(config.vocab_size, seed=11, lengths=(37, 5, 11))
     for i, (prompt, out) in enumerate(zip(prompts, llm.generate(prompts, greedy(384, 6)))):
