@@ -40,6 +40,8 @@ class LLM:
         device (capped at max_num_seqs sequences of max_len).
     block_size: tokens per KV cache block; max_prefill_tokens: tokens per prefill chunk;
     max_num_seqs: sequences decoded together.
+    enable_prefix_caching: reuse the KV blocks of prompt prefixes computed before (on by
+        default, as vLLM's; engine/block_manager.py).
     dtype: compute dtype override (the hardware's policy decides otherwise).
     """
 
@@ -47,7 +49,8 @@ class LLM:
                  parallel_mode: str | None = None, max_len: int | None = None,
                  dtype: str | None = None, rank_table: str | None = None,
                  kv_cache_memory: int | str | None = None, block_size: int | None = None,
-                 max_prefill_tokens: int | None = None, max_num_seqs: int | None = None):
+                 max_prefill_tokens: int | None = None, max_num_seqs: int | None = None,
+                 enable_prefix_caching: bool = True):
         import mindspore as ms
 
         from .engine.model_runner import build_runner
@@ -99,7 +102,8 @@ class LLM:
             max_model_len=self.limits.max_len, eos_token_ids=self.eos_token_ids(),
             max_num_seqs=self.limits.max_num_seqs,
             max_prefill_tokens=self.limits.max_prefill_tokens, seed=seed,
-            tokenizer=(lambda: self.tokenizer) if self.has_tokenizer else None)
+            tokenizer=(lambda: self.tokenizer) if self.has_tokenizer else None,
+            prefix_caching=enable_prefix_caching)
         self._batches = 0
 
     @property

@@ -62,6 +62,7 @@ class FakeEngine:
         self.layout = CacheLayout(num_layers=1, kv_heads=1, head_dim=1, block_size=block_size,
                                   num_blocks=num_blocks + 1, dtype_bytes=1)
         self.tokenizer = ByteTokenizer()
+        self.blocks = types.SimpleNamespace(prefix_caching=True)  # the router reads it
         self.waiting, self.running = [], []
         self.aborted_ids = []
         self.pending_aborts = []

@@ -7,9 +7,15 @@ token, and sequences finish at random or at their length bound (LLMEngine._appen
 operation the block accounting and the queues must be consistent, and every schedule must keep
 the scheduler's promises: the prefill budget, the sequence slots, the context bound, each
 sequence at most once, victims taken latest admitted first and none of them scheduled in the
-same step, and progress whenever there is work (a step that only admits one-token prompts
-schedules nothing: they decode from the next step on). At the end the queue must drain: every
+same step, and progress whenever there is work. At the end the queue must drain: every
 request finishes.
+
+With prefix caching (drawn on or off; prompts share drawn prefixes): the test keeps what each
+block holds, position by position, as the steps write it, and checks that every computed
+position a running sequence reads holds that sequence's token (a block taken from the cache
+holds exactly the prompt's prefix, and nobody overwrote it), that a step writes only into
+blocks its sequence alone holds and that are not named, and that free + named-free + held
+blocks are exactly the pool, with each held block's reference count the number of holders.
 """
 from hypothesis import event, settings
 from hypothesis import strategies as st
@@ -28,9 +34,10 @@ class EngineMachine(RuleBasedStateMachine):
     @initialize(block_size=st.integers(1, 4), num_blocks=st.integers(3, 10),
                 max_num_seqs=st.integers(1, 6), max_prefill_tokens=st.integers(1, 16),
                 extra_len=st.integers(-8, 8), finish_per_mille=st.integers(0, 100),
-                rng=st.randoms(use_true_random=True), data=st.data())
+                prefix_caching=st.booleans(), rng=st.randoms(use_true_random=True),
+                data=st.data())
     def setup(self, block_size, num_blocks, max_num_seqs, max_prefill_tokens, extra_len,
-              finish_per_mille, rng, data):
+              finish_per_mille, prefix_caching, rng, data):
         self.layout = CacheLayout(num_layers=1, kv_heads=1, head_dim=1, block_size=block_size,
                                   num_blocks=num_blocks, dtype_bytes=2)
         usable = self.layout.usable_tokens
@@ -39,7 +46,8 @@ class EngineMachine(RuleBasedStateMachine):
         self.max_model_len = max(2, usable + extra_len)
         # what LLMEngine.check_request lets in: prompt + max_tokens within both bounds
         self.max_total = min(self.max_model_len, usable)
-        self.blocks = BlockManager(self.layout)
+        self.blocks = BlockManager(self.layout, prefix_caching=prefix_caching)
+        self.content = {}  # block -> {slot: token written there}
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_prefill_tokens,
                                    max_context=self.max_model_len)
         self.finish_chance = finish_per_mille / 1000
@@ -66,7 +74,12 @@ class EngineMachine(RuleBasedStateMachine):
         room = self.max_total - prompt_len
         max_tokens = data.draw(st.just(room) | st.integers(1, room), label="max_tokens")
         self.arrivals += 1
-        seq = Sequence(f"r{self.arrivals}", [1] * prompt_len, SamplingParams(max_tokens=max_tokens))
+        # one of three "system prompts" (shared prefixes), then a drawn tail
+        system = data.draw(st.integers(0, 2), label="prefix")
+        tail = data.draw(st.lists(st.integers(1, 3), max_size=min(2, prompt_len)), label="tail")
+        prompt = ([10 + system] * prompt_len + tail)[:prompt_len - len(tail)] + tail
+        seq = Sequence(f"r{self.arrivals}", prompt[:prompt_len],
+                       SamplingParams(max_tokens=max_tokens))
         self.unfinished.append(seq)
         self.scheduler.add(seq)
 
@@ -89,22 +102,29 @@ class EngineMachine(RuleBasedStateMachine):
         running_before = list(self.scheduler.running)
         schedule = self.scheduler.schedule()
         self._check_schedule(schedule, running_before)
-        if had_work and schedule.empty:
-            # only admissions of one-token prompts, which decode from the next step on
-            admitted = [s for s in self.scheduler.running
-                        if not any(s is r for r in running_before)]
-            assert admitted and all(s.length == 1 for s in admitted), \
-                "work waits but the step does nothing"
-            event("step that only admits one-token prompts")
+        assert not (had_work and schedule.empty), "work waits but the step does nothing"
         if schedule.preempted:
             event("preemption")
         if schedule.empty:
             return schedule
+        if any(s.computed for s in self.scheduler.running if s.cached_tokens):
+            event("prefix cache hit")
+        writes = [(c.seq, c.start, c.count) for c in schedule.chunks]
+        writes += [(s, s.length - 1, 1) for s in schedule.decodes]
+        for seq, start, count in writes:  # what the runner writes: K/V of these positions
+            for pos in range(start, start + count):
+                block = seq.block_table[pos // self.layout.block_size]
+                assert self.blocks.refs[block] == 1, "a write into a shared block"
+                assert block not in self.blocks.name_of, "a write into a named block"
+                self.content.setdefault(block, {})[pos % self.layout.block_size] = \
+                    seq.tokens[pos]
         for chunk in schedule.chunks:
             chunk.seq.computed += chunk.count
+            self.blocks.computed(chunk.seq)
         sampled = [c.seq for c in schedule.chunks if c.completes]
         for seq in schedule.decodes:
             seq.computed += 1
+            self.blocks.computed(seq)
         sampled += schedule.decodes
         for seq in sampled:
             seq.generated.append(7)
@@ -156,14 +176,25 @@ class EngineMachine(RuleBasedStateMachine):
 
     def _check_blocks(self):
         sched, blocks = self.scheduler, self.blocks
-        owned = [b for s in sched.running for b in s.block_table]
-        free = list(blocks.free)
+        held = [b for s in sched.running for b in s.block_table]
+        owned = set(held)
+        free = list(blocks.free) + list(blocks.free_named)
         assert len(free) + len(owned) == blocks.num_usable == self.layout.num_blocks - 1
-        assert len(set(owned)) == len(owned), "a block owned twice"
-        assert not set(owned) & set(free), "a block both owned and free"
+        assert not owned & set(free), "a block both held and free"
         assert len(set(free)) == len(free), "a block free twice"
+        for b in range(self.layout.num_blocks):
+            assert blocks.refs[b] == held.count(b), "a reference count off"
+        assert all(b in blocks.name_of for b in blocks.free_named)
+        assert all(blocks.named[name] == b for b, name in blocks.name_of.items())
+        shared = {b for b in owned if blocks.refs[b] > 1}
+        assert shared <= set(blocks.name_of), "a block shared but not from the cache"
+        for s in sched.running:  # what a sequence reads is its own tokens
+            for pos in range(s.computed):
+                block = s.block_table[pos // self.layout.block_size]
+                assert self.content[block][pos % self.layout.block_size] == s.tokens[pos], \
+                    f"{s.request_id} reads a wrong K/V at position {pos}"
         assert TRASH_BLOCK not in owned and TRASH_BLOCK not in free
-        assert all(0 <= b < self.layout.num_blocks for b in owned + free)
+        assert all(0 <= b < self.layout.num_blocks for b in held + free)
         assert len(sched.running) <= sched.max_num_seqs
         for s in sched.running:
             assert s.status is Status.RUNNING

@@ -265,9 +265,9 @@ def test_tp4_under_mpirun_serves_the_same_completions_and_a_stopped_rank_ends_it
 @pytest.mark.multirank
 def test_dp2_tp2_replicas_share_the_requests_and_a_diverging_rank_ends_the_job(
         model_dir, tmp_path):
-    """The deploy guide's dp2 x tp2 job, one start: 32 requests give offline generation's
-    completions; both replicas served (the counts add up to 32) and every prompt token was
-    computed once; then rank 3 (replica 1's follower) is made to drop a request: every rank
+    """The deploy guide's dp2 x tp2 job, one start: 32 requests sharing a prefix give offline
+    generation's completions (without the prefix cache); both replicas served (the counts add
+    up to 32) and every prompt token was computed once or taken from a replica's cache; then rank 3 (replica 1's follower) is made to drop a request: every rank
     names it and its step, /health fails, the job ends non-zero."""
     from msinfer import LLM, SamplingParams
 
@@ -277,27 +277,32 @@ def test_dp2_tp2_replicas_share_the_requests_and_a_diverging_rank_ends_the_job(
                          "--model", model_dir, *SERVE_ARGS, "--stall-timeout", str(STALL)],
                         str(tmp_path / "dp2tp2.log"), ready_timeout=900, env=env)
     try:
-        prompts = [f"{PROMPTS[i % 4]} {i}" for i in range(32)]
+        # a shared "system prompt", so that the replicas' prefix caches serve it
+        system = "Answer in one short sentence, kindly, and only about the question. "
+        prompts = [f"{system}{PROMPTS[i % 4]} {i}" for i in range(32)]
         got = {}
 
         def ask(i):
             out = job.client().completions.create(model=NAME, prompt=prompts[i],
                                                   max_tokens=10, temperature=0)
             got[i] = (out.choices[0].text, out.choices[0].finish_reason,
-                      out.usage.prompt_tokens)
+                      out.usage.prompt_tokens, out.usage.prompt_tokens_details.cached_tokens)
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(32)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(300)
         offline = LLM(model_dir, max_len=MAX_LEN, max_num_seqs=4, max_prefill_tokens=32,
-                      hardware="cpu").generate(prompts, SamplingParams(max_tokens=10,
-                                                                       temperature=0))
+                      hardware="cpu", enable_prefix_caching=False).generate(
+            prompts, SamplingParams(max_tokens=10, temperature=0))
         assert [got[i][:2] for i in range(32)] == [(o.text, o.finish_reason) for o in offline]
         served = [job.metric("vllm:request_success_total", f'engine="{r}"') for r in (0, 1)]
         assert min(served) > 0 and sum(served) == 32, served
         prompt_tokens = sum(g[2] for g in got.values())
-        assert job.metric("msinfer_prefill_tokens_computed_total") == prompt_tokens
+        cached = sum(g[3] for g in got.values())
+        assert cached > 0 and job.metric("vllm:prefix_cache_hits_total") == cached
+        # each prompt token computed once, on one replica, or taken from its cache
+        assert job.metric("msinfer_prefill_tokens_computed_total") == prompt_tokens - cached
         assert job.metric("vllm:prompt_tokens_total") == prompt_tokens
 
         trigger.touch()

@@ -97,7 +97,7 @@ def test_followers_run_the_leaders_schedule_and_take_its_decisions():
     assert "empty" in str(refused.exception(timeout=5))  # refused by the leader alone
     loop.drain(5)
     threads[-1].join(10)
-    leader.close()
+    leader.close(wait=0)  # in-process followers do not end their process
     for t in threads:
         t.join(10)
         assert not t.is_alive()
@@ -185,7 +185,7 @@ def test_a_follower_hears_a_silent_leader_and_a_stop_frame_ends_it_without_alarm
     leader, followers = channels(1)
     gone = []
     followers[0].watch(gone.append)
-    leader.close()
+    leader.close(wait=0)  # in-process followers do not end their process
     assert followers[0].recv() is None
     time.sleep(2 * handoff.WATCH_INTERVAL + 1.2)
     assert gone == []
@@ -308,6 +308,19 @@ def test_the_router_sends_each_request_to_one_replica_and_a_remote_one_returns_i
         assert out == expected, (rid, where[rid])
     assert any(o.finish_reason == "stop" for o in got.values())
     assert router.queue_depth() == 0
+    # a prompt whose prefix replica 0 was given goes there again while the prefix saves more
+    # than the extra load; least loaded, replica 1 would get it
+    first = router.submit("a", [9] * 40 + [1], SamplingParams(max_tokens=2), None,
+                          lambda out: None).result(5)
+    wait_for(lambda: not router._owed, 10)
+    busy = router.submit("b", [7] * 3, SamplingParams(max_tokens=20), None,
+                         lambda out: None).result(5)
+    again = router.submit("c", [9] * 40 + [2], SamplingParams(max_tokens=2), None,
+                          lambda out: None).result(5)
+    assert first == busy == again == 0
+    other = router.submit("d", [8] * 40 + [2], SamplingParams(max_tokens=2), None,
+                          lambda out: None).result(5)
+    assert other == 1
     stop.set()
     local.drain(0)
     remote_loop.drain(0)

@@ -39,6 +39,9 @@ def add_engine_arguments(parser):
                         help=f"tokens per prefill chunk (default {DEFAULT_MAX_PREFILL_TOKENS})")
     parser.add_argument("--block-size", type=int, default=None,
                         help=f"tokens per KV cache block (default {DEFAULT_BLOCK_SIZE})")
+    parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                        help="compute every prompt in full instead of reusing the KV blocks of "
+                             "a prefix computed before (docs/engine.md, 'Prefix caching')")
     # Parsed here, once, for every command (launch parses the rank command with this parser
     # too): the value the engine and the planner get is an int of bytes.
     parser.add_argument("--kv-cache-memory", type=kv_cache_bytes, default=None, metavar="BYTES",

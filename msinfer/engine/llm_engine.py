@@ -38,6 +38,7 @@ class RequestOutput:
     finish_reason: str = None
     logprobs: list = None  # per generated token {token id: logprob}, when asked
     error: str = None  # with finish_reason "error"
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache, not computed
 
 
 # What a non-finite logits row means, by compute dtype; `msinfer doctor --logs` knows the
@@ -71,6 +72,8 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     prefill_tokens_computed: int = 0  # prompt tokens run through prefill, recomputes included
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache at admission
+    prefix_cache_hits: int = 0  # ... and found there (not computed)
 
 
 def check_request_limits(ids, params, vocab_size, max_model_len, layout, *, has_tokenizer,
@@ -107,12 +110,14 @@ def check_request_limits(ids, params, vocab_size, max_model_len, layout, *, has_
 
 class LLMEngine:
     def __init__(self, runner, layout, vocab_size: int, max_model_len: int, eos_token_ids,
-                 max_num_seqs: int, max_prefill_tokens: int, seed: int, tokenizer=None):
+                 max_num_seqs: int, max_prefill_tokens: int, seed: int, tokenizer=None,
+                 prefix_caching: bool = True):
         """tokenizer: a callable returning the Tokenizer (loaded when first needed), or None
-        for checkpoints without tokenizer.json (token-id prompts, no text, no stop strings)."""
+        for checkpoints without tokenizer.json (token-id prompts, no text, no stop strings).
+        prefix_caching: reuse computed full blocks of earlier prompts (block_manager.py)."""
         self.runner = runner
         self.layout = layout
-        self.blocks = BlockManager(layout)
+        self.blocks = BlockManager(layout, prefix_caching=prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_prefill_tokens,
                                    max_context=max_model_len)
         self.vocab_size = vocab_size
@@ -176,7 +181,9 @@ class LLMEngine:
             num_preemptions=self.scheduler.preemptions,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
-            prefill_tokens_computed=self.prefill_tokens_computed)
+            prefill_tokens_computed=self.prefill_tokens_computed,
+            prefix_cache_queries=self.blocks.queried_tokens,
+            prefix_cache_hits=self.blocks.hit_tokens)
 
     # ---- the step ----
 
@@ -211,6 +218,7 @@ class LLMEngine:
             for chunk in schedule.chunks:
                 chunk.seq.computed += chunk.count
                 self.prefill_tokens_computed += chunk.count
+                self.blocks.computed(chunk.seq)
             completed = [c.seq for c in schedule.chunks if c.completes]
             if completed:
                 sampled_seqs += completed
@@ -219,6 +227,7 @@ class LLMEngine:
             logits.append(self.runner.decode(schedule.decodes))
             for seq in schedule.decodes:
                 seq.computed += 1
+                self.blocks.computed(seq)
             sampled_seqs += schedule.decodes
         if not sampled_seqs or not sample:
             return []
@@ -304,7 +313,8 @@ class LLMEngine:
                              prompt_token_ids=list(seq.prompt_token_ids),
                              token_ids=list(seq.generated), text=text, finished=seq.finished,
                              finish_reason=seq.finish_reason,
-                             logprobs=list(seq.logprobs) if seq.logprobs is not None else None)
+                             logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                             cached_tokens=seq.cached_tokens or 0)
 
     # ---- compile ahead ----
 

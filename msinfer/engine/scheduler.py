@@ -12,7 +12,7 @@ Each step:
    prefilling, then of waiting ones admitted in queue order (arrival order, preempted
    sequences back at the front) while there is a sequence slot
    (`max_num_seqs`) and free blocks for the whole prompt (so an admitted prefill never stalls
-   for blocks). A queue head that does not fit waits; nothing overtakes it. The chunks of one
+   for blocks). A sequence whose prefix is in the prefix cache starts its prefill after it. A queue head that does not fit waits; nothing overtakes it. The chunks of one
    step attend over their sequences' contexts side by side, and those together stay within
    `max_context` positions (the runner's largest context bucket).
 """
@@ -120,14 +120,21 @@ class Scheduler:
                 context -= chunk.start + chunk.count
         while budget and context >= 1 and self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.blocks.can_hold(seq, seq.length):
+            if any(seq is p for p in preempted):
+                break  # its blocks went to a decode of this step: it waits a step at least
+            matched = self.blocks.match(seq)  # its prefix already in the cache, if any
+            if not self.blocks.can_admit(seq, matched):
                 break
             self.waiting.popleft()
-            self.blocks.grow(seq, seq.length)
+            self.blocks.admit(seq, matched)
+            if seq.cached_tokens is None:
+                seq.cached_tokens = len(matched) * self.blocks.layout.block_size
             seq.status = Status.RUNNING
             self.running.append(seq)
-            chunk = self._chunk(seq, budget, context) if seq.prefilling else None
-            if chunk:  # else a one-token prompt, decoded from the next step on
+            # even one pending token (a one-token prompt, or the rest of a cached one) is a
+            # chunk: it gets its logits in this step
+            chunk = self._chunk(seq, budget, context)
+            if chunk:  # else no context left this step: it goes on next step
                 chunks.append(chunk)
                 budget -= chunk.count
                 context -= chunk.start + chunk.count

@@ -37,6 +37,11 @@ class Sequence:
     # generated are computed again (recompute), which gives the same cache and logits.
     computed: int = 0
     preemptions: int = 0
+    # prefix caching (block_manager.py): names of the first blocks' contents, how many of the
+    # blocks held are named, and the prompt tokens found in the cache when first admitted
+    block_names: list[bytes] = dataclasses.field(default_factory=list)
+    named_blocks: int = 0
+    cached_tokens: int | None = None
 
     @property
     def tokens(self) -> list[int]:

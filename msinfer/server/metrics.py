@@ -171,6 +171,12 @@ class _EngineCollector:
         yield family(CounterMetricFamily, "vllm:generation_tokens",
                      "Number of generation tokens processed.",
                      lambda s: s.generation_tokens_total)
+        yield family(CounterMetricFamily, "vllm:prefix_cache_queries",
+                     "Prefix cache queries, in terms of number of queried tokens.",
+                     lambda s: s.prefix_cache_queries)
+        yield family(CounterMetricFamily, "vllm:prefix_cache_hits",
+                     "Prefix cache hits, in terms of number of cached tokens.",
+                     lambda s: s.prefix_cache_hits)
         yield family(CounterMetricFamily, "vllm:num_preemptions",
                      "Cumulative number of preemption from the engine.",
                      lambda s: s.num_preemptions)

@@ -213,10 +213,15 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: Optional[PromptTokensDetails] = None  # OpenAI's, cached_tokens
 
 
 class CompletionLogprobs(BaseModel):

@@ -2,20 +2,25 @@
 
 Rank 0 serves HTTP and leads replica 0; the first rank of every other tensor group leads its
 replica. The `Router` on rank 0 gives each request to the least loaded replica (tokens still
-to compute for its requests, then free KV blocks), locally to its own `EngineLoop` or over the
+to compute for its requests, then free KV blocks), or to the replica that was given the
+request's prefix before, when the prefix saves more than the extra load; locally to its own `EngineLoop` or over the
 host link to that replica's leader (`RemoteReplica`). A replica's leader runs its own engine
 loop (`ReplicaUplink` turns its outputs into one report per step: what is new of each
 request, and its stats) and its tensor group steps with it alone: replicas never step
 together and no collective spans them.
 """
+import collections
 import concurrent.futures
 import dataclasses
 import os
 import threading
 
 from ..engine import EngineStats, RequestOutput
+from ..engine.block_manager import block_names
 from ..errors import MsinferError
 from .lockstep import ServerBusy
+
+_PREFIX_MEMORY = 1 << 16  # block names the router remembers a replica for (LRU)
 
 
 class Router:
@@ -27,6 +32,7 @@ class Router:
         self.engine = engine  # replica 0's, for the refusals every replica makes alike
         self._lock = threading.Lock()
         self._owed = {}  # request id -> (replica, tokens it may still compute)
+        self._cached_at = collections.OrderedDict()  # block name -> replica last given it
         self._failed = None
 
     @property
@@ -60,9 +66,15 @@ class Router:
             refused = concurrent.futures.Future()
             refused.set_exception(e)
             return refused
+        names = self._prefix_names(prompt_token_ids)
         with self._lock:
-            replica = self._least_loaded()
+            replica = self._choose(names)
             self._owed[request_id] = (replica, len(prompt_token_ids) + params.max_tokens)
+            for name in names:  # where this prompt's prefix will be cached
+                self._cached_at[name] = replica
+                self._cached_at.move_to_end(name)
+            while len(self._cached_at) > _PREFIX_MEMORY:
+                self._cached_at.popitem(last=False)
         total = len(prompt_token_ids) + params.max_tokens
 
         def counted(out):
@@ -80,7 +92,17 @@ class Router:
                 self._owed.pop(request_id, None)
             raise
 
-    def _least_loaded(self):
+    def _prefix_names(self, ids):
+        """The names of the prompt's full blocks a replica's prefix cache could hold
+        (engine/block_manager.py names them alike)."""
+        if self.replicas == 1 or not self.engine.blocks.prefix_caching:
+            return []
+        size = self.engine.layout.block_size
+        return block_names(ids, size, (len(ids) - 1) // size)
+
+    def _choose(self, names):
+        """The least loaded replica (tokens still owed, then free KV blocks), unless one that
+        was given this prompt's prefix is loaded by no more than what the prefix saves."""
         load = [0] * self.replicas
         for replica, tokens in self._owed.values():
             load[replica] += tokens
@@ -88,7 +110,13 @@ class Router:
         def free_blocks(replica):
             stats = self.stats(replica)
             return stats.num_blocks_total - stats.num_blocks_used if stats else 0
-        return min(range(self.replicas), key=lambda r: (load[r], -free_blocks(r), r))
+        least = min(range(self.replicas), key=lambda r: (load[r], -free_blocks(r), r))
+        for depth in range(len(names), 0, -1):
+            holder = self._cached_at.get(names[depth - 1])
+            if holder is not None:
+                saved = depth * self.engine.layout.block_size
+                return holder if load[holder] - load[least] <= saved else least
+        return least
 
     def abort(self, request_id):
         with self._lock:
@@ -178,7 +206,7 @@ class RemoteReplica:
             self.done.set()
 
     def _apply(self, entry):
-        request_id, tokens, keep, text, finished, reason, logprobs, error = entry
+        request_id, tokens, keep, text, finished, reason, logprobs, error, cached = entry
         with self._lock:
             mirror = self._requests.get(request_id)
             if mirror is None:
@@ -195,7 +223,7 @@ class RemoteReplica:
             prompt_token_ids=mirror.prompt_token_ids, token_ids=list(mirror.token_ids),
             text=mirror.text, finished=finished, finish_reason=reason,
             logprobs=list(mirror.logprobs) if mirror.logprobs is not None else None,
-            error=error))
+            error=error, cached_tokens=cached))
 
 
 @dataclasses.dataclass
@@ -241,4 +269,4 @@ class ReplicaUplink:
         if out.logprobs is not None:
             logprobs = [list(row.items()) for row in out.logprobs[tokens:]]
         return [out.request_id, out.token_ids[tokens:], keep, out.text[keep:], out.finished,
-                out.finish_reason, logprobs, out.error]
+                out.finish_reason, logprobs, out.error, out.cached_tokens]

@@ -266,8 +266,10 @@ async def _client_left(request):
 def _usage(streams):
     prompt = sum(len(s.prompt_token_ids) for s in streams)
     completion = sum(len(s.token_ids) for s in streams)
+    cached = sum(s.cached_tokens for s in streams)
     return p.UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
-                       total_tokens=prompt + completion)
+                       total_tokens=prompt + completion,
+                       prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached))
 
 
 def _sse(model):
@@ -299,6 +301,7 @@ class RequestStream:
         self.metrics = metrics
         self.first_token = self.last_token = None
         self.replica = 0  # the data replica running it
+        self.cached_tokens = 0  # prompt tokens the prefix cache held
         self.token_ids = []
         self.logprobs = []
         self.text = ""  # final text once finished; what may be sent so far before
@@ -320,6 +323,7 @@ class RequestStream:
             self.last_token = now
         self.token_ids = list(out.token_ids)
         self.logprobs = list(out.logprobs or [])
+        self.cached_tokens = out.cached_tokens
         text = out.text
         if not out.finished:
             text = _safe_prefix(text, self.params.stop)
