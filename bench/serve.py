@@ -45,24 +45,34 @@ WORDS = ("the of and to in is that for it as was with be by on not he this are o
 
 
 def make_requests(args, tokenizer):
-    """The seeded workload: (prompt text, prompt tokens, max_tokens) per request."""
+    """The seeded workload: (prompt text, prompt tokens, max_tokens) per request; with
+    --shared-prefix-len every prompt starts with the same text of about that many tokens (a
+    system prompt), then its own."""
     rng = random.Random(args.seed)
+    prefix = ""
+    if args.shared_prefix_len:
+        prefix = _text(rng, args.shared_prefix_len, tokenizer) + "\n"
     out = []
     for _ in range(args.num_prompts):
         n_in = _draw(rng, args.input_len, args.range_ratio)
         n_out = _draw(rng, args.output_len, args.range_ratio)
-        words, text = [], ""
-        while True:
-            words.append(rng.choice(WORDS))
-            candidate = " ".join(words)
-            length = len(tokenizer.encode(candidate).ids) if tokenizer else len(words)
-            if length > n_in:
-                break
-            text = candidate
-        text = text or words[0]
+        text = prefix + _text(rng, n_in, tokenizer)
         out.append((text, len(tokenizer.encode(text).ids) if tokenizer else len(text.split()),
                     n_out))
     return out
+
+
+def _text(rng, tokens, tokenizer):
+    """Seeded words of at most `tokens` tokens (at least one word)."""
+    words, text = [], ""
+    while True:
+        words.append(rng.choice(WORDS))
+        candidate = " ".join(words)
+        length = len(tokenizer.encode(candidate).ids) if tokenizer else len(words)
+        if length > tokens:
+            break
+        text = candidate
+    return text or words[0]
 
 
 def _draw(rng, mean, ratio):
@@ -176,6 +186,8 @@ def start_server(side, args, port):
         serve = ["serve", "--model", args.model_dir, "--port", str(port),
                  "--served-model-name", "bench", "--max-len", str(args.max_len)]
         serve += args.msinfer_option
+        if side == "msinfer-nocache":
+            serve.append("--no-prefix-caching")
         if side in SHARDED:
             nproc, strategy = SHARDED[side]
             serve[serve.index("--model") + 1] = args.tp4_model_dir or args.model_dir
@@ -383,7 +395,7 @@ def main(argv=None):
     p.add_argument("--url", help="benchmark this running server")
     p.add_argument("--model", help="model name for --url (default: its first /v1/models)")
     p.add_argument("--start", action="append", default=[],
-                   choices=("msinfer", "hf", *SHARDED),
+                   choices=("msinfer", "msinfer-nocache", "hf", *SHARDED),
                    help="start this server on --model-dir, benchmark it, stop it "
                         "(repeatable; run in the order given)")
     p.add_argument("--model-dir", help="checkpoint for --start")
@@ -403,6 +415,9 @@ def main(argv=None):
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--range-ratio", type=float, default=0.5)
+    p.add_argument("--shared-prefix-len", type=int, default=0, metavar="TOKENS",
+                   help="every prompt starts with the same text of about this many tokens "
+                        "(a system prompt: what prefix caching serves)")
     p.add_argument("--warmup", type=int, default=4, help="requests before measuring")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--soak", type=int, default=0, help="after the rates: this many requests "
@@ -430,7 +445,8 @@ def main(argv=None):
 
     requests = make_requests(args, load_tokenizer(args))
     report = {"workload": {k: getattr(args, k) for k in (
-        "num_prompts", "input_len", "output_len", "range_ratio", "seed", "rates")},
+        "num_prompts", "input_len", "output_len", "range_ratio", "seed", "rates",
+        "shared_prefix_len")},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version()},
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "servers": {}}
@@ -460,7 +476,9 @@ def main(argv=None):
                 report.setdefault("server_metrics", {})[side] = scrape(url, (
                     "msinfer_handoff_seconds_sum", "msinfer_handoff_seconds_count",
                     "msinfer_engine_step_seconds_sum", "msinfer_engine_step_seconds_count",
-                    "vllm:num_preemptions_total", "msinfer_kv_blocks_total"))
+                    "vllm:num_preemptions_total", "msinfer_kv_blocks_total",
+                    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                    "msinfer_prefill_tokens_computed_total"))
                 report.setdefault("per_replica", {})[side] = scrape_per_replica(url)
             if args.soak and side == "msinfer":
                 report.setdefault("soak", {})[side] = soak(url, model, args)
