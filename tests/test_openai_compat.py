@@ -77,7 +77,7 @@ def test_neutral_values_of_fields_msinfer_does_not_do_yet_are_accepted(server, e
 
 
 @pytest.mark.parametrize("extra, field", [
-    ({"n": 2}, "n"), ({"best_of": 3}, "best_of"), ({"echo": True}, "echo"),
+    ({"n": 17}, "n"), ({"n": 0}, "n"), ({"best_of": 3}, "best_of"), ({"echo": True}, "echo"),
     ({"suffix": "end"}, "suffix"), ({"prompt_logprobs": 1}, "prompt_logprobs"),
     ({"tools": [{"type": "function"}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
@@ -229,7 +229,7 @@ def test_every_response_object_has_its_object_field(server):
         "model": MODEL, "messages": [{"role": "user", "content": "a"}], "max_tokens": 2,
         "stream": True, "stream_options": {"include_usage": True}})
     assert {e["object"] for e in sse_events(stream)} == {"chat.completion.chunk"}
-    error = raw(server, "/v1/completions", {"model": MODEL, "prompt": "a", "n": 3}).json()
+    error = raw(server, "/v1/completions", {"model": MODEL, "prompt": "a", "n": 30}).json()
     assert set(error) == {"error"}  # OpenAI's error body: no object field
 
 
@@ -297,3 +297,23 @@ def test_the_grafana_dashboard_reads_only_series_the_server_exports(server):
                 if line and not line.startswith("#")}
     exported |= {n.removesuffix("_bucket") for n in exported}
     assert len(names) >= 12 and names <= exported, names - exported
+
+
+def test_n_choices_per_prompt_are_numbered_as_openai_numbers_them(server):
+    """Two prompts with n=3: six choices, prompt i's at i * 3 + j; usage counts each prompt
+    once; streamed, every choice's chunks carry its index."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    out = client.completions.create(model=MODEL, prompt=["Hi", "Hey there"], max_tokens=4, n=3)
+    assert [c.index for c in out.choices] == list(range(6))
+    assert [c.text for c in out.choices] == [expected_text("Hi", 4)] * 3 + \
+        [expected_text("Hey there", 4)] * 3
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (2 + 9, 6 * 4)
+    texts = {}
+    for chunk in client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, n=2,
+                                           stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert texts == {0: expected_text("Hi", 4), 1: expected_text("Hi", 4)}
+    chat = client.chat.completions.create(model=MODEL, n=2, max_tokens=3,
+                                          messages=[{"role": "user", "content": "x"}])
+    assert [c.index for c in chat.choices] == [0, 1]

@@ -150,6 +150,13 @@ def test_seeded_sampling_and_logprobs(server):
     lp = first.choices[0].logprobs
     assert len(lp.token_logprobs) == first.usage.completion_tokens
     assert all(x <= 0 for x in lp.token_logprobs) and all(len(t) == 2 for t in lp.top_logprobs)
+    # n choices: choice j draws from seed + j, so it is what a request seeded so gets alone
+    three = server.client().completions.create(model=NAME, prompt="seeded", max_tokens=8,
+                                               temperature=1.0, top_p=0.9, seed=7, n=3)
+    alone = [server.client().completions.create(model=NAME, prompt="seeded", max_tokens=8,
+                                                temperature=1.0, top_p=0.9,
+                                                seed=s).choices[0].text for s in (7, 8, 9)]
+    assert [c.text for c in three.choices] == alone and len(set(alone)) > 1
     # what changes the scores reaches the real engine: a biased token is all a greedy
     # request gets, and penalties and min_p are taken
     forced = server.client().completions.create(

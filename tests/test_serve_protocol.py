@@ -181,7 +181,7 @@ def raw(server, path, body=None, headers=None, method="POST"):
     ({"model": MODEL, "prompt": "x" * 85, "max_tokens": 1}, 400, "KV cache"),
     ({"model": MODEL, "prompt": "x" * 200, "max_tokens": 1}, 400, "max_len"),
     ({"model": "gpt-4", "prompt": "hi"}, 404, "gpt-4"),
-    ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+    ({"model": MODEL, "prompt": "hi", "n": 99}, 400, "n"),
     ({"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo"),
     ({"model": MODEL}, 400, "prompt"),
     ([1, 2], 400, "body"),

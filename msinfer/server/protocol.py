@@ -3,10 +3,10 @@
 Requests accept fields msinfer does not know, as vLLM does: they are ignored, logged and named
 in the response's `X-Msinfer-Ignored-Fields` header (`ignored_fields()`), so clients written
 for vLLM or OpenAI (guidellm, lm-eval, `vllm bench serve`, aiperf) run unmodified. Known fields
-are validated by type and range (400). Fields msinfer knows but cannot honour yet (n > 1,
+are validated by type and range (400). Fields msinfer knows but cannot honour yet (best_of,
 echo, tools, ...) are refused by `unsupported()` with the field's name, never silently
-ignored; a value that asks for nothing (`n: 1`, `echo: false`, `tools: []`, ...) is
-accepted.
+ignored; a value that asks for nothing (`best_of: 1`, `echo: false`, `tools: []`,
+...) is accepted.
 """
 import time
 from typing import Literal, Optional, Union
@@ -19,6 +19,7 @@ from ..engine.tokenizer import prompt_list
 # rank. OpenAI takes up to 4; clients written for vLLM send a few more (chat formats' role
 # markers), so 16, each of at most 256 characters.
 MAX_STOP_STRINGS = 16
+MAX_N = 16  # choices per prompt (n); each is a sequence of its own in the engine
 MAX_STOP_CHARS = 256
 
 
@@ -79,8 +80,6 @@ class _Request(BaseModel):
 
     def unsupported(self):
         """(field, why) for the first field set to something msinfer does not do, else None."""
-        if self.n != 1:
-            return "n", "only n=1 is supported"
         if self.prompt_logprobs is not None:
             return "prompt_logprobs", "prompt_logprobs is not supported"
         if self.include_stop_str_in_output:
@@ -107,6 +106,8 @@ class _Request(BaseModel):
 
     def out_of_bounds(self):
         """(field, why) for a field beyond msinfer's bounds (a 400 naming it), else None."""
+        if not 1 <= self.n <= MAX_N:
+            return "n", f"n={self.n}: choices per prompt must be 1..{MAX_N}"
         stops = self.stop_strings()
         if len(stops) > MAX_STOP_STRINGS:
             return "stop", (f"{len(stops)} stop strings; at most {MAX_STOP_STRINGS} are "

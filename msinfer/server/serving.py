@@ -100,17 +100,24 @@ class Serving:
         outputs = asyncio.Queue()
         arrival = time.monotonic()
         streams = []
-        for index, (text, ids) in enumerate(prompts):
+        # n choices per prompt, choice index prompt * n + j (as OpenAI numbers them); with a
+        # seed, choice j draws from seed + j (as vLLM), so the choices differ
+        n = fmt.body.n
+        choices = [(text, ids, j) for text, ids in prompts for j in range(n)]
+        for index, (text, ids, j) in enumerate(choices):
             request_id = f"{fmt.id}-{index}"
+            choice_params = (params if j == 0 or params.seed is None
+                             else dataclasses.replace(params, seed=params.seed + j))
 
             def sink(out, index=index):
                 try:
                     loop.call_soon_threadsafe(outputs.put_nowait, (index, out))
                 except RuntimeError:
                     pass  # the event loop is closed: the server is going down
-            streams.append(RequestStream(request_id, ids, params, arrival, self.metrics))
+            streams.append(RequestStream(request_id, ids, choice_params, arrival, self.metrics,
+                                         first_choice=j == 0))
             try:
-                accepted = self.engine_loop.submit(request_id, ids, params, text, sink)
+                accepted = self.engine_loop.submit(request_id, ids, choice_params, text, sink)
             except ServerBusy as e:
                 self._abort(streams[:-1])
                 raise ApiError(503, str(e), "service_unavailable",
@@ -264,9 +271,10 @@ async def _client_left(request):
 
 
 def _usage(streams):
-    prompt = sum(len(s.prompt_token_ids) for s in streams)
+    """Usage as OpenAI counts it: each prompt once however many choices it has."""
+    prompt = sum(len(s.prompt_token_ids) for s in streams if s.first_choice)
     completion = sum(len(s.token_ids) for s in streams)
-    cached = sum(s.cached_tokens for s in streams)
+    cached = sum(s.cached_tokens for s in streams if s.first_choice)
     return p.UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
                        total_tokens=prompt + completion,
                        prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached))
@@ -293,8 +301,10 @@ class RequestStream:
     """One engine request seen from its HTTP request: what it has produced, what has been sent
     of it, and when (for the latency metrics)."""
 
-    def __init__(self, request_id, prompt_token_ids, params, arrival, metrics):
+    def __init__(self, request_id, prompt_token_ids, params, arrival, metrics,
+                 first_choice=True):
         self.request_id = request_id
+        self.first_choice = first_choice  # the first of its prompt's n choices
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.arrival = arrival
