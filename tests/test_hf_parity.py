@@ -170,13 +170,14 @@ def test_layers_run_in_stacks_of_any_size_give_the_same_tokens(tiny_checkpoint, 
 
 
 def test_preempted_requests_are_recomputed_exactly(tiny_checkpoint, hf_model):
-    """A KV pool of 12 blocks of 4 tokens (48 tokens) for three requests that grow to 40
-    tokens each: the scheduler preempts and later recomputes, and every token is still
-    transformers' greedy token."""
+    """A KV pool of 12 blocks of 4 tokens (48 tokens) for three requests that grow to 34-40
+    tokens each, two at a time (max_num_seqs 2: no batch-4 graphs to compile): the scheduler
+    preempts and later recomputes, and every token is still transformers' greedy token."""
     model_dir, config = tiny_checkpoint(**case_spec("gqa_untied_config4"))
     assert (config.num_layers, config.num_kv_heads, config.head_dim) == (2, 2, 8)
     per_block = 2 * 2 * 4 * 2 * 8 * 4  # K and V x layers x block x KV heads x head_dim x fp32
-    llm = LLM(model_dir, **dict(ENGINE, kv_cache_memory=13 * per_block, max_len=48))
+    llm = LLM(model_dir, **dict(ENGINE, kv_cache_memory=13 * per_block, max_len=48,
+                                max_num_seqs=2))
     assert llm.engine.layout.num_blocks == 13  # one reserved
     hf = hf_model(model_dir)
     prompts = prompts_for(config.vocab_size, seed=3, lengths=(10, 14, 8))

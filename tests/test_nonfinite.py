@@ -63,8 +63,8 @@ def alone(fp16):
 
 def test_the_plant_overflows_only_in_float16(planted, fp16):
     fp32 = LLM(planted, dtype="float32", **ENGINE)
-    outs = fp32.generate(CLEAN + [POISONED], GREEDY)
-    assert [o.finish_reason for o in outs] == ["length"] * 4
+    out, = fp32.generate([POISONED], GREEDY)  # alone: one decode batch size to compile
+    assert out.finish_reason == "length" and len(out.token_ids) == GREEDY.max_tokens
     with pytest.raises(NonFiniteLogits):
         fp16.generate([POISONED], GREEDY)
 
