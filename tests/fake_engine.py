@@ -19,9 +19,9 @@ from msinfer.planning.kv_layout import CacheLayout
 TEXT = "Hello wörld, ünïcode → ok. ".encode()
 
 
-def expected_ids(prompt_ids, count):
-    start = sum(prompt_ids) % len(TEXT)
-    return [TEXT[(start + i) % len(TEXT)] for i in range(count)]
+def expected_ids(prompt_ids, count, text=TEXT):
+    start = sum(prompt_ids) % len(text)
+    return [text[(start + i) % len(text)] for i in range(count)]
 
 
 class ByteTokenizer:
@@ -36,26 +36,29 @@ class ByteTokenizer:
     def decode(self, ids, skip_special_tokens=True):
         return bytes(i for i in ids if i < 256).decode(errors="replace")
 
-    def apply_chat_template(self, messages, add_generation_prompt=True):
+    def apply_chat_template(self, messages, add_generation_prompt=True, **template_kwargs):
         roles = [m["role"] for m in messages]
         if any(a == b for a, b in zip(roles, roles[1:])):  # as many templates' raise_exception
             raise MsinferError("chat_template: roles must alternate")
+        # as Qwen3's template: enable_thinking=false closes an empty think block
+        no_think = "<think></think>" if template_kwargs.get("enable_thinking") is False else ""
         return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + (
-            "<assistant>" if add_generation_prompt else "")
+            "<assistant>" + no_think if add_generation_prompt else "")
 
 
 class _Request:
-    def __init__(self, request_id, prompt_ids, params, prompt):
+    def __init__(self, request_id, prompt_ids, params, prompt, text=TEXT):
         self.request_id, self.prompt_ids, self.params, self.prompt = (
             request_id, prompt_ids, params, prompt)
         self.generated = []
         self.logprobs = []
-        self.planned = expected_ids(prompt_ids, params.max_tokens)
+        self.planned = expected_ids(prompt_ids, params.max_tokens, text)
 
 
 class FakeEngine:
     def __init__(self, max_model_len=96, num_blocks=32, block_size=8, max_num_seqs=4,
-                 step_delay=0.01, vocab_size=300):
+                 step_delay=0.01, vocab_size=300, text=TEXT):
+        self.text = text  # the bytes requests generate, from an offset their prompt picks
         self.max_model_len, self.num_blocks, self.block_size = max_model_len, num_blocks, block_size
         self.max_num_seqs, self.step_delay, self.vocab_size = max_num_seqs, step_delay, vocab_size
         # what the engine's refusals read of its KV cache: num_blocks besides the reserved one
@@ -80,7 +83,7 @@ class FakeEngine:
         self.check_request(ids, params, name=f"request {request_id!r}")
         if any(r.request_id == request_id for r in self.waiting + self.running):
             raise MsinferError(f"request id {request_id!r} is already running")
-        self.waiting.append(_Request(request_id, ids, params, prompt))
+        self.waiting.append(_Request(request_id, ids, params, prompt, self.text))
 
     def check_request(self, ids, params, name="prompt"):
         check_request_limits(ids, params, self.vocab_size, self.max_model_len, self.layout,

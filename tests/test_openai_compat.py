@@ -317,3 +317,49 @@ def test_n_choices_per_prompt_are_numbered_as_openai_numbers_them(server):
     chat = client.chat.completions.create(model=MODEL, n=2, max_tokens=3,
                                           messages=[{"role": "user", "content": "x"}])
     assert [c.index for c in chat.choices] == [0, 1]
+
+
+THINKING = "<think>\nfirst a plan\n</think>\n\nThe answer.".encode()
+
+
+def test_a_thinking_answer_comes_as_reasoning_content_and_content_whole_and_streamed():
+    """--reasoning-parser qwen3, with the openai client: the <think> part is
+    reasoning_content, the rest content, whole and streamed alike (a tag split over chunks
+    included); chat_template_kwargs reach the template (enable_thinking=false closes an empty
+    think block in the prompt, as Qwen3's does)."""
+    from fake_engine import ByteTokenizer, fake_llm
+    s = RunningServer(llm=fake_llm(text=THINKING), reasoning_parser="qwen3")
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+        # the fake answers THINKING from an offset its prompt picks: find a question whose
+        # answer starts at the beginning
+        tokenizer = ByteTokenizer()
+        question = next(q for q in ("why" + "a" * k for k in range(len(THINKING)))
+                        if sum(tokenizer.encode(tokenizer.apply_chat_template(
+                            [{"role": "user", "content": q}]))) % len(THINKING) == 0)
+        ask = dict(model=MODEL, messages=[{"role": "user", "content": question}],
+                   max_tokens=len(THINKING))
+        whole = client.chat.completions.create(**ask).choices[0].message
+        assert whole.reasoning_content == "\nfirst a plan\n"
+        assert whole.content == "\n\nThe answer."
+        reasoning = content = ""
+        for chunk in client.chat.completions.create(**ask, stream=True):
+            delta = chunk.choices[0].delta
+            reasoning += getattr(delta, "reasoning_content", None) or ""
+            content += delta.content or ""
+        assert (reasoning, content) == (whole.reasoning_content, whole.content)
+        plain = client.chat.completions.create(**ask)
+        thinking_off = client.chat.completions.create(
+            **ask, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        assert thinking_off.usage.prompt_tokens == plain.usage.prompt_tokens + len(
+            "<think></think>")
+    finally:
+        s.stop()
+
+
+def test_the_qwen3_split_of_a_whole_answer_is_vllms():
+    from msinfer.server.reasoning import split_whole
+    assert split_whole("no tags at all") == (None, "no tags at all")
+    assert split_whole("<think>unfinished") == (None, "<think>unfinished")
+    assert split_whole("plan</think>answer") == ("plan", "answer")  # template opened <think>
+    assert split_whole("<think>only thinking</think>") == ("only thinking", None)

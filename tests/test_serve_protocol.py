@@ -26,7 +26,7 @@ MODEL = "fake-model"
 
 class RunningServer:
     def __init__(self, api_key=None, max_queue=64, max_request_bytes=None, llm=None,
-                 **engine_options):
+                 reasoning_parser=None, **engine_options):
         """llm: an LLM (or what has its engine and tokenizer) to serve; default the fake."""
         self.llm = llm or fake_llm(**engine_options)
         self.engine = self.llm.engine
@@ -36,7 +36,8 @@ class RunningServer:
         config = ServerConfig(model_names=[MODEL], max_model_len=self.engine.max_model_len,
                               api_key=api_key, max_queue=max_queue,
                               max_request_bytes=max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
-                              root="/models/fake", vocab_size=self.engine.vocab_size)
+                              root="/models/fake", vocab_size=self.engine.vocab_size,
+                              reasoning_parser=reasoning_parser)
         app = build_app(self.loop, self.llm.tokenizer, config, self.metrics)
         listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{listener.getsockname()[1]}"

@@ -10,6 +10,7 @@ import os
 
 from ..errors import MsinferError
 from ..planning.memory import parse_bytes
+from ..server.reasoning import PARSERS
 from .args import add_engine_arguments, add_hardware_argument
 
 
@@ -35,6 +36,9 @@ def register(subparsers):
     p.add_argument("--stall-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="a step that runs longer, or a rank silent for longer, fails /health "
                         "and ends the job non-zero (default 60; docs/deploy-300i-duo.md)")
+    p.add_argument("--reasoning-parser", choices=PARSERS, default=None,
+                   help="split chat answers of a thinking model into reasoning_content and "
+                        "content, as vLLM's --reasoning-parser (qwen3: <think>...</think>)")
     p.add_argument("--max-request-bytes", type=request_bytes, default=None, metavar="BYTES",
                    help="largest request body; larger ones get 413 unread (default 4MiB; "
                         "units as --kv-cache-memory)")
@@ -76,4 +80,4 @@ def run(args):
         model_names=args.served_model_name or [args.model], host=args.host, port=args.port,
         api_key=args.api_key, max_queue=args.max_queue,
         shutdown_timeout=args.shutdown_timeout, max_request_bytes=args.max_request_bytes,
-        stall_timeout=args.stall_timeout))
+        stall_timeout=args.stall_timeout, reasoning_parser=args.reasoning_parser))

@@ -72,8 +72,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt string for a list of {"role": ..., "content": ...} messages."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **template_kwargs) -> str:
+        """The prompt string for a list of {"role": ..., "content": ...} messages;
+        `template_kwargs` are more variables for the template (Qwen3's enable_thinking)."""
         if self.chat_template is None:
             raise MsinferError(
                 f"{self.source}: this model has no chat template (tokenizer_config.json has no "
@@ -84,9 +86,10 @@ class Tokenizer:
             except jinja2.TemplateSyntaxError as e:
                 raise MsinferError(f"{self.source}: chat_template does not parse: {e}") from None
         try:
-            return self._compiled_template.render(
-                messages=messages, tools=None, documents=None,
-                add_generation_prompt=add_generation_prompt, **self.special_tokens)
+            variables = dict(tools=None, documents=None,
+                             add_generation_prompt=add_generation_prompt, **self.special_tokens)
+            variables.update(template_kwargs)
+            return self._compiled_template.render(variables, messages=messages)
         except jinja2.TemplateError as e:
             raise MsinferError(
                 f"chat template of {self.source} refused the messages: {e}") from None

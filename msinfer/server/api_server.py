@@ -38,6 +38,7 @@ class ServeOptions:
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
     max_request_bytes: int = None  # larger request bodies get 413; None: 4 MiB (serving.py)
     stall_timeout: float = 60.0  # a step or a silence longer than this ends the job
+    reasoning_parser: str = None  # "qwen3": chat answers' <think> part as reasoning_content
 
 
 def serve(llm, options):
@@ -202,7 +203,8 @@ def _front(llm, links, options):
                           max_request_bytes=options.max_request_bytes
                           or DEFAULT_MAX_REQUEST_BYTES,
                           root=getattr(llm, "model_dir", None),
-                          vocab_size=getattr(getattr(llm, "config", None), "vocab_size", None))
+                          vocab_size=getattr(getattr(llm, "config", None), "vocab_size", None),
+                          reasoning_parser=options.reasoning_parser)
     app = build_app(router, llm.tokenizer, config, metrics)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=5))

@@ -9,7 +9,7 @@ ignored; a value that asks for nothing (`best_of: 1`, `echo: false`, `tools: []`
 ...) is accepted.
 """
 import time
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -181,6 +181,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
+    # more variables for the chat template, as vLLM takes them ({"enable_thinking": false})
+    chat_template_kwargs: Optional[dict[str, Any]] = None
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
@@ -264,7 +266,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: Optional[str]
+    reasoning_content: Optional[str] = None  # with --reasoning-parser: the thinking
 
 
 class ChatChoice(BaseModel):
@@ -286,6 +289,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
 
 
 class ChatStreamChoice(BaseModel):

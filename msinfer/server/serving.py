@@ -52,6 +52,7 @@ class ServerConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     root: str = None  # the checkpoint served (/v1/models' `root`); None: the first name
     vocab_size: int = None  # token ids /detokenize takes; None: any
+    reasoning_parser: str = None  # chat answers split into reasoning and content (reasoning.py)
 
 
 class Serving:

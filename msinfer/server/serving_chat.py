@@ -4,6 +4,7 @@ import time
 import uuid
 
 from . import protocol as p
+from .reasoning import StreamSplitter, split_whole
 from .serving import sampling_params, token_text, tokenize
 
 
@@ -16,18 +17,23 @@ class ServingChat:
         Without max_tokens, the answer may fill the rest of the context."""
         serving = self.serving
         headers = serving.check(body)
-        text = tokenize(serving.tokenizer.apply_chat_template,
+        kwargs = body.chat_template_kwargs or {}
+        text = tokenize(lambda messages: serving.tokenizer.apply_chat_template(messages,
+                                                                               **kwargs),
                         [m.as_template_message() for m in body.messages])
         ids = tokenize(serving.tokenizer.encode, text)
         max_tokens = body.token_budget() or max(1, serving.config.max_model_len - len(ids))
-        fmt = ChatFormat(body, serving.model_name, serving.tokenizer)
+        fmt = ChatFormat(body, serving.model_name, serving.tokenizer,
+                         serving.config.reasoning_parser)
         params = sampling_params(body, max_tokens, body.logprobs_count())
         return await serving.generate(fmt, [(text, ids)], params, request, headers)
 
 
 class ChatFormat:
-    def __init__(self, body, model_name, tokenizer):
+    def __init__(self, body, model_name, tokenizer, reasoning_parser=None):
         self.body, self.model, self.tokenizer = body, model_name, tokenizer
+        self.reasoning = reasoning_parser
+        self._splitters = {}  # choice index -> StreamSplitter, with a reasoning parser
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.top_n = body.logprobs_count()
@@ -57,8 +63,13 @@ class ChatFormat:
                                      choices=choices, usage=usage)
 
     def chunk(self, index, delta, finish_reason):
+        message = p.ChatDelta(content=delta.text)
+        if self.reasoning:
+            splitter = self._splitters.setdefault(index, StreamSplitter())
+            reasoning, content = splitter.feed(delta.text, finish_reason is not None)
+            message = p.ChatDelta(content=content or None, reasoning_content=reasoning or None)
         return self._chunk([p.ChatStreamChoice(
-            index=index, delta=p.ChatDelta(content=delta.text), finish_reason=finish_reason,
+            index=index, delta=message, finish_reason=finish_reason,
             logprobs=self._logprobs(delta.token_ids, delta.logprobs))])
 
     def usage_chunk(self, usage):
@@ -67,7 +78,13 @@ class ChatFormat:
     def response(self, streams, usage):
         return p.ChatCompletionResponse(
             id=self.id, created=self.created, model=self.model, usage=usage,
-            choices=[p.ChatChoice(index=i, message=p.AssistantMessage(content=s.text),
+            choices=[p.ChatChoice(index=i, message=self._message(s.text),
                                   finish_reason=s.finish_reason,
                                   logprobs=self._logprobs(s.token_ids, s.logprobs))
                      for i, s in enumerate(streams)])
+
+    def _message(self, text):
+        if not self.reasoning:
+            return p.AssistantMessage(content=text)
+        reasoning, content = split_whole(text)
+        return p.AssistantMessage(content=content, reasoning_content=reasoning)
