@@ -284,32 +284,11 @@ def test_plan_refuses_an_unsupported_checkpoint_in_one_line_naming_the_field(tmp
 
 # ---- msinfer layouts: the semi_auto model's primitives on the shipped strategies ----
 
-@pytest.fixture
-def layouts_for_every_family(monkeypatch):
-    """tools/layouts.py builds models.qwen2's Model and layer names whatever the config (a
-    file this work may not edit): point them at the config's family while the command runs.
-    With layouts.record taking family_of(config) (asked for in the report) this goes."""
-    from msinfer.models import families, qwen2
-    from msinfer.tools import layouts
-
-    record = layouts.record
-
-    def family_record(config, plan, dtype, ir_dir):
-        family = families.family_of(config)
-        with monkeypatch.context() as m:
-            m.setattr(qwen2, "Qwen2Model", family.Model)
-            m.setattr(qwen2, "layer_weight_names", family.layer_weight_names)
-            return record(config, plan, dtype, ir_dir)
-
-    monkeypatch.setattr(layouts, "record", family_record)
-
-
 @pytest.mark.parametrize("model, strategy", [
     *[("qwen3-0.6b", s) for s in ("qwen2_tp1", "qwen2_tp2", "qwen2_tp4", "qwen2_tp8",
                                   "qwen2_dp2_tp2")],
     ("qwen3-32b", "qwen2_tp4"), ("qwen3-32b", "qwen2_tp8")])
-def test_layouts_clean_for_qwen3_on_every_shipped_strategy(model, strategy,
-                                                           layouts_for_every_family, capsys):
+def test_layouts_clean_for_qwen3_on_every_shipped_strategy(model, strategy, capsys):
     """Every Qwen3 dense model has 8 KV heads: semi_auto is legal on every shipped strategy.
     Qwen3-0.6B (tied, head_dim 128 over hidden / heads 64) on all of them, Qwen3-32B (64
     heads, untied) where it would be served, tp4 and tp8."""

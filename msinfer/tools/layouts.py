@@ -452,7 +452,7 @@ def record(config, plan, dtype, ir_dir):
 
     from ..engine.model_runner import SemiAutoRunner
     from ..layers.parallel_context import ParallelContext
-    from ..models.qwen2 import Qwen2Model, head_weight_names, layer_weight_names
+    from ..models.families import family_of
     from ..parallel.distributed import set_graph_mode
     from ..planning.kv_layout import CacheLayout
 
@@ -462,12 +462,13 @@ def record(config, plan, dtype, ir_dir):
     layout = CacheLayout(config.num_layers, plan.local_kv_heads, config.head_dim,
                          block_size=16, num_blocks=8, dtype_bytes=4)
     shapes = config.parameter_shapes()
-    names = ["model.embed_tokens.weight"] + head_weight_names(config)
+    family = family_of(config)  # Qwen2's or Qwen3's Cells and weight names
+    names = ["model.embed_tokens.weight"] + family.head_weight_names(config)
     for layer in range(config.num_layers):
-        names += layer_weight_names(layer)
+        names += family.layer_weight_names(layer)
     full = {n: (sum(shapes[p][0] for p in checkpoint_parts(n)),)
             + tuple(shapes[checkpoint_parts(n)[0]][1:]) for n in names}
-    model = Qwen2Model(ctx, layout, full)
+    model = family.Model(ctx, layout, full)
     runner = SemiAutoRunner(ctx, layout, model=model, **ENGINE)
     calls = []
     steps = (("decode", runner.batch_buckets[0]), ("prefill", runner.chunk_buckets[0]))
