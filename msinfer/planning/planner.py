@@ -386,7 +386,8 @@ def format_plan(report: PlanReport) -> str:
                 f"tokens "
                 f"per rank ({_size(report.kv_bytes_per_token)} per token): "
                 f"{report.concurrent_max_len_sequences} sequence(s) of {report.max_len} tokens at "
-                f"once, more when shorter")))
+                f"once, more when shorter; the same pool is the prefix cache (free blocks keep "
+                f"what they hold until reused)")))
         lines += ["", f"  collectives per decoded token (within each tensor group of "
                       f"{report.tensor}):"]
         if not report.collectives_per_token:
