@@ -19,6 +19,7 @@ follow nccl-tests / hccl_test:
 Test hook: MSINFER_TEST_CORRUPT_RANK=r makes rank r contribute a wrong value, so every
 measurement it takes part in must read "failed".
 """
+import gc
 import json
 import math
 import os
@@ -127,6 +128,9 @@ def run(args):
     dtype = args.dtype or next((d for d in profile.dtypes if d in DTYPES), "float16")
     strategy, plan = _strategy_and_plan(args)
     info = init_distributed(profile.device_target, strategy.world_size, args.rank_table)
+    # MindSpore collects garbage before compiling each graph (one per op, group and size):
+    # what exists now (MindSpore, msinfer) lives to the end, so out of those collections.
+    gc.freeze()
     if info.world_size < 2:
         raise MsinferError("commtest needs at least 2 ranks: start it with `msinfer launch "
                            "--nproc N [--strategy S] -- commtest`")
