@@ -44,14 +44,15 @@ WORDS = ("the of and to in is that for it as was with be by on not he this are o
          "since against go came right used take three").split()
 
 
-def make_requests(args, tokenizer):
+def make_requests(args, tokenizer, salt=""):
     """The seeded workload: (prompt text, prompt tokens, max_tokens) per request; with
     --shared-prefix-len every prompt starts with the same text of about that many tokens (a
-    system prompt), then its own."""
-    rng = random.Random(args.seed)
+    system prompt), then its own. Each `salt` (a rate's name) draws other prompts, so a
+    server's prefix cache cannot serve one rate's prompts from an earlier rate's."""
     prefix = ""
     if args.shared_prefix_len:
-        prefix = _text(rng, args.shared_prefix_len, tokenizer) + "\n"
+        prefix = _text(random.Random(args.seed), args.shared_prefix_len, tokenizer) + "\n"
+    rng = random.Random(f"{args.seed}:{salt}")
     out = []
     for _ in range(args.num_prompts):
         n_in = _draw(rng, args.input_len, args.range_ratio)
@@ -263,12 +264,14 @@ def scrape_per_replica(url):
 
 # -- the run ---------------------------------------------------------------------------------
 
-def bench_url(url, model, args, requests):
-    warm = [(t, n, min(o, 8)) for t, n, o in requests[:args.warmup]]
+def bench_url(url, model, args, workloads):
+    """workloads: {"warmup": requests, rate name: requests} (make_requests, one salt each)."""
+    warm = [(t, n, min(o, 8)) for t, n, o in workloads["warmup"][:args.warmup]]
     if warm:
         asyncio.run(run_load(url, model, warm, float("inf"), args.seed))
     by_rate = {}
     for rate_name in args.rates.split(","):
+        requests = workloads[rate_name]
         rate = float("inf") if rate_name in ("burst", "inf") else float(rate_name)
         print(f"  rate {rate_name}: {len(requests)} requests ...", file=sys.stderr, flush=True)
         load_before = os.getloadavg()[0]
@@ -443,7 +446,10 @@ def main(argv=None):
         if args.tp4_model_dir:
             args.tp4_model_dir = with_visible_vocabulary(args.tp4_model_dir)
 
-    requests = make_requests(args, load_tokenizer(args))
+    tokenizer = load_tokenizer(args)
+    workloads = {name: make_requests(args, tokenizer, salt=name)
+                 for name in ["warmup", *args.rates.split(",")]}
+    requests = workloads[args.rates.split(",")[0]]
     report = {"workload": {k: getattr(args, k) for k in (
         "num_prompts", "input_len", "output_len", "range_ratio", "seed", "rates",
         "shared_prefix_len")},
@@ -457,7 +463,7 @@ def main(argv=None):
         report = _earlier_report(args.out + ".json", report)
     if args.url:
         model = args.model or httpx.get(args.url + "/v1/models").json()["data"][0]["id"]
-        report["servers"][args.url] = bench_url(args.url, model, args, requests)
+        report["servers"][args.url] = bench_url(args.url, model, args, workloads)
         if args.soak:
             report["soak"] = {args.url: soak(args.url, model, args)}
     for side in args.start:
@@ -471,7 +477,7 @@ def main(argv=None):
             started = time.monotonic()
             wait_healthy(url, process, args.ready_timeout)
             report.setdefault("ready_seconds", {})[side] = time.monotonic() - started
-            report["servers"][side] = bench_url(url, model, args, requests)
+            report["servers"][side] = bench_url(url, model, args, workloads)
             if side.startswith("msinfer"):
                 report.setdefault("server_metrics", {})[side] = scrape(url, (
                     "msinfer_handoff_seconds_sum", "msinfer_handoff_seconds_count",
