@@ -79,7 +79,10 @@ def msrun_prefix(nproc, log_dir):
 def run_job(cmd, env=None, timeout=JOB_TIMEOUT):
     """Runs a job in its own process group; returns (exit code, output, seconds). A job still
     running after `timeout` seconds fails the test."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", GLOG_v="3", **(env or {}))
+    # MindSpore's workers retry joining the scheduler every 3-5 s by default and rank 0 starts
+    # it once MindSpore is imported: each job waited one retry (test_commtest's FAST_JOIN)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", GLOG_v="3", MS_RETRY_INTERVAL_LOWER="1",
+               MS_RETRY_INTERVAL_UPPER="1", **(env or {}))
     # msrun starts the workers with the `python` on PATH: make that this interpreter.
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     start = time.monotonic()

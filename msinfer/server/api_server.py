@@ -26,6 +26,7 @@ from .handoff import (EXIT_WAIT, PeerGone, log_summary, open_links, start_heartb
 from .lockstep import EngineLoop, RanksDiverged, ServerBusy, StepWatch, follow
 
 _DEAD_RANK_GRACE = 2.0  # seconds /health reports the failure before rank 0 exits
+_REPORT_WAIT = _DEAD_RANK_GRACE + 3.0  # seconds a failing rank waits for its leader to go
 
 
 @dataclasses.dataclass
@@ -61,6 +62,16 @@ def _die(message):
     os._exit(1)
 
 
+def _die_after(link, message):
+    """Leave once the leader at the other end of `link` has gone (at most `_REPORT_WAIT` s),
+    after reporting `message` to it: the launcher aborts the whole job as soon as any rank
+    exits non-zero, so rank 0 must go first, once it has answered its clients."""
+    deadline = time.monotonic() + _REPORT_WAIT
+    while not link.hung_up() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    _die(message)
+
+
 def _ignore_signals():
     """Rank 0 decides when the job stops (it drains first); a signal elsewhere waits for it."""
     logger = log.get()
@@ -73,7 +84,7 @@ def _follow(llm, channel, options):
 
     def leave(message):
         channel.report(message)
-        _die(message)
+        _die_after(channel.link, message)
     _ignore_signals()
     channel.watch(_die)
     watch = StepWatch(options.stall_timeout, leave, rank)
@@ -103,11 +114,12 @@ def _replica(llm, links, options):
 
     def fail(message):
         channel.fail(message)
+        stopped.set()  # rank 0 going is expected from now on
         try:
             front.send({"error": message}, timeout=1.0)
         except PeerGone:
             pass
-        _die(message)
+        _die_after(front, message)
     _ignore_signals()
     loop = EngineLoop(llm.engine, channel, on_step=uplink.on_step, replica=replica,
                       watch=StepWatch(options.stall_timeout, fail, rank))
