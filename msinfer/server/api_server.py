@@ -115,10 +115,7 @@ def _replica(llm, links, options):
     def fail(message):
         channel.fail(message)
         stopped.set()  # rank 0 going is expected from now on
-        try:
-            front.send({"error": message}, timeout=1.0)
-        except PeerGone:
-            pass
+        front.tell({"error": message})
         _die_after(front, message)
     _ignore_signals()
     loop = EngineLoop(llm.engine, channel, on_step=uplink.on_step, replica=replica,

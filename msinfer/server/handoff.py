@@ -51,7 +51,6 @@ class Link:
         self.heard = time.monotonic()  # when the peer last said anything (reader's side)
         self._sent = time.monotonic()
         self._lock = threading.Lock()
-        self._closed = False
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def send(self, obj, timeout=None):
@@ -88,12 +87,18 @@ class Link:
             if "beat" not in frame:
                 return frame
 
+    def tell(self, obj, timeout=1.0):
+        """Send `obj` if the peer is still there and the link is free within `timeout`
+        (heartbeats, stop, failure reports); False otherwise: the watchers report a gone
+        peer, this must not hang or raise on the way out."""
+        try:
+            return self.send(obj, timeout=timeout)
+        except PeerGone:
+            return False
+
     def beat_if_quiet(self):
         if time.monotonic() - self._sent >= BEAT:
-            try:
-                self.send({"beat": 1}, timeout=BEAT)
-            except PeerGone:
-                pass  # the watchers say so
+            self.tell({"beat": 1}, timeout=BEAT)
 
     def hung_up(self):
         """True once the peer has closed its end, even with frames still unread."""
@@ -102,7 +107,6 @@ class Link:
         return bool(poller.poll(0))
 
     def close(self):
-        self._closed = True
         try:
             self.conn.close()
         except OSError:
@@ -164,20 +168,14 @@ class Leader:
         the CPU cluster's scheduler) is gone."""
         self._done = True
         for link in self.followers:
-            try:
-                link.send({"stop": True}, timeout=1.0)
-            except PeerGone:
-                pass
+            link.tell({"stop": True})
         wait_hung_up(self.followers, wait)
 
     def fail(self, message):
         """The job is failing: tell every follower why (best effort, never blocks long)."""
         self._done = True
         for link in self.followers:
-            try:
-                link.send({"fail": message}, timeout=1.0)
-            except PeerGone:
-                pass
+            link.tell({"fail": message})
 
     def watch(self, on_gone):
         """Call `on_gone(message)` (from a thread) once a follower dies, goes silent for
@@ -266,10 +264,7 @@ class Follower:
     def report(self, message):
         """Tell the leader why this rank leaves (best effort)."""
         self._done = True
-        try:
-            self.link.send({"error": message}, timeout=1.0)
-        except PeerGone:
-            pass
+        self.link.tell({"error": message})
 
     def watch(self, on_gone):
         """Call `on_gone(message)` once the leader disappears, even mid-step (in a

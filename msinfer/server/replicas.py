@@ -174,10 +174,7 @@ class RemoteReplica:
 
     def stop(self, message=None):
         """After the job's last step (or its failure: `message`), best effort."""
-        try:
-            self.link.send({"fail": message} if message else {"stop": True}, timeout=1.0)
-        except Exception:  # noqa: BLE001 - it may be gone already
-            pass
+        self.link.tell({"fail": message} if message else {"stop": True})
 
     def fail_all(self, message):
         with self._lock:
