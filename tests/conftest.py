@@ -92,3 +92,32 @@ def hf_model():
                 path, dtype=torch.float32).eval()
         return loaded[path]
     return load
+
+
+@pytest.fixture(scope="session")
+def serve_model(tiny_checkpoint):
+    """The checkpoint of the session's shared server (servers.TINY_SERVE_MODEL)."""
+    from servers import TINY_SERVE_MODEL
+    return tiny_checkpoint(**TINY_SERVE_MODEL)[0]
+
+
+@pytest.fixture(scope="session")
+def _tiny_servers():
+    started = []
+    yield started
+    for server in started:
+        server.kill()
+
+
+@pytest.fixture
+def tiny_server(serve_model, _tiny_servers, tmp_path_factory):
+    """The session's one real single-process `msinfer serve` on serve_model with
+    servers.SERVE_ARGS, started when first asked for and shared by every test file that needs
+    a real server (one warm-up for all); started again if a test ended it (test_serve's SIGTERM
+    test does)."""
+    from servers import SERVE_ARGS, ServerProcess
+    if not _tiny_servers or not _tiny_servers[-1].alive():
+        log = str(tmp_path_factory.mktemp("log") / "serve.log")
+        _tiny_servers.append(ServerProcess(
+            ["serve", *SERVE_ARGS, "--model", serve_model, "--shutdown-timeout", "60"], log))
+    return _tiny_servers[-1]

@@ -1,0 +1,78 @@
+"""A real `msinfer serve` process for tests (one rank or a launched job), and the tiny
+checkpoint and settings of the session's shared single-process server (conftest.py's
+`tiny_server`): test_serve.py compares its sharded jobs with it; the real-client tests
+(lm-eval, guidellm, the openai SDK) run against it."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx2 as httpx
+import openai
+import pytest
+
+from msinfer.parallel.distributed import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NAME = "tiny"
+MAX_LEN = 128
+# The same engine settings for the one-process server and the sharded jobs (their completions
+# are compared); a 32-token prefill chunk keeps the graphs to warm up few.
+SERVE_ARGS = ["--served-model-name", NAME, "--max-len", str(MAX_LEN), "--max-num-seqs", "4",
+              "--max-prefill-tokens", "32"]
+TINY_SERVE_MODEL = dict(layers=2, hidden=128, heads=4, kv_heads=2, vocab=512)
+
+
+class ServerProcess:
+    def __init__(self, argv, log_path, ready_timeout=600, env=None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        # joining MindSpore's scheduler: a retry every 1 s, not 3-5 s (test_commtest's FAST_JOIN)
+        env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", GLOG_v="3",
+                   MS_RETRY_INTERVAL_LOWER="1", MS_RETRY_INTERVAL_UPPER="1", **(env or {}))
+        self.log = open(log_path, "w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "msinfer"] + argv + ["--port", str(self.port)],
+            env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + ready_timeout
+        while not self.healthy():
+            if self.process.poll() is not None:
+                pytest.fail(f"server exited with {self.process.returncode}:\n{self.output()}")
+            if time.monotonic() > deadline:
+                self.kill()
+                pytest.fail(f"server not ready after {ready_timeout}s:\n{self.output()}")
+            time.sleep(0.5)
+
+    def healthy(self):
+        try:
+            return httpx.get(self.url + "/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def output(self):
+        with open(self.log_path) as f:
+            return f.read()
+
+    def client(self):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0,
+                             timeout=120)
+
+    def metric(self, name, where=""):
+        """The sum of `name`'s samples (those whose labels contain `where`)."""
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if (line.startswith(name + "{") or line.startswith(name + " "))
+                  and where in line]
+        assert values, f"{name} not in /metrics"
+        return sum(values)
+
+    def kill(self):
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        self.log.close()
+
+    def alive(self):
+        return self.process.poll() is None
