@@ -7,7 +7,7 @@ import pytest
 from msinfer.config import ModelConfig, eos_token_ids
 from msinfer.engine.tokenizer import IncrementalDecoder, Tokenizer, find_stop
 from msinfer.errors import MsinferError
-from msinfer.tools.tiny_model import CHAT_TEMPLATE
+from msinfer.tools.tiny_model import chat_template
 
 MESSAGES = [{"role": "user", "content": "Why is the sky blue?"}]
 
@@ -83,26 +83,92 @@ def test_eos_ids_are_the_same_without_a_tokenizer(copy_dir):
     assert eos_token_ids(copy_dir) == (end_of_text,)  # config.json's
 
 
-def test_chat_template_renders_chatml_with_generation_prompt(model_dir):
+def test_chat_template_is_qwen25_instructs_with_its_default_system_prompt(model_dir):
     tok = Tokenizer.from_model_dir(model_dir)
-    assert tok.chat_template == CHAT_TEMPLATE
+    assert tok.chat_template == chat_template("qwen2")
     assert tok.apply_chat_template(MESSAGES) == (
-        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-        "<|im_start|>user\nWhy is the sky blue?<|im_end|>\n<|im_start|>assistant\n")
+        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+        "assistant.<|im_end|>\n<|im_start|>user\nWhy is the sky blue?<|im_end|>\n"
+        "<|im_start|>assistant\n")
     assert not tok.apply_chat_template(MESSAGES, add_generation_prompt=False).endswith(
         "assistant\n")
 
 
-def test_chat_template_matches_transformers(model_dir):
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city, today",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+TOOL_TURNS = [
+    {"role": "user", "content": "Weather in Paris and in Zürich?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "a", "type": "function",
+         "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+        {"id": "b", "type": "function",
+         "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}}]},
+    {"role": "tool", "tool_call_id": "a", "content": "sunny"},
+    {"role": "tool", "tool_call_id": "b", "content": "snow"},
+]
+MULTI_TURN = [{"role": "system", "content": "Be brief."}] + MESSAGES + [
+    {"role": "assistant", "content": "Rayleigh scattering."},
+    {"role": "user", "content": "And at sunset?"}]
+THINKING_HISTORY = MESSAGES + [
+    {"role": "assistant", "content": "<think>\nlight and air\n</think>\n\nScattering."},
+    {"role": "user", "content": "More?"},
+    {"role": "assistant", "content": "Shorter waves scatter more.",
+     "reasoning_content": "blue is short"},
+    {"role": "user", "content": "Thanks."}]
+# (family, messages, tools, template kwargs): system prompt or none, multi-turn, tools with
+# calls and their answers, Qwen3's thinking on and off and its history of thoughts.
+CHATS = [
+    ("qwen2", MESSAGES, None, {}),
+    ("qwen2", MULTI_TURN, None, {}),
+    ("qwen2", TOOL_TURNS, TOOLS, {}),
+    ("qwen2", [{"role": "system", "content": "Use tools."}] + TOOL_TURNS, TOOLS, {}),
+    ("qwen3", MESSAGES, None, {}),
+    ("qwen3", MULTI_TURN, None, {"enable_thinking": True}),
+    ("qwen3", MULTI_TURN, None, {"enable_thinking": False}),
+    ("qwen3", THINKING_HISTORY, None, {}),
+    ("qwen3", TOOL_TURNS, TOOLS, {"enable_thinking": False}),
+    ("qwen3", [{"role": "system", "content": "Use tools."}] + TOOL_TURNS, TOOLS, {}),
+]
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tiny_checkpoint):
+    return tiny_checkpoint(family="qwen3", layers=1, hidden=32, heads=2, kv_heads=1,
+                           vocab=512)[0]
+
+
+@pytest.mark.parametrize("family,messages,tools,kwargs", CHATS)
+def test_chat_templates_render_and_encode_as_transformers_does(
+        model_dir, qwen3_dir, family, messages, tools, kwargs):
+    """The tiny checkpoints carry Qwen2.5-Instruct's and Qwen3's real templates: msinfer's
+    rendering of them is transformers' string, and encodes to its ids."""
     transformers = pytest.importorskip("transformers")
-    hf = transformers.AutoTokenizer.from_pretrained(model_dir)
-    tok = Tokenizer.from_model_dir(model_dir)
-    messages = [{"role": "system", "content": "Be brief."}] + MESSAGES + [
-        {"role": "assistant", "content": "Rayleigh scattering."},
-        {"role": "user", "content": "And at sunset?"}]
-    text = tok.apply_chat_template(messages)
-    assert text == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert tok.encode(text) == hf(text, add_special_tokens=False)["input_ids"]
+    path = qwen3_dir if family == "qwen3" else model_dir
+    hf = transformers.AutoTokenizer.from_pretrained(path)
+    tok = Tokenizer.from_model_dir(path)
+    assert tok.chat_template == chat_template(family)
+    for generation_prompt in (True, False):
+        text = tok.apply_chat_template(messages, add_generation_prompt=generation_prompt,
+                                       tools=tools, **kwargs)
+        assert text == hf.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt,
+            **kwargs)
+        assert tok.encode(text) == hf(text, add_special_tokens=False)["input_ids"]
+    if tools:
+        assert "<tools>" in text and '{"name": "get_weather", "arguments": ' in text
+    if kwargs.get("enable_thinking") is False:
+        assert tok.apply_chat_template(messages, tools=tools, **kwargs).endswith(
+            "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_qwen3_think_and_tool_tags_are_one_token_each_and_decode_back(qwen3_dir):
+    """As in Qwen3's vocabulary: added tokens, not special, so decoding keeps them."""
+    tok = Tokenizer.from_model_dir(qwen3_dir)
+    for tag in ("<think>", "</think>", "<tool_call>", "</tool_call>"):
+        ids = tok.encode(tag)
+        assert len(ids) == 1 and tok.decode(ids) == tag
 
 
 def test_template_sees_special_tokens_and_trims_blocks_like_transformers(copy_dir):

@@ -3,8 +3,9 @@
 `make_tiny_model(dir)` writes what a downloaded Qwen2 (`family="qwen3"`: Qwen3 dense)
 directory holds: config.json (4.x or 5.x spelling), safetensors weights (one file or sharded
 with an index; float32, float16 or real bfloat16), generation_config.json, and a byte-level
-BPE tokenizer.json with Qwen2's special tokens and ChatML chat template. Transformers loads it
-as Qwen2ForCausalLM (Qwen3ForCausalLM).
+BPE tokenizer.json with Qwen2's special tokens and the family's real chat template
+(Qwen2.5-Instruct's, or Qwen3's with thinking and tools). Transformers loads it as
+Qwen2ForCausalLM (Qwen3ForCausalLM).
 
 Same arguments and seed, same bytes: every tensor draws from its own generator, seeded by
 (seed, tensor name), so sharding or dtype do not change the values either.
@@ -19,12 +20,20 @@ from ..config import ModelConfig
 from ..errors import MsinferError, positive_int
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-# Qwen2-Instruct's ChatML template, verbatim.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
-    "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+# Qwen3's vocabulary holds these as added tokens that are not special (decoding keeps them);
+# the tiny Qwen3 tokenizer has them too, so `</think>` is one token as there.
+QWEN3_ADDED_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+                      "<think>", "</think>")
+# The families' chat templates, verbatim, in chat_templates/ beside this file:
+# - qwen2.5-instruct.jinja: the chat_template of Qwen/Qwen2.5-7B-Instruct's
+#   tokenizer_config.json (the Qwen2.5-Instruct series share it), as the kalosm crate's
+#   chat-template tests copy it verbatim (and chujiezheng/chat_templates'
+#   chat_templates/qwen2.5-instruct.jinja with its whitespace changed); llama.cpp keeps the
+#   same in models/templates/Qwen-Qwen2.5-7B-Instruct.jinja.
+# - qwen3.jinja: the chat_template of Qwen/Qwen3-0.6B (the Qwen3 dense series share it), as
+#   huggingface/trl keeps it in trl/chat_templates/qwen3.jinja (commit a22ae88f).
+CHAT_TEMPLATE_FILES = {"qwen2": "qwen2.5-instruct.jinja", "qwen3": "qwen3.jinja"}
+
 # Qwen2's pre-tokenizer split (tokenizer.json of Qwen/Qwen2-0.5B).
 _SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                   r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -32,7 +41,6 @@ ROPE_THETA = 1000000.0  # Qwen2's
 # A larger model vocabulary is fine (Qwen2's embedding has more rows than its tokenizer has
 # tokens); the tokenizer stays this small so it trains in milliseconds.
 MAX_TOKENIZER_VOCAB = 1024
-MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # every byte, plus the special tokens
 
 FAMILIES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -47,6 +55,19 @@ SHAPE_PRESETS = {
 }
 
 DTYPES = {"float32": ("F32", 4), "float16": ("F16", 2), "bfloat16": ("BF16", 2)}
+
+
+def chat_template(family="qwen2"):
+    """The chat template text make_tiny_model writes for `family`."""
+    path = os.path.join(os.path.dirname(__file__), "chat_templates", CHAT_TEMPLATE_FILES[family])
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def added_tokens(family):
+    """The tokens a family's tokenizer adds after training: special ones, then (Qwen3) the
+    think and tool tags."""
+    return SPECIAL_TOKENS + (QWEN3_ADDED_TOKENS if family == "qwen3" else ())
 
 
 def default_intermediate(hidden):
@@ -73,7 +94,7 @@ def make_tiny_model(out_dir, *, layers=2, hidden=64, heads=4, kv_heads=2, interm
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise MsinferError(f"{out_dir} is not empty; make-tiny-model writes into a new directory")
 
-    tokenizer = train_tokenizer(min(vocab, MAX_TOKENIZER_VOCAB))
+    tokenizer = train_tokenizer(min(vocab, MAX_TOKENIZER_VOCAB), family)
     end_of_text, _, end_of_turn = (tokenizer.token_to_id(t) for t in SPECIAL_TOKENS)
     config_json = model_config_dict(
         layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, intermediate=intermediate,
@@ -89,7 +110,7 @@ def make_tiny_model(out_dir, *, layers=2, hidden=64, heads=4, kv_heads=2, interm
     os.makedirs(out_dir, exist_ok=True)
     _write_json(config_path, config_json)
     tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
-    _write_json(os.path.join(out_dir, "tokenizer_config.json"), _tokenizer_config(tokenizer))
+    _write_json(os.path.join(out_dir, "tokenizer_config.json"), _tokenizer_config(tokenizer, family))
     _write_json(os.path.join(out_dir, "generation_config.json"), {
         "bos_token_id": end_of_text, "eos_token_id": [end_of_turn, end_of_text],
         "pad_token_id": end_of_text})
@@ -136,8 +157,9 @@ def model_config_dict(*, layers, hidden, heads, kv_heads, intermediate, vocab, t
     return dict(sorted(config.items()))
 
 
-def train_tokenizer(vocab_size):
-    """A byte-level BPE tokenizer built like Qwen2's, trained on generated English."""
+def train_tokenizer(vocab_size, family="qwen2"):
+    """A byte-level BPE tokenizer built like Qwen2's (Qwen3's: with its think and tool tags),
+    trained on generated English."""
     # Imported here: `msinfer plan` (whose CLI lists this command) runs without tokenizers.
     import tokenizers
     from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
@@ -153,12 +175,16 @@ def train_tokenizer(vocab_size):
     tokenizer.decoder = decoders.ByteLevel(
         add_prefix_space=False, trim_offsets=False, use_regex=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(SPECIAL_TOKENS), show_progress=False,
+        vocab_size=vocab_size - len(added_tokens(family)), show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(english_sentences(), trainer)
     # Added after training, so they take the last ids, as in Qwen2's vocabulary.
     tokenizer.add_special_tokens(
         [tokenizers.AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    if family == "qwen3":
+        tokenizer.add_tokens(
+            [tokenizers.AddedToken(t, special=False, normalized=False)
+             for t in QWEN3_ADDED_TOKENS])
     return tokenizer
 
 
@@ -187,18 +213,18 @@ def english_sentences(count=3000):
     return sentences
 
 
-def _tokenizer_config(tokenizer):
+def _tokenizer_config(tokenizer, family):
     added = {}
-    for token in SPECIAL_TOKENS:
+    for token in added_tokens(family):
         added[str(tokenizer.token_to_id(token))] = {
             "content": token, "lstrip": False, "normalized": False, "rstrip": False,
-            "single_word": False, "special": True}
+            "single_word": False, "special": token in SPECIAL_TOKENS}
     return {
         "add_prefix_space": False,
         "added_tokens_decoder": added,
         "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
         "bos_token": None,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template(family),
         "clean_up_tokenization_spaces": False,
         "eos_token": "<|endoftext|>",
         "errors": "replace",
@@ -324,8 +350,9 @@ def _check_arguments(*, layers, hidden, heads, kv_heads, intermediate, vocab, dt
             bad(f"head size hidden/heads={hidden // heads} must be even (rotary embedding)")
     if heads % kv_heads:
         bad(f"heads={heads} is not a multiple of kv_heads={kv_heads}")
-    if vocab < MIN_VOCAB:
-        bad(f"vocab={vocab} must be at least {MIN_VOCAB} (256 bytes + special tokens)")
+    if family in FAMILIES and vocab < 256 + len(added_tokens(family)):
+        bad(f"vocab={vocab} must be at least {256 + len(added_tokens(family))} "
+            f"(256 bytes + {family}'s added tokens)")
     if dtype not in DTYPES:
         bad(f"dtype={dtype!r} must be one of {', '.join(DTYPES)}")
     if config_style not in ("4", "5"):
