@@ -12,7 +12,8 @@ joins, so only the launcher can end them (OUT/rank_R.survived if one ever return
 --weight-first computes every MLP and lm_head product as (W @ x.T).T, whatever this
 processor's forms (hardware.cpu_matmul_forms), so that the sharded lm_head's transposed
 gather runs. --model2 DIR runs a second checkpoint (e.g. another model family) in the same job
-once the first one's results are written, to OUT/rank_R.model2.npz: one job start, two models.
+once the first one's results are written (or its --sampling outputs), to OUT/rank_R.model2.npz:
+one job start, two models.
 """
 import argparse
 import dataclasses
@@ -57,6 +58,8 @@ def main():
 
     from msinfer import MsinferError, SamplingParams
 
+    if args.model2:
+        join_once_per_job()
     baseline = rss_bytes()
     try:
         llm = make_llm(args.model, args.strategy)
@@ -72,14 +75,10 @@ def main():
                                       for kwargs in json.loads(args.sampling)])
         with open(os.path.join(args.out, f"rank_{rank}.json"), "w") as f:
             json.dump([output_fields(out) for out in outs], f)
-        return 0
-    write_results(llm, prompts, args, f"rank_{rank}.npz", baseline=baseline,
-                  after_load=after_load)
+    else:
+        write_results(llm, prompts, args, f"rank_{rank}.npz", baseline=baseline,
+                      after_load=after_load)
     if args.model2:
-        # The job is joined once per process: the second LLM takes the first one's.
-        import msinfer.parallel.distributed as distributed
-
-        distributed.init_distributed = lambda *a, **k: llm.dist
         second = make_llm(args.model2, args.strategy)
         write_results(second, prompts, args, f"rank_{rank}.model2.npz",
                       new_tokens=args.model2_new_tokens)
@@ -89,6 +88,29 @@ def main():
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     return 0
+
+
+def join_once_per_job():
+    """A process joins the job, and creates its tensor group, once: the second LLM of the job
+    (--model2) takes what the first one made."""
+    import msinfer.parallel.distributed as distributed
+
+    made = {}
+    init, group = distributed.init_distributed, distributed.tensor_group
+
+    def init_distributed(*args, **kwargs):
+        if "dist" not in made:
+            made["dist"] = init(*args, **kwargs)
+        return made["dist"]
+
+    def tensor_group(info, shard_plan):
+        key = (shard_plan.data, shard_plan.tensor)
+        if key not in made:
+            made[key] = group(info, shard_plan)
+        return made[key]
+
+    distributed.init_distributed = init_distributed
+    distributed.tensor_group = tensor_group
 
 
 def make_llm(model, strategy):

@@ -3,9 +3,10 @@
 Three jobs of tests/distributed_worker.py (mpirun or msrun, 2 or 4 ranks), each started once
 as a subprocess and checked for many things: every rank agrees, log-probabilities match
 transformers within 1e-4, greedy tokens are identical, each rank holds only its slice (the
-tp4 job runs a Qwen3 checkpoint as well, after the Qwen2 one); with two
-data replicas, every rank returns every output exactly as the replica that ran it computed
-it. Once their results are written, the tp4 and tp2 jobs lose a rank (the worker's test hooks:
+tp4 job runs a tied Qwen3 checkpoint as well, after the Qwen2 one; the tp2 job an untied
+Qwen3); with two data replicas, every rank returns every output exactly as the replica that
+ran it computed it, and the same job then runs a Qwen2 with yarn rope scaling as transformers
+does. Once their results are written, the tp4 and tp2 jobs lose a rank (the worker's test hooks:
 under mpirun one is killed, under msrun one fails with a user error) while the others wait in
 a collective, and the job must come down quickly and non-zero. Jobs run in their own process
 group and are killed on timeout, so no rank outlives a test.
@@ -28,6 +29,7 @@ transformers = pytest.importorskip("transformers")
 from test_hf_parity import case_spec  # noqa: E402
 from test_qwen3 import CASES as QWEN3_CASES  # noqa: E402
 from test_qwen3 import hf_checkpoint  # noqa: E402,F401  (the session fixture)
+from test_yarn import YARN_CASE  # noqa: E402
 
 from msinfer.parallel.distributed import free_port  # noqa: E402
 
@@ -48,14 +50,18 @@ DOWN_WITHIN = 60
 @pytest.fixture(scope="module")
 def models(tiny_checkpoint, hf_model, hf_checkpoint):
     """Two of test_hf_parity's checkpoints: GQA with 2 KV heads (replicated at tp4), and a
-    tied one in two files; and test_qwen3's tied Qwen3 (8 heads of 16 over 4 KV heads, hidden
-    64, bfloat16, written by transformers)."""
+    tied one in two files; test_qwen3's two Qwen3 (tied: 8 heads of 16 over 4 KV heads;
+    untied: 4 heads of 32 over 2; hidden 64, bfloat16, written by transformers); and
+    test_yarn's Qwen2 with yarn over an original context of 32 positions."""
     made = {}
     for name, case in {"gqa": "gqa_untied_config4", "tied": "tied_config5_two_shards"}.items():
         path, _ = tiny_checkpoint(**case_spec(case))
         made[name] = (path, hf_model(path))
-    path, _, hf = hf_checkpoint("qwen3_tied", **QWEN3_CASES["qwen3_tied"])
-    made["qwen3"] = (path, hf)
+    for name in ("qwen3_tied", "qwen3_untied"):
+        path, _, hf = hf_checkpoint(name, **QWEN3_CASES[name])
+        made[name] = (path, hf)
+    path, _, hf = hf_checkpoint("qwen2_yarn", **YARN_CASE)
+    made["yarn"] = (path, hf)
     return made
 
 
@@ -160,18 +166,19 @@ def tp4_mpirun(models, tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("tp4_mpirun")
     cmd = (mpirun_prefix(4) + [sys.executable]
            + worker_args(models["gqa"][0], "qwen2_tp4.yaml", out_dir)
-           + ["--model2", models["qwen3"][0], "--model2-new-tokens", "9"])
+           + ["--model2", models["qwen3_tied"][0], "--model2-new-tokens", "9"])
     return run_losing_a_rank(cmd, out_dir, {"MSINFER_TEST_KILL_RANK": "2"})
 
 
 @pytest.fixture(scope="module")
 def tp2_msrun(models, tmp_path_factory):
     """tp2 under msrun on the tied checkpoint, with every MLP and lm_head product weight first
-    (the vocabulary-split lm_head gathers its transposed blocks); after the results, rank 1
-    fails with a user error."""
+    (the vocabulary-split lm_head gathers its transposed blocks), then on the untied Qwen3 in
+    the same job (9 new tokens); after the results, rank 1 fails with a user error."""
     out_dir = tmp_path_factory.mktemp("tp2_msrun")
     cmd = (msrun_prefix(2, out_dir / "logs")
-           + worker_args(models["tied"][0], "qwen2_tp2.yaml", out_dir) + ["--weight-first"])
+           + worker_args(models["tied"][0], "qwen2_tp2.yaml", out_dir) + ["--weight-first"]
+           + ["--model2", models["qwen3_untied"][0], "--model2-new-tokens", "9"])
     # msrun ends once MindSpore's scheduler does, which declares the worker msrun killed lost
     # after MS_NODE_TIMEOUT seconds without a heartbeat: 30 by default, 10 here.
     env = {"MSINFER_TEST_FAIL_RANK": "1", "MS_NODE_TIMEOUT": "10"}
@@ -208,7 +215,7 @@ def test_tp4_under_mpirun_runs_qwen3_as_transformers_does(models, tp4_mpirun):
     """Qwen3 at tp4: one KV head and two query heads per rank, the q/k norms whole on every
     rank, the tied embedding split by vocabulary (lm_head gathered); the same job, after the
     Qwen2 checkpoint."""
-    model_dir, hf = models["qwen3"]
+    model_dir, hf = models["qwen3_tied"]
     job = tp4_mpirun
     assert job.down_seconds is not None, job.out[-3000:]
     ranks = check_ranks_against_hf(job.dir, 4, hf, "mpirun-bridge", results="model2.npz")
@@ -223,6 +230,16 @@ def test_tp2_under_msrun_matches_hf_with_tied_embeddings(models, tp2_msrun):
     job = tp2_msrun
     assert job.down_seconds is not None, job.out[-3000:]  # every rank got past its results
     check_ranks_against_hf(job.dir, 2, models["tied"][1], "msrun")
+
+
+def test_tp2_under_msrun_runs_qwen3_as_transformers_does(models, tp2_msrun):
+    """Untied Qwen3 at tp2 (two query heads of 32 and one KV head per rank, q/k norms whole),
+    after the tied Qwen2 in the same job."""
+    job = tp2_msrun
+    assert job.down_seconds is not None, job.out[-3000:]
+    ranks = check_ranks_against_hf(job.dir, 2, models["qwen3_untied"][1], "msrun",
+                                   results="model2.npz")
+    assert ranks[0]["tokens"].shape == (len(PROMPTS), 9)
 
 
 def test_dp2_tp2_every_rank_returns_exactly_what_one_process_returns(models, tmp_path):
@@ -249,10 +266,16 @@ def test_dp2_tp2_every_rank_returns_exactly_what_one_process_returns(models, tmp
                 dict(greedy, stop=[stop], logprobs=2), dict(greedy), dict(greedy, logprobs=5)]
     cmd = (mpirun_prefix(4) + [sys.executable]
            + worker_args(model_dir, "qwen2_dp2_tp2.yaml", tmp_path)
-           + ["--sampling", json.dumps(sampling)])
+           + ["--sampling", json.dumps(sampling)]
+           + ["--model2", models["yarn"][0], "--model2-new-tokens", "9"])
     code, out, _ = run_job(cmd)
     assert code == 0, out[-3000:]
     assert "2 data replicas" in out
+    # The same job's second model: Qwen2 with yarn (positions up to 48, past the original 32)
+    # under dp2 x tp2, greedy tokens and log-probs as transformers', the same on every rank.
+    yarn = check_ranks_against_hf(tmp_path, 4, models["yarn"][1], "mpirun-bridge",
+                                  results="model2.npz")
+    assert yarn[0]["tokens"].shape == (len(PROMPTS), 9) and max(map(len, PROMPTS)) + 9 > 32
     ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(4)]
     for r, outputs in enumerate(ranks):  # exactly, floats included: nothing lost on the way
         assert outputs == ranks[0], f"rank {r} differs from rank 0"

@@ -20,6 +20,8 @@ from msinfer.config import ModelConfig  # noqa: E402
 from msinfer.layers.rotary import rotary_tables, yarn_inv_freq  # noqa: E402
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+# test_yarn's checkpoint (test_distributed's dp2 x tp2 job runs it too)
+YARN_CASE = dict(family="qwen2", heads=8, kv_heads=2, rope=YARN, config_style="4", seed=3)
 
 
 def hf_tables(config, positions):
@@ -68,8 +70,7 @@ def test_cos_sin_tables_are_transformers(head_dim, theta, rope):
 def yarn_case(hf_checkpoint):
     """Qwen2 (q/k/v biases, 8 query heads over 2 KV heads), bfloat16, yarn factor 4 over an
     original context of 32 positions, config.json in transformers 4.x's spelling."""
-    path, config, hf = hf_checkpoint("qwen2_yarn", family="qwen2", heads=8, kv_heads=2,
-                                     rope=YARN, config_style="4", seed=3)
+    path, config, hf = hf_checkpoint("qwen2_yarn", **YARN_CASE)
     return path, config, LLM(path, **ENGINE), hf
 
 
