@@ -43,6 +43,9 @@ class LLM:
     enable_prefix_caching: reuse the KV blocks of prompt prefixes computed before (on by
         default, as vLLM's; engine/block_manager.py).
     dtype: compute dtype override (the hardware's policy decides otherwise).
+    compile_cache: where `warmup()` keeps compiled graphs for the next start of the same
+        configuration (engine/compile_cache.py): a directory; None (the default):
+        $MSINFER_COMPILE_CACHE, else ~/.cache/msinfer/compile; False: none.
     """
 
     def __init__(self, model_dir: str, strategy: str | None = None, hardware: str = AUTO,
@@ -50,7 +53,7 @@ class LLM:
                  dtype: str | None = None, rank_table: str | None = None,
                  kv_cache_memory: int | str | None = None, block_size: int | None = None,
                  max_prefill_tokens: int | None = None, max_num_seqs: int | None = None,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, compile_cache: str | bool | None = None):
         import mindspore as ms
 
         from .engine.model_runner import build_runner
@@ -105,6 +108,20 @@ class LLM:
             tokenizer=(lambda: self.tokenizer) if self.has_tokenizer else None,
             prefix_caching=enable_prefix_caching)
         self._batches = 0
+        self.compile_cache = None
+        if compile_cache is not False:
+            from .engine.compile_cache import CompileCache, default_root, weight_files
+            self.compile_cache = CompileCache(compile_cache or default_root(), dict(
+                config=dataclasses.asdict(self.config), weights=weight_files(model_dir),
+                strategy=dataclasses.asdict(self.strategy), mode=self.parallel_mode,
+                rank=self.dist.rank, world_size=self.dist.world_size, dtype=report.dtype,
+                hardware=self.profile.name, limits=dataclasses.asdict(self.limits),
+                layout=dataclasses.asdict(self.memory.layout), shapes=runner.shapes()))
+
+    def warmup(self) -> int:
+        """Compile (or load from the compile cache) every graph serving can use, so that no
+        request waits for one; returns how many."""
+        return self.engine.warmup(self.compile_cache)
 
     @property
     def tokenizer(self):

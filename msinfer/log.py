@@ -47,5 +47,7 @@ class Progress:
         if done == self.total or now - self.last >= self.every:
             self.last = now
             suffix = f" ({detail})" if detail else ""
-            _logger.info("%s: %d/%d, %.1fs%s", self.what, done, self.total, now - self.start,
-                         suffix)
+            elapsed = now - self.start
+            if 0 < done < self.total:  # time left, at the pace so far
+                suffix = f", ~{elapsed * (self.total - done) / done:.0f}s left{suffix}"
+            _logger.info("%s: %d/%d, %.1fs%s", self.what, done, self.total, elapsed, suffix)

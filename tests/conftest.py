@@ -7,6 +7,8 @@ import gc
 import inspect
 import json
 import os
+import shutil
+import tempfile
 
 import pytest
 from hypothesis import settings
@@ -22,6 +24,15 @@ if os.environ.get("CI"):
 # out of the collector's sight, so that a collection walks only what the running tests made.
 FREEZE_AFTER = 50_000  # objects made since the last freeze by one test: mostly imports on use
 _frozen_in_module = []
+
+
+def pytest_configure(config):
+    """Compiled graphs of this session's warm-ups (every server and job it starts) go to a
+    directory of its own, removed at the end, not to the user's ~/.cache/msinfer/compile."""
+    if "MSINFER_COMPILE_CACHE" not in os.environ:
+        os.environ["MSINFER_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="msinfer-compile-")
+        config.add_cleanup(lambda: shutil.rmtree(os.environ.pop("MSINFER_COMPILE_CACHE"),
+                                                 ignore_errors=True))
 
 
 def pytest_collection_finish(session):

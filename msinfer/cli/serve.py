@@ -48,6 +48,16 @@ def register(subparsers):
     add_engine_arguments(p)
     p.add_argument("--dtype", default=None, help="compute dtype override")
     p.add_argument("--rank-table", default=None, help="HCCL rank table (Ascend rank-table mode)")
+    p.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="keep warm-up's compiled graphs here; a restart of the same "
+                        "configuration loads them (default: $MSINFER_COMPILE_CACHE, else "
+                        "~/.cache/msinfer/compile; one entry per model, plan, rank, dtype and "
+                        "version: docs/engine.md)")
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help="compile every graph at start, keep none")
+    p.add_argument("--lazy-warmup", action="store_true",
+                   help="development: ready at once, each graph compiled on its first use "
+                        "(the requests of that step wait for it)")
     p.set_defaults(func=run)
 
 
@@ -75,9 +85,11 @@ def run(args):
               parallel_mode=args.parallel_mode, max_len=args.max_len, dtype=args.dtype,
               rank_table=args.rank_table, kv_cache_memory=args.kv_cache_memory,
               block_size=args.block_size, max_prefill_tokens=args.max_prefill_tokens,
-              max_num_seqs=args.max_num_seqs, enable_prefix_caching=args.prefix_caching)
+              max_num_seqs=args.max_num_seqs, enable_prefix_caching=args.prefix_caching,
+              compile_cache=False if args.no_compile_cache else args.compile_cache)
     return serve(llm, ServeOptions(
         model_names=args.served_model_name or [args.model], host=args.host, port=args.port,
         api_key=args.api_key, max_queue=args.max_queue,
         shutdown_timeout=args.shutdown_timeout, max_request_bytes=args.max_request_bytes,
-        stall_timeout=args.stall_timeout, reasoning_parser=args.reasoning_parser))
+        stall_timeout=args.stall_timeout, reasoning_parser=args.reasoning_parser,
+        lazy_warmup=args.lazy_warmup))

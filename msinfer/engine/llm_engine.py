@@ -12,6 +12,7 @@ stops identically (requests without a seed draw from a job-wide seed).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 
@@ -319,12 +320,19 @@ class LLMEngine:
 
     # ---- compile ahead ----
 
-    def warmup(self) -> int:
+    def warmup(self, compile_cache=None) -> int:
         """Compile every graph the engine can use (shapes from `runner.shapes()`); returns how
-        many were compiled. Writes and reads only the cache's reserved block."""
+        many were compiled (or loaded from `compile_cache`, a compile_cache.CompileCache).
+        Writes and reads only the cache's reserved block."""
         before = self.runner.compilations
         shapes = self.runner.shapes()
-        progress = log.Progress("compiling graphs", len(shapes))
+        with (compile_cache.session() if compile_cache else contextlib.nullcontext()) as cache:
+            progress = log.Progress("loading graphs" if cache == "load" else "compiling graphs",
+                                    len(shapes))
+            self._compile(shapes, progress)
+        return self.runner.compilations - before
+
+    def _compile(self, shapes, progress):
         # MindSpore runs gc.collect() before each graph it compiles, which walks every object
         # of the process (~200k in a server: 0.1-0.3 s a graph); frozen, they are skipped
         # (warm-up 12.6 s -> 9.6 s for 10 shapes of a tiny model in a server process).
@@ -338,7 +346,6 @@ class LLMEngine:
         finally:
             if not frozen_before:
                 gc.unfreeze()
-        return self.runner.compilations - before
 
 
 _LOGPROB_BLOCK = 256  # entries per block whose maxima bound the top ones (_logprobs)

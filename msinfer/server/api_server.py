@@ -40,6 +40,7 @@ class ServeOptions:
     max_request_bytes: int = None  # larger request bodies get 413; None: 4 MiB (serving.py)
     stall_timeout: float = 60.0  # a step or a silence longer than this ends the job
     reasoning_parser: str = None  # "qwen3": chat answers' <think> part as reasoning_content
+    lazy_warmup: bool = False  # ready at once, graphs compiled on first use (development)
 
 
 def serve(llm, options):
@@ -55,6 +56,15 @@ def serve(llm, options):
     if rank % group == 0:
         return _replica(llm, links, options)
     return _follow(llm, links.channel, options)
+
+
+def _warmup(llm, options):
+    if not options.lazy_warmup:
+        llm.warmup()
+        return
+    log.get().warning("lazy warm-up: ready at once; each of the %d graph shapes compiles on "
+                      "its first use, and the requests of that step wait for it (development "
+                      "only)", len(llm.engine.runner.shapes()))
 
 
 def _die(message):
@@ -88,7 +98,7 @@ def _follow(llm, channel, options):
     _ignore_signals()
     channel.watch(_die)
     watch = StepWatch(options.stall_timeout, leave, rank)
-    llm.engine.warmup()
+    _warmup(llm, options)
     try:
         follow(llm.engine, channel, rank, watch)
     except PeerGone as e:
@@ -147,7 +157,7 @@ def _replica(llm, links, options):
                 _die(f"the job failed: {frame['fail']}")
             elif "stop" in frame:
                 return
-    llm.engine.warmup()
+    _warmup(llm, options)
     loop.open()
     reader = threading.Thread(target=take_requests, daemon=True, name="msinfer-front-link")
     reader.start()
@@ -237,7 +247,7 @@ def _front(llm, links, options):
                                options.stall_timeout,
                                lambda link, frame: by_link[link].on_frame(link, frame))).start()
     start = time.monotonic()
-    llm.engine.warmup()
+    _warmup(llm, options)
     loop.open()
     while not router.ready and not router.failure:  # the other replicas warm up too
         time.sleep(0.1)
