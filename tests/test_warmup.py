@@ -7,6 +7,7 @@ chunk can complete."""
 import pytest
 
 from msinfer.engine.sampling import SamplingParams
+from msinfer.planning.planner import make_plan
 from msinfer.tools.tiny_model import make_tiny_model
 
 pytest.importorskip("mindspore")
@@ -59,6 +60,9 @@ def test_after_warmup_a_mixed_workload_compiles_nothing(model_dir, mode):
     runner.prefill = spy
     compiled = llm.engine.warmup()
     assert compiled == llm.compilations > 0
+    # what `msinfer plan` says warm-up compiles is what MindSpore compiled
+    plan = make_plan(llm.config, llm.strategy, llm.profile, llm.limits, parallel_mode=mode)
+    assert plan.warmup_graphs == compiled and plan.warmup_shapes == len(runner.shapes())
     before = llm.compilations
     greedy = {}
     for prompts, max_tokens in WORKLOAD:

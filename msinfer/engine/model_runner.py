@@ -33,30 +33,10 @@ from ..layers.rotary import rotary_tables
 from ..models.families import family_of
 from ..models.loader import full_shapes, rank_weights
 from ..planning.kv_layout import TRASH_BLOCK, CacheLayout
+from ..planning.shapes import ShapeBuckets, bucket_for
 from ..planning.workspace import largest_call_bytes, layer_activation_bytes, layers_per_graph
 
 MASKED = -1e30  # added to the float32 scores of context positions a query must not see
-
-
-def power_buckets(smallest, largest, factor=2):
-    """smallest, smallest*factor, ... capped by and always including `largest`."""
-    buckets, size = [], smallest
-    while size < largest:
-        buckets.append(size)
-        size *= factor
-    buckets.append(largest)
-    return tuple(buckets)
-
-
-def round_up(size, step):
-    return -(-size // step) * step
-
-
-def bucket_for(size, buckets):
-    for bucket in buckets:
-        if size <= bucket:
-            return bucket
-    raise ValueError(f"{size} exceeds the largest bucket {buckets[-1]}")
 
 
 class ModelRunner:
@@ -78,16 +58,13 @@ class ModelRunner:
                                  config.rope_scaling)
         host = np.float16 if str(ctx.dtype) == "Float16" else np.float32
         self.cos, self.sin = cos.astype(host), sin.astype(host)
-        # semi_auto splits the tokens of the dense layers over the data replicas (and MindSpore
-        # refuses a split that does not divide): every token and row count is a multiple.
-        step = ctx.plan.data if ctx.mode == "semi_auto" else 1
-        self.batch_buckets = power_buckets(step, round_up(max_num_seqs, step))
-        self.context_buckets = power_buckets(min(64, max_model_len), max_model_len)
-        # Powers of 2, not 4: a 128-token prompt ran as a padded 256-token chunk at 0.58x the
-        # speed (bench/README.md); the cost is two more chunk sizes to compile.
-        self.chunk_buckets = power_buckets(round_up(min(16, max_prefill_tokens), step),
-                                           round_up(max_prefill_tokens, step))
-        self.row_buckets = self.batch_buckets
+        self.buckets = ShapeBuckets.for_engine(
+            max_num_seqs, max_prefill_tokens, max_model_len,
+            step=ctx.plan.data if ctx.mode == "semi_auto" else 1)
+        self.batch_buckets = self.buckets.batch
+        self.context_buckets = self.buckets.context
+        self.chunk_buckets = self.buckets.chunk
+        self.row_buckets = self.buckets.rows
         # Block 0 (TRASH_BLOCK) is never handed out. Padded tokens write their K/V to its first
         # slot, whatever they compute (inf or NaN where activations overflow); padded context
         # positions read its second slot, which nothing writes: zeros, whose masked score is
@@ -221,10 +198,8 @@ class ModelRunner:
         the rows are picked is the decode step's of that batch (prefill_rows), and semi_auto
         pads every prefill call of C tokens to the most rows C can complete (its
         prefill_rows), so each (C, T) is one whole-model graph."""
-        decode = [("decode", b, t, b) for b in self.batch_buckets for t in self.context_buckets]
-        prefill = [("prefill", c, t, self.prefill_rows(1, c)) for c in self.chunk_buckets
-                   for t in self.context_buckets if t >= c]
-        return decode + prefill
+        return [(kind, size, context, size if kind == "decode" else self.prefill_rows(1, size))
+                for kind, size, context in self.buckets.calls()]
 
     def compile_shape(self, kind: str, size: int, context: int, rows: int = 1) -> None:
         """Runs one padded call of that shape, with the lm_head on `rows` rows (a decode step:

@@ -23,6 +23,7 @@ from ..errors import PlanRefused
 from ..hardware import DTYPE_BYTES, GiB, HardwareProfile, compute_dtype, dtype_name
 from ..parallel.strategy import ShardPlan, Strategy, decide_parallel_mode
 from .memory import EngineLimits, engine_memory
+from .shapes import ShapeBuckets
 
 _TIGHT_MARGIN = 0.10  # below this share of capacity to spare, say that the workspace is a guess
 
@@ -81,6 +82,8 @@ class PlanReport:
     decode_bytes_per_step: int | None = None  # read by the busiest device, full contexts
     decode_tokens_per_s_bound: float | None = None  # with full max-len contexts
     decode_tokens_per_s_bound_short_context: float | None = None  # weights only
+    warmup_shapes: int | None = None  # call shapes warm-up compiles (planning/shapes.py)
+    warmup_graphs: int | None = None  # and the graphs that makes, per rank
     errors: list[str] = dataclasses.field(default_factory=list)
     warnings: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
@@ -120,6 +123,10 @@ def make_plan(config: ModelConfig, strategy: Strategy, profile: HardwareProfile,
         report.errors.append(str(e))
         return report
 
+    buckets = ShapeBuckets.for_engine(limits.max_num_seqs, limits.max_prefill_tokens,
+                                      limits.max_len,
+                                      step=shard_plan.data if mode == "semi_auto" else 1)
+    report.warmup_shapes, report.warmup_graphs = len(buckets.calls()), buckets.graphs(mode)
     dtype_bytes = DTYPE_BYTES[report.dtype]
     report.devices, layout = _device_memory(shard_plan, profile, report.dtype, limits)
     report.workspace_formula = _workspace_formula(profile, limits)
@@ -367,6 +374,10 @@ def format_plan(report: PlanReport) -> str:
              f"prefill chunks of {report.max_prefill_tokens}, KV blocks of {report.block_size}"]
     if report.dtype:
         lines.append(_wrap("  dtype      ", f"{report.dtype}: {report.dtype_reason}"))
+    if report.warmup_graphs:
+        lines.append(_wrap("  warm-up    ", (
+            f"{report.warmup_graphs} graphs per rank for {report.warmup_shapes} call shapes, "
+            f"compiled before serving (kept by the compile cache for the next start)")))
     if report.devices:
         header = ("rank", "weights", "KV cache", "workspace", "total", "capacity", "margin")
         table = [header]
