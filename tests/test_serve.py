@@ -1,8 +1,9 @@
 """`msinfer serve` as a real process on a tiny checkpoint: one start, many checks through the
 official openai client and raw HTTP; then the same server as a 4-rank tp4 job under mpirun,
 whose completions must equal the single process's, and which must fail /health and exit
-non-zero when one of its ranks stops; then as the dp2 x tp2 job, whose replicas share the
-requests, and which ends when a rank falls out of step."""
+non-zero when one of its ranks stops; then as the dp2 x tp2 job on a Qwen3 checkpoint, whose
+replicas share the requests, whose chat separates Qwen3's thinking (--reasoning-parser qwen3),
+and which ends when a rank falls out of step."""
 import json
 import os
 import re
@@ -13,7 +14,7 @@ import time
 import httpx2 as httpx
 import pytest
 
-from servers import MAX_LEN, NAME, ROOT, SERVE_ARGS, ServerProcess
+from servers import MAX_LEN, NAME, ROOT, SERVE_ARGS, TINY_SERVE_MODEL, ServerProcess
 
 pytestmark = pytest.mark.server
 
@@ -203,19 +204,31 @@ def test_tp4_under_mpirun_serves_the_same_completions_and_a_stopped_rank_ends_it
         job.kill()
 
 
+@pytest.fixture(scope="module")
+def qwen3_dir(tiny_checkpoint):
+    """A Qwen3 checkpoint of the shared server's size: Qwen3's chat template, its think tags
+    one token each (tiny_model)."""
+    return tiny_checkpoint(family="qwen3", **TINY_SERVE_MODEL)[0]
+
+
 @pytest.mark.multirank
 def test_dp2_tp2_replicas_share_the_requests_and_a_diverging_rank_ends_the_job(
-        model_dir, tmp_path):
-    """The deploy guide's dp2 x tp2 job, one start: 32 requests sharing a prefix give offline
-    generation's completions (without the prefix cache); both replicas served (the counts add
-    up to 32) and every prompt token was computed once or taken from a replica's cache; then rank 3 (replica 1's follower) is made to drop a request: every rank
-    names it and its step, /health fails, the job ends non-zero."""
+        qwen3_dir, tmp_path):
+    """The deploy guide's dp2 x tp2 job, one start, serving Qwen3 with --reasoning-parser
+    qwen3: 32 requests sharing a prefix give offline generation's completions (without the
+    prefix cache); both replicas served (the counts add up to 32) and every prompt token was
+    computed once or taken from a replica's cache; chat with thinking on and off, whole and
+    streamed, through the openai client (check_qwen3_chat); then rank 3 (replica 1's follower)
+    is made to drop a request: every rank names it and its step, /health fails, the job ends
+    non-zero."""
     from msinfer import LLM, SamplingParams
 
+    model_dir = qwen3_dir
     trigger = tmp_path / "diverge"
     env = {"MSINFER_PLANT_DIVERGENCE": f"3:{trigger}"}
     job = ServerProcess(["launch", "--nproc", "4", "--strategy", DP2_TP2, "--", "serve",
-                         "--model", model_dir, *SERVE_ARGS, "--stall-timeout", str(STALL)],
+                         "--model", model_dir, *SERVE_ARGS, "--stall-timeout", str(STALL),
+                         "--reasoning-parser", "qwen3"],
                         str(tmp_path / "dp2tp2.log"), ready_timeout=900, env=env)
     try:
         # a shared "system prompt", so that the replicas' prefix caches serve it
@@ -233,9 +246,9 @@ def test_dp2_tp2_replicas_share_the_requests_and_a_diverging_rank_ends_the_job(
             t.start()
         for t in threads:
             t.join(300)
-        offline = LLM(model_dir, max_len=MAX_LEN, max_num_seqs=4, max_prefill_tokens=32,
-                      hardware="cpu", enable_prefix_caching=False).generate(
-            prompts, SamplingParams(max_tokens=10, temperature=0))
+        llm = LLM(model_dir, max_len=MAX_LEN, max_num_seqs=4, max_prefill_tokens=32,
+                  hardware="cpu", enable_prefix_caching=False)
+        offline = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0))
         assert [got[i][:2] for i in range(32)] == [(o.text, o.finish_reason) for o in offline]
         served = [job.metric("vllm:request_success_total", f'engine="{r}"') for r in (0, 1)]
         assert min(served) > 0 and sum(served) == 32, served
@@ -245,6 +258,7 @@ def test_dp2_tp2_replicas_share_the_requests_and_a_diverging_rank_ends_the_job(
         # each prompt token computed once, on one replica, or taken from its cache
         assert job.metric("msinfer_prefill_tokens_computed_total") == prompt_tokens - cached
         assert job.metric("vllm:prompt_tokens_total") == prompt_tokens
+        check_qwen3_chat(job, llm, model_dir)
 
         trigger.touch()
         started = time.monotonic()
@@ -269,6 +283,60 @@ def test_dp2_tp2_replicas_share_the_requests_and_a_diverging_rank_ends_the_job(
                              rf"leader, rank 2, at step {step.group(1)}", said), rank
     finally:
         job.kill()
+
+
+# The random model thinks when pushed: with these biases on <think> and </think> its greedy
+# answer to CHAT opens <think> as its second token and closes it at its ninth, then goes on
+# (measured: <think> 7 or less opens it later or never, 9 or more repeats it; </think> 4 to 5
+# closes it at the ninth).
+THINK_BIAS = {"<think>": 8.0, "</think>": 4.5}
+CHAT = [{"role": "user", "content": "Why is the sky blue?"}]
+
+
+def check_qwen3_chat(job, llm, model_dir):
+    """A Qwen3 chat through the openai client, thinking on and off, whole and streamed: the
+    prompt is transformers' rendering of Qwen3's template, the answer offline generation's
+    greedy one, split at its think tags into reasoning_content and content (all content when
+    thinking is off: the template closed an empty think block in the prompt)."""
+    import transformers
+
+    from msinfer import SamplingParams
+
+    hf = transformers.AutoTokenizer.from_pretrained(model_dir)
+    bias = {hf.convert_tokens_to_ids(tag): value for tag, value in THINK_BIAS.items()}
+    client = job.client()
+    for thinking in (True, False):
+        kwargs = {"enable_thinking": thinking}
+        prompt = hf.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True,
+                                        **kwargs)
+        expected = llm.generate([prompt], SamplingParams(
+            max_tokens=16, temperature=0, logit_bias=bias if thinking else None))[0].text
+        ask = dict(model=NAME, messages=CHAT, max_tokens=16, temperature=0,
+                   logit_bias={str(k): v for k, v in bias.items()} if thinking else None,
+                   extra_body={"chat_template_kwargs": kwargs})
+        whole = client.chat.completions.create(**ask)
+        assert whole.usage.prompt_tokens == len(hf(prompt, add_special_tokens=False)[
+            "input_ids"])
+        if thinking:
+            # the reasoning is what <think> opens, the content what is around it
+            before, opened, rest = expected.partition("<think>")
+            reasoning, closed, after = rest.partition("</think>")
+            assert opened and closed and reasoning, expected  # the biases still make it think
+            content = before + after
+            assert prompt.endswith("<|im_start|>assistant\n")
+        else:
+            assert "</think>" not in expected, expected
+            assert prompt.endswith("<think>\n\n</think>\n\n")
+            reasoning, content = None, expected
+        message = whole.choices[0].message
+        assert (message.reasoning_content, message.content) == (reasoning, content)
+        streamed = {"reasoning": "", "content": ""}
+        for chunk in client.chat.completions.create(**ask, stream=True):
+            delta = chunk.choices[0].delta if chunk.choices else None
+            if delta is not None:
+                streamed["reasoning"] += getattr(delta, "reasoning_content", None) or ""
+                streamed["content"] += delta.content or ""
+        assert (streamed["reasoning"] or None, streamed["content"]) == (reasoning, content)
 
 
 def test_sigterm_refuses_new_work_finishes_in_flight_and_exits_0(server):
