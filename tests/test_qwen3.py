@@ -261,6 +261,44 @@ def test_plan_qwen25_yarn_reaches_131072_and_the_native_preset_refuses_it(capsys
     assert "max_len 131072 exceeds the model's max_position_embeddings 32768" in err
 
 
+def deploy_guide_plan_rows():
+    """The rows of docs/deploy-300i-duo.md's Qwen3-32B / Qwen2.5-72B table, as cells."""
+    with open(os.path.join(ROOT, "docs", "deploy-300i-duo.md")) as f:
+        text = f.read()
+    table = text.split("### Qwen3-32B and Qwen2.5-72B on four chips")[1].split("\n\n")[2]
+    return [[c.strip() for c in line.strip("|").split("|")]
+            for line in table.splitlines()[2:]]
+
+
+@pytest.mark.parametrize("row", deploy_guide_plan_rows(), ids=lambda row: row[0])
+def test_the_deploy_guides_qwen3_and_qwen25_plans_are_what_the_planner_says(capsys, row):
+    """Each figure of the guide's table (weights, KV cache and workspace per chip, whole
+    sequences at once, decode bounds, verdict) as `msinfer plan` computes it now."""
+    what, memory, sequences, bound, verdict = row
+    preset, tensor, max_len = [c.strip() for c in what.split(",", 2)]
+    args = ["plan", "--model", preset, "--hardware", "atlas-300i-duo", "--json",
+            "--strategy", os.path.join(STRATEGIES, f"qwen2_{tensor}.yaml"),
+            "--max-len", max_len.split()[0].replace(",", "")]
+    if "batch" in max_len:
+        args += ["--max-num-seqs", max_len.split("batch")[1].strip()]
+    code = main(args)
+    report = json.loads(capsys.readouterr().out)
+    gib = [round(report["devices"][0][k] / 2**30, 2)
+           for k in ("weights_bytes", "kv_cache_bytes", "workspace_bytes")]
+    assert memory.split(" = ")[0] == " + ".join(f"{v:.2f}" for v in gib)
+    assert int(sequences.split()[0]) == report["concurrent_max_len_sequences"]
+    assert verdict.startswith("fits") == report["fits"] == (code == 0)
+    if report["fits"]:
+        full, short = bound.split(" (")
+        assert float(full) == round(report["decode_tokens_per_s_bound"], 1)
+        assert float(short.split()[0]) == round(
+            report["decode_tokens_per_s_bound_short_context"], 1)
+        free = min(d["capacity_bytes"] - d["total_bytes"] for d in report["devices"]) / 2**30
+        assert "free" not in verdict or f"{free:.2f} free" in verdict
+    else:
+        assert any("with tensor: 8" in e and "--max-len 50672" in e for e in report["errors"])
+
+
 @pytest.mark.parametrize("config, field", [
     ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, "model_type 'llama'"),
     ({"architectures": ["Qwen3MoeForCausalLM"]}, "architectures ['Qwen3MoeForCausalLM']"),
