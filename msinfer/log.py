@@ -38,16 +38,20 @@ def get() -> logging.Logger:
 class Progress:
     """Logs `what: i/n` at most every `every` seconds, and always the last step."""
 
-    def __init__(self, what: str, total: int, every: float = 2.0):
-        self.what, self.total, self.every = what, total, every
+    def __init__(self, what: str, total: int, every: float = 2.0, on_step=None):
+        """on_step(text): hears every step's line, logged or not (a server's /health)."""
+        self.what, self.total, self.every, self.on_step = what, total, every, on_step
         self.start = self.last = time.monotonic()
 
     def step(self, done: int, detail: str = "") -> None:
         now = time.monotonic()
+        elapsed = now - self.start
+        left = (f", ~{elapsed * (self.total - done) / done:.0f}s left"
+                if 0 < done < self.total else "")  # at the pace so far
+        if self.on_step:
+            self.on_step(f"{self.what}: {done}/{self.total}, {elapsed:.1f}s{left}")
         if done == self.total or now - self.last >= self.every:
             self.last = now
             suffix = f" ({detail})" if detail else ""
-            elapsed = now - self.start
-            if 0 < done < self.total:  # time left, at the pace so far
-                suffix = f", ~{elapsed * (self.total - done) / done:.0f}s left{suffix}"
-            _logger.info("%s: %d/%d, %.1fs%s", self.what, done, self.total, elapsed, suffix)
+            _logger.info("%s: %d/%d, %.1fs%s%s", self.what, done, self.total, elapsed, left,
+                         suffix)

@@ -29,6 +29,7 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
+        self.not_ready_seen = []
         # joining MindSpore's scheduler: a retry every 1 s, not 3-5 s (test_commtest's FAST_JOIN)
         env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", GLOG_v="3",
                    MS_RETRY_INTERVAL_LOWER="1", MS_RETRY_INTERVAL_UPPER="1", **(env or {}))
@@ -46,10 +47,15 @@ class ServerProcess:
             time.sleep(0.5)
 
     def healthy(self):
+        """Whether /health is 200; the statuses of the 503s seen on the way go to
+        `not_ready_seen`."""
         try:
-            return httpx.get(self.url + "/health", timeout=5).status_code == 200
+            response = httpx.get(self.url + "/health", timeout=5)
         except httpx.HTTPError:
             return False
+        if response.status_code == 503:
+            self.not_ready_seen.append(response.json()["status"])
+        return response.status_code == 200
 
     def output(self):
         with open(self.log_path) as f:

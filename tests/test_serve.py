@@ -39,6 +39,12 @@ def greedy(server, prompt, max_tokens=12):
                                               temperature=0)
 
 
+def test_health_says_how_far_warm_up_is_until_ready(server):
+    progress = [s for s in server.not_ready_seen if s.startswith("not ready: warming up: ")]
+    assert progress, server.not_ready_seen  # e.g. "compiling graphs: 3/10, 2.6s, ~6s left"
+    assert re.search(r"(compiling|loading) graphs: \d+/10, [\d.]+s", progress[-1])
+
+
 def test_completions_chat_and_streams_agree(server):
     out = greedy(server, PROMPTS[0])
     assert 1 <= out.usage.completion_tokens <= 12
@@ -352,9 +358,11 @@ def test_sigterm_refuses_new_work_finishes_in_flight_and_exits_0(server):
                 assert next(lines).startswith("data: ")
                 s.process.send_signal(signal.SIGTERM)
                 deadline = time.monotonic() + 10
-                while c.get(s.url + "/health").status_code == 200:
+                while (health := c.get(s.url + "/health")).status_code == 200:
                     assert time.monotonic() < deadline
                     time.sleep(0.05)
+                assert health.json()["status"] == \
+                    "not ready: shutting down: draining in-flight requests"
                 refused = c.post(s.url + "/v1/completions", json={"model": NAME, "prompt": "x"})
                 assert refused.status_code == 503
                 events = [json.loads(line[6:]) for line in lines

@@ -320,15 +320,16 @@ class LLMEngine:
 
     # ---- compile ahead ----
 
-    def warmup(self, compile_cache=None) -> int:
+    def warmup(self, compile_cache=None, on_shape=None) -> int:
         """Compile every graph the engine can use (shapes from `runner.shapes()`); returns how
         many were compiled (or loaded from `compile_cache`, a compile_cache.CompileCache).
-        Writes and reads only the cache's reserved block."""
+        `on_shape(text)` hears the progress after each shape. Writes and reads only the
+        cache's reserved block."""
         before = self.runner.compilations
         shapes = self.runner.shapes()
         with (compile_cache.session() if compile_cache else contextlib.nullcontext()) as cache:
             progress = log.Progress("loading graphs" if cache == "load" else "compiling graphs",
-                                    len(shapes))
+                                    len(shapes), on_step=on_shape)
             self._compile(shapes, progress)
         return self.runner.compilations - before
 

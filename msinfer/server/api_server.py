@@ -58,9 +58,9 @@ def serve(llm, options):
     return _follow(llm, links.channel, options)
 
 
-def _warmup(llm, options):
+def _warmup(llm, options, on_shape=None):
     if not options.lazy_warmup:
-        llm.warmup()
+        llm.engine.warmup(llm.compile_cache, on_shape)
         return
     log.get().warning("lazy warm-up: ready at once; each of the %d graph shapes compiles on "
                       "its first use, and the requests of that step wait for it (development "
@@ -247,7 +247,8 @@ def _front(llm, links, options):
                                options.stall_timeout,
                                lambda link, frame: by_link[link].on_frame(link, frame))).start()
     start = time.monotonic()
-    _warmup(llm, options)
+    _warmup(llm, options, lambda text: setattr(router, "warming", f"warming up: {text}"))
+    router.warming = None
     loop.open()
     while not router.ready and not router.failure:  # the other replicas warm up too
         time.sleep(0.1)

@@ -44,7 +44,7 @@ def build_app(engine_loop, tokenizer, config, metrics):
         if engine_loop.ready:
             return {"status": "ok"}
         status = (f"failed: {engine_loop.failure}" if engine_loop.failure
-                  else "not ready (warming up or shutting down)")
+                  else f"not ready: {engine_loop.not_ready_reason}")
         return JSONResponse({"status": status}, status_code=503)
 
     @app.get("/metrics")

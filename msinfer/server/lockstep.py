@@ -115,6 +115,11 @@ class EngineLoop:
     def failure(self):
         return self._failed
 
+    @property
+    def not_ready_reason(self):
+        return "shutting down: draining in-flight requests" if self._stop_at is not None \
+            else "warming up"
+
     def queue_depth(self):
         """Requests not yet running: submitted but not taken, plus the engine's waiting."""
         with self._cond:

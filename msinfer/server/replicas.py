@@ -34,6 +34,7 @@ class Router:
         self._owed = {}  # request id -> (replica, tokens it may still compute)
         self._cached_at = collections.OrderedDict()  # block name -> replica last given it
         self._failed = None
+        self.warming = None  # warm-up's progress, while it runs (api_server._front)
 
     @property
     def replicas(self):
@@ -45,6 +46,17 @@ class Router:
     @property
     def ready(self):
         return self.local.ready and all(r.ready for r in self.remotes) and not self._failed
+
+    @property
+    def not_ready_reason(self):
+        """Why /health is 503 while nothing failed: warm-up's progress, replicas still
+        warming, or draining."""
+        if self.warming:
+            return self.warming
+        waiting = sum(not r.ready for r in self.remotes)
+        if waiting and self.local.ready:
+            return f"warming up: waiting for {waiting} of {len(self.remotes)} other replicas"
+        return self.local.not_ready_reason
 
     @property
     def failure(self):
