@@ -115,3 +115,14 @@ def test_another_checkpoint_of_the_same_shape_gets_its_own_entry(tiny_checkpoint
     other = tiny_checkpoint(layers=2, hidden=64, heads=4, kv_heads=2, vocab=512, seed=3)[0]
     assert cache_key(other, root) != key
     assert LLM(other, compile_cache=False, **ENGINE).compile_cache is None
+
+
+def test_lazy_warmup_compiles_nothing_at_start_and_says_so(small_checkpoint, caplog):
+    from msinfer import LLM
+    from msinfer.server.api_server import ServeOptions, _warmup
+
+    llm = LLM(small_checkpoint, compile_cache=False, **ENGINE)
+    _warmup(llm, ServeOptions(model_names=["x"], lazy_warmup=True))
+    assert llm.compilations == 0
+    assert "lazy warm-up: ready at once; each of the 3 graph shapes compiles on its first use" \
+        in caplog.text
