@@ -48,6 +48,15 @@ def model(small_checkpoint):
     return small_checkpoint
 
 
+@pytest.fixture
+def said(caplog, monkeypatch):
+    """What msinfer logs in this test (its logger stops propagating once a rank sets it up:
+    log.setup)."""
+    from msinfer import log
+    monkeypatch.setattr(log.get(), "propagate", True)
+    return caplog
+
+
 def test_a_restart_loads_every_graph_and_a_corrupt_one_is_compiled_again(model, tmp_path):
     cold, said = warm(model, tmp_path)
     assert "compile cache: filling" in said
@@ -71,7 +80,7 @@ def test_a_restart_loads_every_graph_and_a_corrupt_one_is_compiled_again(model, 
 
 
 def test_an_entry_a_dead_warmup_left_is_emptied_and_a_process_uses_the_cache_once(
-        tmp_path, monkeypatch, caplog):
+        tmp_path, monkeypatch, said):
     from msinfer.engine import compile_cache
 
     monkeypatch.setattr(compile_cache, "_used_in_process", False)
@@ -82,7 +91,7 @@ def test_an_entry_a_dead_warmup_left_is_emptied_and_a_process_uses_the_cache_onc
     with cache.session() as state:
         assert state == "fill" and not left.exists()
     assert "an entry without its manifest (a warm-up that did not finish): rebuilding" in \
-        caplog.text
+        said.text
     assert (tmp_path / cache.key / "manifest.json").is_file()
     with cache.session() as state:  # MindSpore would number this process's graphs on
         assert state is None
@@ -117,11 +126,13 @@ def test_another_checkpoint_of_the_same_shape_gets_its_own_entry(tiny_checkpoint
     assert LLM(other, compile_cache=False, **ENGINE).compile_cache is None
 
 
-def test_lazy_warmup_compiles_nothing_at_start_and_says_so(small_checkpoint, caplog):
-    from msinfer import LLM
+def test_lazy_warmup_compiles_nothing_at_start_and_says_so(small_checkpoint, monkeypatch,
+                                                           caplog):
+    from msinfer import LLM, log
     from msinfer.server.api_server import ServeOptions, _warmup
 
     llm = LLM(small_checkpoint, compile_cache=False, **ENGINE)
+    monkeypatch.setattr(log.get(), "propagate", True)  # after LLM's log.setup()
     _warmup(llm, ServeOptions(model_names=["x"], lazy_warmup=True))
     assert llm.compilations == 0
     assert "lazy warm-up: ready at once; each of the 3 graph shapes compiles on its first use" \
