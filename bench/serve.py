@@ -86,7 +86,7 @@ async def one_request(client, url, model, prompt, max_tokens, leave_after=None):
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    chunks, usage, error = [], None, None
+    chunks, pieces, usage, error = [], [], None, None
     try:
         async with client.stream("POST", url + "/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -103,6 +103,7 @@ async def one_request(client, url, model, prompt, max_tokens, leave_after=None):
                     usage = event["usage"]
                 if any(c.get("text") for c in event.get("choices", [])):
                     chunks.append(time.perf_counter())
+                    pieces += [c.get("text") or "" for c in event["choices"]]
                     if leave_after is not None and len(chunks) >= leave_after:
                         return {"left": True}  # closing the stream disconnects
     except (httpx.HTTPError, OSError) as e:
@@ -111,9 +112,13 @@ async def one_request(client, url, model, prompt, max_tokens, leave_after=None):
     if error or not chunks:
         return {"error": error or "no tokens streamed"}
     tokens = usage["completion_tokens"] if usage else len(chunks)
+    # prompt tokens the server's prefix cache served (OpenAI's usage field; None if absent)
+    cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
     return {"ttft": chunks[0] - start, "e2e": end - start, "output_tokens": tokens,
             "itl": [b - a for a, b in zip(chunks, chunks[1:])],
-            "tpot": (end - chunks[0]) / (tokens - 1) if tokens > 1 else None}
+            "tpot": (end - chunks[0]) / (tokens - 1) if tokens > 1 else None,
+            "text": "".join(pieces), "cached_tokens": cached,
+            "prompt_tokens": (usage or {}).get("prompt_tokens")}
 
 
 async def run_load(url, model, requests, rate, seed, disconnect_fraction=0.0, timeout=600):
