@@ -24,6 +24,7 @@ from .block_manager import BlockManager
 from .sampling import Sampler, SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
+from .structured import GrammarEngine, grammar_of
 from .tokenizer import IncrementalDecoder, find_stop
 
 
@@ -108,6 +109,11 @@ def check_request_limits(ids, params, vocab_size, max_model_len, layout, *, has_
             f"raise kv_cache_memory or lower max_tokens")
     if params.stop and not has_tokenizer:
         raise MsinferError(f"{name}: stop strings need the checkpoint's tokenizer.json")
+    if params.structured_outputs:
+        if not has_tokenizer:
+            raise MsinferError(f"{name}: structured output needs the checkpoint's "
+                               f"tokenizer.json")
+        grammar_of(params.structured_outputs)  # refuses what the grammar engine cannot compile
 
 
 class LLMEngine:
@@ -128,6 +134,7 @@ class LLMEngine:
         self.seed = seed
         self._tokenizer = tokenizer
         self._sampler = Sampler()
+        self._grammars = None  # GrammarEngine, built for the first guided request sampled
         self._requests = {}  # unfinished requests by id
         self._arrivals = 0
         self._aborted = []  # outputs of aborted requests, returned by the next step
@@ -248,7 +255,8 @@ class LLMEngine:
             logits = logits[finite]
             if not sampled_seqs:
                 return outputs
-        tokens = self._sampler(logits, [s.params for s in sampled_seqs],
+        sample_logits = self._guide(sampled_seqs, logits)
+        tokens = self._sampler(sample_logits, [s.params for s in sampled_seqs],
                                [s.generator for s in sampled_seqs],
                                [(s.prompt_token_ids, s.generated) for s in sampled_seqs],
                                self.eos_token_ids)
@@ -272,6 +280,24 @@ class LLMEngine:
             if reason:
                 self._finish(seq, reason)
 
+    def _guide(self, seqs, logits):
+        """`logits`, with the rows of guided sequences masked to what their grammar allows
+        next (a copy: reported logprobs stay the model's)."""
+        rows = [row for row, seq in enumerate(seqs) if seq.params.structured_outputs]
+        if not rows:
+            return logits
+        logits = logits.copy()
+        for row in rows:
+            seq = seqs[row]
+            if seq.guided is None:  # first sampled here (a preempted one keeps its state)
+                if self._grammars is None:
+                    self._grammars = GrammarEngine(self._tokenizer(), self.vocab_size,
+                                                   self.eos_token_ids)
+                seq.guided = self._grammars.start(seq.params.structured_outputs)
+                seq.guided.advance_all(seq.generated)
+            seq.guided.mask(logits[row])
+        return logits
+
     def _append(self, seq, token, logits):
         seq.generated.append(token)
         self.generation_tokens_total += 1
@@ -282,8 +308,15 @@ class LLMEngine:
             decoder.push(token)
         p = seq.params
         reason = None
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        if seq.guided is not None and not seq.guided.advance(token):
+            # cannot happen while the mask holds; said rather than leaving bad output
+            log.get().error("request %r: the grammar refused token %d: %s", seq.request_id,
+                            token, seq.guided.error)
             reason = "stop"
+        elif (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            reason = "stop"
+        elif seq.guided is not None and seq.guided.complete:
+            reason = "stop"  # the grammar is complete: nothing but the end may follow
         elif p.stop and find_stop(decoder.text, p.stop) is not None:
             reason = "stop"
         elif len(seq.generated) >= p.max_tokens or seq.length >= self.max_model_len:
@@ -302,6 +335,7 @@ class LLMEngine:
 
     def _finish(self, seq, reason):
         seq.status = Status.FINISHED
+        seq.guided = None  # the matcher's memory goes with it
         seq.finish_reason = reason
         self.scheduler.remove(seq)
         del self._requests[seq.request_id]

@@ -16,6 +16,7 @@ from typing import Optional, Tuple
 import numpy as np
 
 from ..errors import MsinferError
+from .structured import check_spec
 
 # top-p looks for the nucleus among this many most likely tokens first (a partition, O(vocab))
 # and sorts the whole vocabulary only when they do not hold top_p of the mass.
@@ -40,6 +41,9 @@ class SamplingParams:
     # in the prompt or the output (1 = off)
     min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
     logit_bias: Optional[dict] = None  # {token id: bias added to its score}, bias in -100..100
+    # a grammar the output must follow, one key of {"json": schema, "json_object": True,
+    # "regex": str, "choice": [str], "grammar": str} (engine/structured.py)
+    structured_outputs: Optional[dict] = None
 
     def __post_init__(self):
         def bad(field, value, why):
@@ -103,6 +107,9 @@ class SamplingParams:
             self.logit_bias = bias
         else:
             self.logit_bias = None
+        if self.structured_outputs is not None:
+            kind, value = check_spec(self.structured_outputs)
+            self.structured_outputs = {kind: value}
         self.max_tokens, self.top_k = int(self.max_tokens), int(self.top_k)
         self.temperature, self.top_p = float(self.temperature), float(self.top_p)
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)

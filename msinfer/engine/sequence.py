@@ -10,6 +10,7 @@ import numpy as np
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from .structured import GuidedSequence
     from .tokenizer import IncrementalDecoder
 
 
@@ -30,6 +31,8 @@ class Sequence:
     # one {token id: logprob} per generated token, when asked
     logprobs: list[dict[int, float]] | None = None
     decoder: IncrementalDecoder | None = None  # of the generated text, with a tokenizer
+    # the grammar's state, where this sequence is sampled (engine/structured.py)
+    guided: GuidedSequence | None = None
     status: Status = Status.WAITING
     finish_reason: str | None = None
     block_table: list[int] = dataclasses.field(default_factory=list)

@@ -62,6 +62,10 @@ class Tokenizer:
                    chat_template=_chat_template(model_dir, tokenizer_config),
                    special_tokens=special_tokens, source=model_dir)
 
+    def to_json_str(self) -> str:
+        """The tokenizer.json text (what a grammar engine reads the token strings from)."""
+        return self._tokenizer.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)
 
