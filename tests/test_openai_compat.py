@@ -81,7 +81,6 @@ def test_neutral_values_of_fields_msinfer_does_not_do_yet_are_accepted(server, e
     ({"suffix": "end"}, "suffix"), ({"prompt_logprobs": 1}, "prompt_logprobs"),
     ({"tools": [{"type": "function"}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
     ({"skip_special_tokens": False}, "skip_special_tokens"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
@@ -96,15 +95,6 @@ def test_fields_msinfer_does_not_do_get_a_400_naming_them(server, extra, field):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == field and field in error["message"]
-
-
-def test_chat_refuses_tools_and_a_json_response_format_by_name(server):
-    for extra, field in (({"tools": [{"type": "function", "function": {"name": "f"}}]},
-                          "tools"),
-                         ({"response_format": {"type": "json_schema"}}, "response_format")):
-        response = raw(server, "/v1/chat/completions", {
-            "model": MODEL, "messages": [{"role": "user", "content": "x"}], **extra})
-        assert response.status_code == 400 and response.json()["error"]["param"] == field
 
 
 def test_guidellm_requests_work(server):

@@ -4,10 +4,11 @@ Requests accept fields msinfer does not know, as vLLM does: they are ignored, lo
 in the response's `X-Msinfer-Ignored-Fields` header (`ignored_fields()`), so clients written
 for vLLM or OpenAI (guidellm, lm-eval, `vllm bench serve`, aiperf) run unmodified. Known fields
 are validated by type and range (400). Fields msinfer knows but cannot honour yet (best_of,
-echo, tools, ...) are refused by `unsupported()` with the field's name, never silently
+echo, ...) are refused by `unsupported()` with the field's name, never silently
 ignored; a value that asks for nothing (`best_of: 1`, `echo: false`, `tools: []`,
 ...) is accepted.
 """
+import json
 import time
 from typing import Any, Literal, Optional, Union
 
@@ -62,10 +63,17 @@ class _Request(BaseModel):
     prompt_logprobs: Optional[int] = Field(default=None, ge=-1)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    response_format: Optional[dict] = None
+    # a constraint on the output, enforced while decoding (server/guided.py): OpenAI's, and
+    # vLLM's (structured_outputs, and its older guided_* fields)
+    response_format: Optional[Any] = None
+    structured_outputs: Optional[dict] = None
+    guided_json: Optional[Union[dict, str]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
     tools: Optional[list] = None
     tool_choice: Optional[Union[str, dict]] = None
-    parallel_tool_calls: Optional[bool] = None  # no effect without tools
+    parallel_tool_calls: Optional[bool] = None  # calls are parsed however many there are
 
     @field_validator("temperature", "top_p", "top_k", "n", "stream", "ignore_eos",
                      "stop_token_ids", "min_tokens", "include_stop_str_in_output",
@@ -87,12 +95,6 @@ class _Request(BaseModel):
                                                  "supported"
         if not self.skip_special_tokens:
             return "skip_special_tokens", "only skip_special_tokens=true is supported"
-        if self.tools:
-            return "tools", "tool calling is not supported"
-        if self.tool_choice not in (None, "none", "auto"):
-            return "tool_choice", "tool calling is not supported (only 'none' or 'auto')"
-        if self.response_format and self.response_format.get("type") != "text":
-            return "response_format", "only response_format type 'text' is supported"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options needs stream=true"
         return None
@@ -153,6 +155,10 @@ class CompletionRequest(_Request):
             return "best_of", "only best_of=1 is supported"
         if self.suffix:
             return "suffix", "suffix is not supported"
+        if self.tools:
+            return "tools", "tools are taken by /v1/chat/completions only"
+        if self.tool_choice not in (None, "none"):
+            return "tool_choice", "tool_choice is taken by /v1/chat/completions only"
         return super().unsupported()
 
     def prompts(self):
@@ -170,13 +176,35 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict]] = None  # an assistant's calls, sent back with the results
+    tool_call_id: Optional[str] = None  # a tool message: the call it answers
 
     def as_template_message(self):
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": "system" if self.role == "developer" else self.role,
-                "content": content or ""}
+        message = {"role": "system" if self.role == "developer" else self.role,
+                   "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [_template_tool_call(c) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+def _template_tool_call(call):
+    """A tool call as chat templates read it: arguments as an object, not a JSON string
+    (Qwen2.5's template writes them with tojson; vLLM parses them the same way)."""
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments)
+        except ValueError:
+            pass  # not JSON: the template gets the string as it came
+    return {**call, "function": function}
 
 
 class ChatCompletionRequest(_Request):
@@ -264,10 +292,22 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str]
     reasoning_content: Optional[str] = None  # with --reasoning-parser: the thinking
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -290,6 +330,9 @@ class ChatDelta(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
     reasoning_content: Optional[str] = None
+    # {"index", and the first time "id", "type", "function": {"name"}; "function":
+    # {"arguments"} pieces} per call (server/tool_calls.py)
+    tool_calls: Optional[list[dict]] = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -233,9 +233,10 @@ def ignored_fields_headers(names):
     return {IGNORED_FIELDS_HEADER: value}
 
 
-def sampling_params(body, max_tokens, logprobs):
-    """The SamplingParams of a request (logprobs: top entries per token, None for none);
-    values SamplingParams refuses are the request's fault: 400."""
+def sampling_params(body, max_tokens, logprobs, structured=None):
+    """The SamplingParams of a request (logprobs: top entries per token, None for none;
+    structured: the grammar its output follows, server/guided.py); values SamplingParams
+    refuses are the request's fault: 400."""
     try:
         kwargs = dict(max_tokens=max_tokens, temperature=body.temperature,
                       top_k=body.top_k, top_p=body.top_p, seed=body.seed,
@@ -247,8 +248,19 @@ def sampling_params(body, max_tokens, logprobs):
                       min_tokens=body.min_tokens, logit_bias=body.logit_bias or None)
         if logprobs is not None:
             kwargs["logprobs"] = logprobs
+        if structured is not None:
+            kwargs["structured_outputs"] = structured
         return SamplingParams(**kwargs)
     except (MsinferError, TypeError) as e:
+        raise ApiError(400, str(e), param=getattr(e, "field", None)) from None
+
+
+def request_check(step, *args):
+    """A check of the request's fields (server/guided.py, tool_calls.py); what it refuses is a
+    400 naming the field."""
+    try:
+        return step(*args)
+    except MsinferError as e:
         raise ApiError(400, str(e), param=getattr(e, "field", None)) from None
 
 

@@ -3,9 +3,12 @@
 import time
 import uuid
 
+from ..engine.structured import refuse
 from . import protocol as p
+from .guided import structured_outputs
 from .reasoning import StreamSplitter, split_whole
-from .serving import sampling_params, token_text, tokenize
+from .serving import request_check, sampling_params, token_text, tokenize
+from .tool_calls import ToolCallStream, check_tools, forcing_grammar, new_call_id, parse_whole
 
 
 class ServingChat:
@@ -17,23 +20,37 @@ class ServingChat:
         Without max_tokens, the answer may fill the rest of the context."""
         serving = self.serving
         headers = serving.check(body)
-        kwargs = body.chat_template_kwargs or {}
+        functions, tool_choice = request_check(check_tools, body.tools, body.tool_choice)
+        structured = request_check(structured_outputs, body)
+        forced = forcing_grammar(functions, tool_choice)
+        if forced and structured:
+            request_check(_refuse_both)
+        kwargs = dict(body.chat_template_kwargs or {})
+        if tool_choice != "none":  # "none" renders no tools: the model cannot call one
+            kwargs["tools"] = body.tools
         text = tokenize(lambda messages: serving.tokenizer.apply_chat_template(messages,
                                                                                **kwargs),
                         [m.as_template_message() for m in body.messages])
         ids = tokenize(serving.tokenizer.encode, text)
         max_tokens = body.token_budget() or max(1, serving.config.max_model_len - len(ids))
         fmt = ChatFormat(body, serving.model_name, serving.tokenizer,
-                         serving.config.reasoning_parser)
-        params = sampling_params(body, max_tokens, body.logprobs_count())
+                         serving.config.reasoning_parser, tool_choice)
+        params = sampling_params(body, max_tokens, body.logprobs_count(), forced or structured)
         return await serving.generate(fmt, [(text, ids)], params, request, headers)
 
 
+def _refuse_both():
+    raise refuse("tool_choice", "a forced tool call ('required' or a named function) cannot be "
+                                "combined with response_format or structured_outputs")
+
+
 class ChatFormat:
-    def __init__(self, body, model_name, tokenizer, reasoning_parser=None):
+    def __init__(self, body, model_name, tokenizer, reasoning_parser=None, tool_choice="none"):
         self.body, self.model, self.tokenizer = body, model_name, tokenizer
         self.reasoning = reasoning_parser
         self._splitters = {}  # choice index -> StreamSplitter, with a reasoning parser
+        self.parse_tools = tool_choice != "none"  # the answer's <tool_call>s are tool_calls
+        self._tool_streams = {}  # choice index -> ToolCallStream, when parsing tools
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.top_n = body.logprobs_count()
@@ -68,6 +85,11 @@ class ChatFormat:
             splitter = self._splitters.setdefault(index, StreamSplitter())
             reasoning, content = splitter.feed(delta.text, finish_reason is not None)
             message = p.ChatDelta(content=content or None, reasoning_content=reasoning or None)
+        if self.parse_tools:
+            calls = self._tool_streams.setdefault(index, ToolCallStream())
+            content, tool_calls = calls.feed(message.content or "", finish_reason is not None)
+            message.content, message.tool_calls = content or None, tool_calls or None
+            finish_reason = _with_calls(finish_reason, calls.called)
         return self._chunk([p.ChatStreamChoice(
             index=index, delta=message, finish_reason=finish_reason,
             logprobs=self._logprobs(delta.token_ids, delta.logprobs))])
@@ -78,13 +100,23 @@ class ChatFormat:
     def response(self, streams, usage):
         return p.ChatCompletionResponse(
             id=self.id, created=self.created, model=self.model, usage=usage,
-            choices=[p.ChatChoice(index=i, message=self._message(s.text),
-                                  finish_reason=s.finish_reason,
+            choices=[p.ChatChoice(index=i, message=(message := self._message(s.text)),
+                                  finish_reason=_with_calls(s.finish_reason,
+                                                            bool(message.tool_calls)),
                                   logprobs=self._logprobs(s.token_ids, s.logprobs))
                      for i, s in enumerate(streams)])
 
     def _message(self, text):
-        if not self.reasoning:
-            return p.AssistantMessage(content=text)
-        reasoning, content = split_whole(text)
-        return p.AssistantMessage(content=content, reasoning_content=reasoning)
+        reasoning, content = split_whole(text) if self.reasoning else (None, text)
+        calls = []
+        if self.parse_tools and content:
+            content, calls = parse_whole(content)
+        return p.AssistantMessage(
+            content=content, reasoning_content=reasoning,
+            tool_calls=[p.ToolCall(id=new_call_id(), function=p.FunctionCall(**call))
+                        for call in calls])
+
+
+def _with_calls(finish_reason, called):
+    """An answer that ended by itself after calling tools finishes with "tool_calls"."""
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason

@@ -5,7 +5,8 @@ import uuid
 
 from ..engine.tokenizer import encode_prompts
 from . import protocol as p
-from .serving import sampling_params, token_text, tokenize
+from .guided import structured_outputs
+from .serving import request_check, sampling_params, token_text, tokenize
 
 
 class ServingCompletion:
@@ -16,10 +17,11 @@ class ServingCompletion:
         """The response to a CompletionRequest: JSON, or server-sent events when streamed."""
         serving = self.serving
         headers = serving.check(body)
+        structured = request_check(structured_outputs, body)
         prompts = encode_prompts(body.prompts(),
                                  lambda text: tokenize(serving.tokenizer.encode, text))
         fmt = CompletionsFormat(body, serving.model_name, serving.tokenizer)
-        params = sampling_params(body, body.max_tokens or 16, body.logprobs)
+        params = sampling_params(body, body.max_tokens or 16, body.logprobs, structured)
         return await serving.generate(fmt, prompts, params, request, headers)
 
 
