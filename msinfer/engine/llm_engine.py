@@ -255,13 +255,13 @@ class LLMEngine:
             logits = logits[finite]
             if not sampled_seqs:
                 return outputs
-        sample_logits = self._guide(sampled_seqs, logits)
-        tokens = self._sampler(sample_logits, [s.params for s in sampled_seqs],
+        model_rows = self._guide(sampled_seqs, logits)
+        tokens = self._sampler(logits, [s.params for s in sampled_seqs],
                                [s.generator for s in sampled_seqs],
                                [(s.prompt_token_ids, s.generated) for s in sampled_seqs],
                                self.eos_token_ids)
         for row, (seq, token) in enumerate(zip(sampled_seqs, tokens)):
-            self._append(seq, int(token), logits[row])
+            self._append(seq, int(token), model_rows.get(row, logits[row]))
             outputs.append(self._output(seq))
             self.decisions.append([seq.request_id, int(token), seq.finish_reason])
         return outputs
@@ -281,14 +281,15 @@ class LLMEngine:
                 self._finish(seq, reason)
 
     def _guide(self, seqs, logits):
-        """`logits`, with the rows of guided sequences masked to what their grammar allows
-        next (a copy: reported logprobs stay the model's)."""
-        rows = [row for row, seq in enumerate(seqs) if seq.params.structured_outputs]
-        if not rows:
-            return logits
-        logits = logits.copy()
-        for row in rows:
-            seq = seqs[row]
+        """Mask the rows of guided sequences in `logits` (in place: no copy of the whole
+        batch) to what their grammar allows next. Returns {row: the model's row} for those
+        that report logprobs, which are the model's."""
+        model_rows = {}
+        for row, seq in enumerate(seqs):
+            if not seq.params.structured_outputs:
+                continue
+            if seq.params.logprobs is not None:
+                model_rows[row] = logits[row].copy()
             if seq.guided is None:  # first sampled here (a preempted one keeps its state)
                 if self._grammars is None:
                     self._grammars = GrammarEngine(self._tokenizer(), self.vocab_size,
@@ -296,7 +297,7 @@ class LLMEngine:
                 seq.guided = self._grammars.start(seq.params.structured_outputs)
                 seq.guided.advance_all(seq.generated)
             seq.guided.mask(logits[row])
-        return logits
+        return model_rows
 
     def _append(self, seq, token, logits):
         seq.generated.append(token)

@@ -22,7 +22,7 @@ class ServingChat:
         headers = serving.check(body)
         functions, tool_choice = request_check(check_tools, body.tools, body.tool_choice)
         structured = request_check(structured_outputs, body)
-        forced = forcing_grammar(functions, tool_choice)
+        forced = forcing_grammar(functions, tool_choice, body.parallel_tool_calls is not False)
         if forced and structured:
             request_check(_refuse_both)
         kwargs = dict(body.chat_template_kwargs or {})

@@ -69,9 +69,10 @@ def check_tools(tools, tool_choice):
     return functions, choice
 
 
-def forcing_grammar(functions, choice):
-    """structured_outputs that force one or more calls (tool_choice "required") or one call
-    of the named tool, in Qwen's format; None for "auto" and "none"."""
+def forcing_grammar(functions, choice, parallel=True):
+    """structured_outputs that force one or more calls (tool_choice "required"; one with
+    `parallel` false, OpenAI's parallel_tool_calls) or one call of the named tool, in Qwen's
+    format; None for "auto" and "none"."""
     if choice in ("auto", "none"):
         return None
     names = list(functions) if choice == "required" else [choice]
@@ -81,7 +82,7 @@ def forcing_grammar(functions, choice):
              for name in names]
     schema = dict(calls[0] if len(calls) == 1 else {"anyOf": calls})
     schema["x-guidance"] = _JSON_OPTIONS
-    repeat = ' ("\\n" call)*' if choice == "required" else ""
+    repeat = ' ("\\n" call)*' if choice == "required" and parallel else ""
     lark = (f"start: call{repeat}\n"
             f"call: {json.dumps(OPEN + chr(10))} body {json.dumps(chr(10) + CLOSE)}\n"
             f"body: %json {json.dumps(schema)}\n")
