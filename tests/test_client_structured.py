@@ -221,24 +221,29 @@ def test_the_sdks_structured_output_helper_returns_a_valid_object(tiny_server):
         jsonschema.validate(json.loads(text), SCHEMA)
 
 
-def _round_trip(client, stream, **request):
-    """Ask with tools, answer the calls with tool messages, ask again; the first answer's
-    message and the final answer."""
+def _round_trip(client, stream, answer=True, **request):
+    """Ask with tools, answer the calls with tool messages, ask again (with `answer`): the
+    first answer's choice, the final answer's (None without `answer`), and how many pieces
+    of arguments the SDK's stream saw (0 unstreamed)."""
     kwargs = dict(model=MODEL, tools=[WEATHER, TIME], max_tokens=120, temperature=1.0)
     if stream:
         with client.chat.completions.stream(messages=ASK, **kwargs, **request) as events:
+            pieces = sum(e.type == "tool_calls.function.arguments.delta" for e in events)
             first = events.get_final_completion().choices[0]
     else:
+        pieces = 0
         first = client.chat.completions.create(messages=ASK, **kwargs, **request).choices[0]
     calls = first.message.tool_calls
     assert first.finish_reason in ("tool_calls", "stop") and calls
+    if not answer:
+        return first, None, pieces
     messages = ASK + [first.message.model_dump(exclude_none=True,
                                                exclude={"parsed", "refusal"})]
     messages += [{"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"}
                  for call in calls]
     answer = client.chat.completions.create(messages=messages, **dict(kwargs, max_tokens=8),
                                             tool_choice="none")
-    return first, answer.choices[0]
+    return first, answer.choices[0], pieces
 
 
 @pytest.fixture(scope="module")
@@ -251,15 +256,17 @@ def engine_server(llm):
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_tool_call_round_trip_with_the_sdk(engine_server, stream):
     client = engine_server.client(timeout=120)
-    first, answer = _round_trip(client, stream, tool_choice={
+    first, answer, pieces = _round_trip(client, stream, tool_choice={
         "type": "function", "function": {"name": "get_weather"}})
     [call] = first.message.tool_calls
+    assert pieces > 1 if stream else pieces == 0  # streamed as they come, not in one piece
     assert call.type == "function" and call.function.name == "get_weather" and call.id
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
     assert not answer.message.tool_calls and isinstance(answer.message.content, str)
     assert answer.finish_reason in ("stop", "length")
     # required: one or more calls, each of a given tool with valid arguments
-    first, _ = _round_trip(client, stream, tool_choice="required", parallel_tool_calls=False)
+    first, _, _ = _round_trip(client, stream, answer=False, tool_choice="required",
+                           parallel_tool_calls=False)
     assert len(first.message.tool_calls) == 1
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
     for call in first.message.tool_calls:
@@ -273,7 +280,7 @@ def test_auto_parses_the_calls_the_model_writes(engine_server, stream):
     client = engine_server.client(timeout=120)
     pattern = (r'Sure\. <tool_call>\n\{"name": "get_weather", "arguments": \{"city": '
                r'"(Paris|Rome)", "days": [123]\}\}\n</tool_call>')
-    first, _ = _round_trip(client, stream, tool_choice="auto",
+    first, _, _ = _round_trip(client, stream, answer=False, tool_choice="auto",
                            extra_body={"structured_outputs": {"regex": pattern}})
     assert first.finish_reason == "tool_calls"
     assert first.message.content == "Sure. "
