@@ -273,6 +273,15 @@ def test_a_tool_call_round_trip_with_the_sdk(engine_server, stream):
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
 
 
+def test_tokenize_renders_the_tools_as_chat_does(engine_server, llm):
+    body = {"model": MODEL, "messages": ASK, "tools": [WEATHER]}
+    response = raw(engine_server, "/tokenize", body)
+    assert response.status_code == 200, response.text
+    expected = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(ASK, tools=[WEATHER]))
+    assert response.json()["tokens"] == expected
+    assert "get_weather" in llm.tokenizer.decode(expected)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_auto_parses_the_calls_the_model_writes(engine_server, stream):
     """tool_choice auto parses free output; a regex (vLLM's structured_outputs) makes the

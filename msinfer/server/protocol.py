@@ -402,8 +402,6 @@ class TokenizeChatRequest(BaseModel):
             return "continue_final_message", "continue_final_message is not supported"
         if self.chat_template is not None:
             return "chat_template", "only the model's own chat template is used"
-        if self.tools:
-            return "tools", "tool calling is not supported"
         return None
 
     def ignored_fields(self):

@@ -41,7 +41,7 @@ class ServingTokenize:
         tokenizer = self.serving.tokenizer
         if isinstance(body, p.TokenizeChatRequest):
             text = tokenize(lambda m: tokenizer.apply_chat_template(
-                m, add_generation_prompt=body.add_generation_prompt),
+                m, add_generation_prompt=body.add_generation_prompt, tools=body.tools or None),
                 [m.as_template_message() for m in body.messages])
         else:
             text = body.prompt
