@@ -182,7 +182,8 @@ class ToolCallStream:
 
     @property
     def called(self):
-        return bool(self._calls)
+        """Whether a call (its name at least) was sent."""
+        return any(named for _, named, _ in self._calls)
 
 
 def _delta(index, call_id, name, arguments):
