@@ -52,7 +52,7 @@ def llm(tiny_checkpoint):
     path, _ = tiny_checkpoint(layers=2, hidden=64, heads=4, kv_heads=2, vocab=512, seed=2)
     # graphs compile when first used: the JSON test stays in the first context bucket (64),
     # the tool prompts (~800 tokens) need 1024
-    return LLM(path, max_len=1024, max_num_seqs=16, max_prefill_tokens=64)
+    return LLM(path, max_len=1024, max_num_seqs=16, max_prefill_tokens=1024)
 
 
 def test_100_sampled_json_outputs_all_parse_and_validate(llm):
