@@ -3,11 +3,10 @@
 import time
 import uuid
 
-from ..engine.structured import refuse
 from . import protocol as p
 from .guided import structured_outputs
 from .reasoning import StreamSplitter, split_whole
-from .serving import request_check, sampling_params, token_text, tokenize
+from .serving import ApiError, request_check, sampling_params, token_text, tokenize
 from .tool_calls import ToolCallStream, check_tools, forcing_grammar, new_call_id, parse_whole
 
 
@@ -24,7 +23,9 @@ class ServingChat:
         structured = request_check(structured_outputs, body)
         forced = forcing_grammar(functions, tool_choice, body.parallel_tool_calls is not False)
         if forced and structured:
-            request_check(_refuse_both)
+            raise ApiError(400, "tool_choice: a forced tool call ('required' or a named "
+                                "function) cannot be combined with response_format or "
+                                "structured_outputs", param="tool_choice")
         kwargs = dict(body.chat_template_kwargs or {})
         if tool_choice != "none":  # "none" renders no tools: the model cannot call one
             kwargs["tools"] = body.tools
@@ -37,11 +38,6 @@ class ServingChat:
                          serving.config.reasoning_parser, tool_choice)
         params = sampling_params(body, max_tokens, body.logprobs_count(), forced or structured)
         return await serving.generate(fmt, [(text, ids)], params, request, headers)
-
-
-def _refuse_both():
-    raise refuse("tool_choice", "a forced tool call ('required' or a named function) cannot be "
-                                "combined with response_format or structured_outputs")
 
 
 class ChatFormat:
@@ -100,11 +96,14 @@ class ChatFormat:
     def response(self, streams, usage):
         return p.ChatCompletionResponse(
             id=self.id, created=self.created, model=self.model, usage=usage,
-            choices=[p.ChatChoice(index=i, message=(message := self._message(s.text)),
-                                  finish_reason=_with_calls(s.finish_reason,
-                                                            bool(message.tool_calls)),
-                                  logprobs=self._logprobs(s.token_ids, s.logprobs))
-                     for i, s in enumerate(streams)])
+            choices=[self._choice(i, s) for i, s in enumerate(streams)])
+
+    def _choice(self, index, stream):
+        message = self._message(stream.text)
+        return p.ChatChoice(index=index, message=message,
+                            finish_reason=_with_calls(stream.finish_reason,
+                                                      bool(message.tool_calls)),
+                            logprobs=self._logprobs(stream.token_ids, stream.logprobs))
 
     def _message(self, text):
         reasoning, content = split_whole(text) if self.reasoning else (None, text)
