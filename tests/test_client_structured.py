@@ -108,6 +108,16 @@ def test_model_rows_beyond_the_tokenizer_are_never_allowed(small_checkpoint):
     assert not guided.allowed[tokenizer.token_to_id("a")]
 
 
+def test_the_constraint_reaches_a_tensor_groups_followers_as_it_was_given():
+    """Followers rebuild SamplingParams from the leader's JSON (server/lockstep.py); they never
+    sample, but their check of the request must see the same constraint."""
+    import dataclasses
+    params = SamplingParams(structured_outputs={"json": json.dumps(SCHEMA)})
+    assert params.structured_outputs == {"json": SCHEMA}  # a schema given as text is parsed
+    sent = json.loads(json.dumps(dataclasses.asdict(params)))
+    assert SamplingParams(**sent) == params
+
+
 def test_the_engine_refuses_what_the_grammar_engine_cannot_compile(llm):
     from msinfer.errors import MsinferError
     for spec, needle in (({"json": {"type": "foo"}}, "foo"), ({"regex": "(ab"}, "regex"),
@@ -210,15 +220,19 @@ def test_the_sdks_structured_output_helper_returns_a_valid_object(tiny_server):
     assert choice.finish_reason == "stop"
     assert isinstance(choice.message.parsed, Weather)  # the SDK's own pydantic validation
     assert Weather.model_validate_json(choice.message.content) == choice.message.parsed
-    # completions take the same response_format, and vLLM's guided_json
+    # completions take the same response_format, and vLLM's guided_json; n choices each
+    # follow the grammar with a matcher of their own
     for extra in ({"response_format": {"type": "json_schema",
                                        "json_schema": {"name": "p", "schema": SCHEMA}}},
-                  {"guided_json": SCHEMA}):
+                  {"guided_json": SCHEMA, "n": 2}):
         response = raw(tiny_server, "/v1/completions", {
             "model": "tiny", "prompt": "JSON:", "max_tokens": 90, **extra})
         assert response.status_code == 200, response.text
-        text = response.json()["choices"][0]["text"]
-        jsonschema.validate(json.loads(text), SCHEMA)
+        choices = response.json()["choices"]
+        assert len(choices) == extra.get("n", 1)
+        for choice in choices:
+            assert choice["finish_reason"] == "stop"
+            jsonschema.validate(json.loads(choice["text"]), SCHEMA)
 
 
 def _round_trip(client, stream, answer=True, **request):
