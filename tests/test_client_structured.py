@@ -108,6 +108,29 @@ def test_model_rows_beyond_the_tokenizer_are_never_allowed(small_checkpoint):
     assert not guided.allowed[tokenizer.token_to_id("a")]
 
 
+def test_a_thinking_model_may_think_before_the_constraint(small_checkpoint):
+    """With a reasoning parser, chat's constraint starts after an optional <think>...</think>
+    (vLLM's behaviour); without, the first token is the constraint's."""
+    from msinfer.engine.structured import AFTER_THINK, GrammarEngine
+    from msinfer.engine.tokenizer import Tokenizer
+    tokenizer = Tokenizer.from_model_dir(small_checkpoint)
+    engine = GrammarEngine(tokenizer, 512, tokenizer.eos_token_ids)
+    thought = '<think>{"age": "?"} hmm</think>\n\n'
+    answer = '{"name":"bo","age":7,"tags":[],"ok":true}'
+
+    def accepts(spec, text):
+        guided = engine.start(spec)
+        return (all(guided.advance(t) for t in tokenizer.encode(text))
+                and guided.matcher.is_accepting())
+    for spec in ({"json": SCHEMA}, {"choice": ["yes", "no"]},
+                 {"grammar": 'start: "<tool_call>" "x"'}):
+        first = {"json": answer, "choice": "no", "grammar": "<tool_call>x"}[next(iter(spec))]
+        assert accepts({**spec, AFTER_THINK: True}, thought + first)
+        assert accepts({**spec, AFTER_THINK: True}, first)
+        assert not accepts(spec, thought + first) and accepts(spec, first)
+    assert not accepts({"json": SCHEMA, AFTER_THINK: True}, thought + '{"name":5}')
+
+
 def test_the_constraint_reaches_a_tensor_groups_followers_as_it_was_given():
     """Followers rebuild SamplingParams from the leader's JSON (server/lockstep.py); they never
     sample, but their check of the request must see the same constraint."""

@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 import numpy as np
 
 from ..errors import MsinferError
-from .structured import check_spec
+from .structured import normalized
 
 # top-p looks for the nucleus among this many most likely tokens first (a partition, O(vocab))
 # and sorts the whole vocabulary only when they do not hold top_p of the mass.
@@ -108,8 +108,7 @@ class SamplingParams:
         else:
             self.logit_bias = None
         if self.structured_outputs is not None:
-            kind, value = check_spec(self.structured_outputs)
-            self.structured_outputs = {kind: value}
+            self.structured_outputs = normalized(self.structured_outputs)
         self.max_tokens, self.top_k = int(self.max_tokens), int(self.top_k)
         self.temperature, self.top_p = float(self.temperature), float(self.top_p)
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)

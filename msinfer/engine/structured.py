@@ -3,10 +3,12 @@ grammar, enforced while decoding by llguidance (a maintained grammar engine, on 
 
 A request names its constraint in `SamplingParams.structured_outputs`, one key of vLLM's
 StructuredOutputsParams: {"json": schema}, {"json_object": True}, {"regex": "..."},
-{"choice": ["a", "b"]} or {"grammar": "lark or GBNF text"}. Where sampling happens (the only
-rank that samples, in a tensor group), each such sequence holds a `GuidedSequence`: before a
-row is sampled its logits outside the grammar's token mask become -inf; the sampled token then
-advances the matcher; once the grammar admits nothing but the end, the sequence stops.
+{"choice": ["a", "b"]} or {"grammar": "lark or GBNF text"}, with "after_think": True to let a
+thinking model write <think>...</think> first (the server sets it with a reasoning parser).
+Where sampling happens (the only rank that samples, in a tensor group), each such sequence
+holds a `GuidedSequence`: before a row is sampled its logits outside the grammar's token mask
+become -inf; the sampled token then advances the matcher; once the grammar admits nothing but
+the end, the sequence stops.
 
 Why llguidance and not xgrammar (bench/structured.py, a 151,936-row byte-level vocabulary,
 2 shared cores): a schema compiles in ~1 ms (lazily) where xgrammar takes 0.8-2.6 s per new
@@ -24,6 +26,12 @@ import numpy as np
 from ..errors import MsinferError
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# msinfer's option beside the kind: a thinking model (Qwen3) may first think in
+# <think>...</think>, unconstrained, as vLLM lets it with a reasoning parser
+AFTER_THINK = "after_think"
+_THINK_FIRST = ('start: think? ws @constraint\n'
+                'think[lazy]: "<think>" /(?s:.*)/ "</think>"\n'
+                'ws: /[ \\t\\n]*/\n')
 # llguidance's JSON options: "," and ":" separators, no free whitespace (a schema's
 # "x-guidance" overrides these, as llguidance reads it)
 _JSON_DEFAULTS = {"whitespace_flexible": False}
@@ -46,7 +54,10 @@ def check_spec(spec, field="structured_outputs"):
     type. Refuses anything else with an MsinferError naming `field`."""
     if not isinstance(spec, dict):
         raise refuse(field, f"must be an object with one of {', '.join(KINDS)}")
-    given = {k: v for k, v in spec.items() if v is not None and v is not False}
+    if spec.get(AFTER_THINK) not in (None, False, True):
+        raise refuse(field, f"{AFTER_THINK} must be true or false")
+    given = {k: v for k, v in spec.items()
+             if v is not None and v is not False and k != AFTER_THINK}
     unknown = [k for k in given if k not in KINDS]
     if unknown:
         raise refuse(field, f"unknown key {unknown[0]!r}; use one of {', '.join(KINDS)}")
@@ -76,10 +87,39 @@ def check_spec(spec, field="structured_outputs"):
     return kind, value
 
 
+def normalized(spec, field="structured_outputs"):
+    """The spec as SamplingParams keeps it: {kind: value}, and the option when set."""
+    kind, value = check_spec(spec, field)
+    return {kind: value, **({AFTER_THINK: True} if spec.get(AFTER_THINK) else {})}
+
+
 def grammar_of(spec, field="structured_outputs"):
     """llguidance's grammar text for a structured_outputs dict; refuses (naming `field`) a
     spec or a schema or grammar the engine cannot compile."""
     kind, value = check_spec(spec, field)
+    grammar = _grammar(kind, value, field)
+    if spec.get(AFTER_THINK):
+        # the constraint as a sub-grammar, after an optional thought
+        inner = _grammar_list(grammar)
+        inner[0]["name"] = "constraint"
+        grammar = json.dumps({"grammars": [{"name": "think_first",
+                                            "lark_grammar": _THINK_FIRST}] + inner})
+    is_error, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise refuse(field, f"the grammar engine cannot compile this {kind}: "
+                            f"{_first_line(messages[0])}")
+    return grammar
+
+
+def _grammar_list(grammar):
+    """llguidance's grammars of a grammar text: JSON {"grammars": [...]}, or Lark as is."""
+    try:
+        return json.loads(grammar)["grammars"]
+    except (ValueError, KeyError, TypeError):
+        return [{"lark_grammar": grammar}]
+
+
+def _grammar(kind, value, field):
     lg = _llguidance()
     matcher = lg.LLMatcher
     try:
@@ -96,10 +136,6 @@ def grammar_of(spec, field="structured_outputs"):
             grammar = lg.grammar_from("grammar", value)
     except (ValueError, TypeError) as e:
         raise refuse(field, f"{kind}: {e}") from None
-    is_error, messages = matcher.validate_grammar_with_warnings(grammar)
-    if is_error:
-        raise refuse(field, f"the grammar engine cannot compile this {kind}: "
-                            f"{_first_line(messages[0])}")
     return grammar
 
 

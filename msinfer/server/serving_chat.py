@@ -3,6 +3,7 @@
 import time
 import uuid
 
+from ..engine.structured import AFTER_THINK
 from . import protocol as p
 from .guided import structured_outputs
 from .reasoning import StreamSplitter, split_whole
@@ -36,7 +37,11 @@ class ServingChat:
         max_tokens = body.token_budget() or max(1, serving.config.max_model_len - len(ids))
         fmt = ChatFormat(body, serving.model_name, serving.tokenizer,
                          serving.config.reasoning_parser, tool_choice)
-        params = sampling_params(body, max_tokens, body.logprobs_count(), forced or structured)
+        constraint = forced or structured
+        if constraint and serving.config.reasoning_parser:
+            # a thinking model thinks first, unconstrained, as vLLM lets it
+            constraint = {**constraint, AFTER_THINK: True}
+        params = sampling_params(body, max_tokens, body.logprobs_count(), constraint)
         return await serving.generate(fmt, [(text, ids)], params, request, headers)
 
 
