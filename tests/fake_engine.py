@@ -36,6 +36,9 @@ class ByteTokenizer:
     def decode(self, ids, skip_special_tokens=True):
         return bytes(i for i in ids if i < 256).decode(errors="replace")
 
+    def token_to_id(self, token):
+        return None  # no text is a token of its own (no <tool_call> or <think> tokens)
+
     def apply_chat_template(self, messages, add_generation_prompt=True, **template_kwargs):
         roles = [m["role"] for m in messages]
         if any(a == b for a, b in zip(roles, roles[1:])):  # as many templates' raise_exception

@@ -131,6 +131,30 @@ def test_a_thinking_model_may_think_before_the_constraint(small_checkpoint):
     assert not accepts({"json": SCHEMA, AFTER_THINK: True}, thought + '{"name":5}')
 
 
+def test_qwen3s_tags_are_its_own_tokens_in_forced_calls_and_thoughts(tiny_checkpoint):
+    """Qwen3's <tool_call> and <think> are tokens of their own, which llguidance reads as
+    special: the grammars name them by id, so the model's own single token is what they allow
+    (a quoted "<tool_call>" would refuse it)."""
+    from msinfer.engine.structured import AFTER_THINK, GrammarEngine
+    from msinfer.engine.tokenizer import Tokenizer
+    from msinfer.server.tool_calls import forcing_grammar
+    path = tiny_checkpoint(family="qwen3", layers=1, hidden=32, heads=2, kv_heads=1,
+                           vocab=512)[0]  # test_tokenizer's
+    tokenizer = Tokenizer.from_model_dir(path)
+    engine = GrammarEngine(tokenizer, 512, tokenizer.eos_token_ids)
+    functions = {"get_weather": WEATHER["function"]["parameters"]}
+    call = ('<tool_call>\n{"name":"get_weather","arguments":{"city":"Rome","days":2}}\n'
+            '</tool_call>')
+    spec = {**forcing_grammar(functions, "get_weather", token_id=tokenizer.token_to_id),
+            AFTER_THINK: True}
+    for text in (call, "<think>\nsunny?\n</think>\n\n" + call):
+        ids = tokenizer.encode(text)
+        assert ids[0] in (tokenizer.token_to_id("<tool_call>"), tokenizer.token_to_id("<think>"))
+        guided = engine.start(spec)
+        assert guided.allowed[ids[0]]
+        assert all(guided.advance(t) for t in ids) and guided.complete
+
+
 def test_the_constraint_reaches_a_tensor_groups_followers_as_it_was_given():
     """Followers rebuild SamplingParams from the leader's JSON (server/lockstep.py); they never
     sample, but their check of the request must see the same constraint."""

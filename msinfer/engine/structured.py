@@ -29,9 +29,24 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # msinfer's option beside the kind: a thinking model (Qwen3) may first think in
 # <think>...</think>, unconstrained, as vLLM lets it with a reasoning parser
 AFTER_THINK = "after_think"
-_THINK_FIRST = ('start: think? ws @constraint\n'
-                'think[lazy]: "<think>" /(?s:.*)/ "</think>"\n'
-                'ws: /[ \\t\\n]*/\n')
+
+
+def marker(text, token_id=None):
+    """A tag in Lark: the tokenizer's own token for it when it has one (`<[id]>`: llguidance
+    reads a tokenizer's added tokens as special, so the quoted text would never match Qwen's
+    single <think> or <tool_call> token), else the text."""
+    token = token_id(text) if token_id is not None else None
+    return f"<[{token}]>" if token is not None else json.dumps(text)
+
+
+def _think_first(token_id):
+    """Lark: an optional thought, whitespace, then the constraint (`@constraint`)."""
+    start, end = marker("<think>", token_id), marker("</think>", token_id)
+    if start.startswith("<["):  # tokens: the thought is any text between them
+        think = f"think: {start} THOUGHT {end}\nTHOUGHT: /(?s:.*)/\n"
+    else:  # text: the thought ends at the first </think>
+        think = f"think[lazy]: {start} /(?s:.*)/ {end}\n"
+    return f"start: think? ws @constraint\n{think}ws: /[ \\t\\n]*/\n"
 # llguidance's JSON options: "," and ":" separators, no free whitespace (a schema's
 # "x-guidance" overrides these, as llguidance reads it)
 _JSON_DEFAULTS = {"whitespace_flexible": False}
@@ -93,9 +108,10 @@ def normalized(spec, field="structured_outputs"):
     return {kind: value, **({AFTER_THINK: True} if spec.get(AFTER_THINK) else {})}
 
 
-def grammar_of(spec, field="structured_outputs"):
+def grammar_of(spec, field="structured_outputs", token_id=None):
     """llguidance's grammar text for a structured_outputs dict; refuses (naming `field`) a
-    spec or a schema or grammar the engine cannot compile."""
+    spec or a schema or grammar the engine cannot compile. token_id: the tokenizer's
+    token_to_id, for tags that are tokens of their own."""
     kind, value = check_spec(spec, field)
     grammar = _grammar(kind, value, field)
     if spec.get(AFTER_THINK):
@@ -103,7 +119,7 @@ def grammar_of(spec, field="structured_outputs"):
         inner = _grammar_list(grammar)
         inner[0]["name"] = "constraint"
         grammar = json.dumps({"grammars": [{"name": "think_first",
-                                            "lark_grammar": _THINK_FIRST}] + inner})
+                                            "lark_grammar": _think_first(token_id)}] + inner})
     is_error, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
         raise refuse(field, f"the grammar engine cannot compile this {kind}: "
@@ -157,11 +173,12 @@ class GrammarEngine:
                                "names none (generation_config.json eos_token_id)")
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos)
+        self.token_id = tokenizer.token_to_id
         self.tokenizer = lg.LLTokenizer(tokenizer.to_json_str(), n_vocab=vocab_size,
                                         eos_token=eos)
 
     def start(self, spec):
-        return GuidedSequence(self, grammar_of(spec))
+        return GuidedSequence(self, grammar_of(spec, token_id=self.token_id))
 
 
 class GuidedSequence:

@@ -22,7 +22,8 @@ class ServingChat:
         headers = serving.check(body)
         functions, tool_choice = request_check(check_tools, body.tools, body.tool_choice)
         structured = request_check(structured_outputs, body)
-        forced = forcing_grammar(functions, tool_choice, body.parallel_tool_calls is not False)
+        forced = forcing_grammar(functions, tool_choice, body.parallel_tool_calls is not False,
+                                 serving.tokenizer.token_to_id)
         if forced and structured:
             raise ApiError(400, "tool_choice: a forced tool call ('required' or a named "
                                 "function) cannot be combined with response_format or "

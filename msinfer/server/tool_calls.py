@@ -14,7 +14,7 @@ import json
 import re
 import uuid
 
-from ..engine.structured import grammar_of, refuse
+from ..engine.structured import grammar_of, marker, refuse
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _NAME = re.compile(r'^\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
@@ -69,10 +69,11 @@ def check_tools(tools, tool_choice):
     return functions, choice
 
 
-def forcing_grammar(functions, choice, parallel=True):
+def forcing_grammar(functions, choice, parallel=True, token_id=None):
     """structured_outputs that force one or more calls (tool_choice "required"; one with
     `parallel` false, OpenAI's parallel_tool_calls) or one call of the named tool, in Qwen's
-    format; None for "auto" and "none"."""
+    format (its tags as the tokenizer's own tokens where `token_id`, its token_to_id, has
+    them); None for "auto" and "none"."""
     if choice in ("auto", "none"):
         return None
     names = list(functions) if choice == "required" else [choice]
@@ -84,7 +85,7 @@ def forcing_grammar(functions, choice, parallel=True):
     schema["x-guidance"] = _JSON_OPTIONS
     repeat = ' ("\\n" call)*' if choice == "required" and parallel else ""
     lark = (f"start: call{repeat}\n"
-            f"call: {json.dumps(OPEN + chr(10))} body {json.dumps(chr(10) + CLOSE)}\n"
+            f"call: {marker(OPEN, token_id)} \"\\n\" body \"\\n\" {marker(CLOSE, token_id)}\n"
             f"body: %json {json.dumps(schema)}\n")
     return {"grammar": lark}
 
