@@ -1,12 +1,14 @@
 """msinfer vs HF transformers on this machine, against its memory-bandwidth limit.
 
-    python bench/run.py [--quick] [--profile] [--out bench/results]
+    python bench/run.py [--quick] [--profile] [--shape qwen3-0.6b-shape] [--out bench/results]
 
-One command: makes the random Qwen2 checkpoints if missing (models/, git-ignored), measures
-the machine's streaming bandwidth, runs msinfer and HF transformers side by side on the same
-prompts with the same greedy settings, runs msinfer at tensor degree 1, 2 and 4 under mpirun,
-then writes OUT/latest.json (every figure, the machine, the versions), OUT/latest.png and
-OUT/latest.txt (the table, also printed). bench/README.md says what each figure means and how it is measured.
+One command: makes the random Qwen2 checkpoints (--shape qwen3-0.6b-shape: Qwen3) if missing
+(models/, git-ignored), measures the machine's streaming bandwidth, runs msinfer and HF
+transformers side by side on the same prompts with the same greedy settings, runs msinfer at
+tensor degree 1, 2 and 4 under mpirun, then writes OUT/latest.json (every figure, the machine,
+the versions), OUT/latest.png and OUT/latest.txt (the table, also printed; --shape
+qwen3-0.6b-shape: OUT/qwen3_0.6b.*). bench/README.md says what each figure means and how it
+is measured.
 --quick uses a small model and few tokens: it checks the harness; its figures mean nothing.
 """
 import argparse
@@ -45,6 +47,11 @@ FULL = dict(model=("qwen2-0.5b-shape", QWEN2_05B_SHAPE),
             dist_model=("qwen2-0.5b-shape-16h", QWEN2_05B_SHAPE + ["--heads", "16"]),
             prompt_len=32, decode_tokens={1: 64, 4: 32, 16: 32}, prefill_lens=(128, 512),
             reps=3, max_len=1024, dist_new_tokens=32, dist_reps=3, dist_timeout=900)
+# --shape qwen3-0.6b-shape: Qwen3-0.6B's shape (16 query heads of 128 over 8 KV heads, hidden
+# 1024, q/k norms), which splits over 4 ranks as it is.
+QWEN3_06B = dict(FULL, model=("qwen3-0.6b-shape", ["--preset", "qwen3-0.6b-shape"]),
+                 dist_model=("qwen3-0.6b-shape", ["--preset", "qwen3-0.6b-shape"]))
+SHAPES = {"qwen2-0.5b-shape": (FULL, "latest"), "qwen3-0.6b-shape": (QWEN3_06B, "qwen3_0.6b")}
 QUICK = dict(model=("small", SMALL_SHAPE), dist_model=("small", SMALL_SHAPE),
              prompt_len=16, decode_tokens={1: 8, 4: 8, 16: 8}, prefill_lens=(128, 512),
              reps=2, max_len=1024, dist_new_tokens=8, dist_reps=2, dist_timeout=300)
@@ -385,6 +392,9 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true",
                    help="small model, few tokens: checks the harness in a few minutes")
     p.add_argument("--out", default=os.path.join(BENCH, "results"))
+    p.add_argument("--shape", choices=SHAPES, default="qwen2-0.5b-shape",
+                   help="the random checkpoint's shape (default qwen2-0.5b-shape, written to "
+                        "OUT/latest.*; qwen3-0.6b-shape to OUT/qwen3_0.6b.*)")
     p.add_argument("--reps", type=int, help="measured rounds per case (full run: 3)")
     p.add_argument("--retries", type=int, default=RETRIES,
                    help=f"measurements taken again per side and case when other processes "
@@ -395,7 +405,8 @@ def main(argv=None):
                    help="after the decode cases, time each graph call of one more msinfer "
                         "generate per batch: where a decode step goes")
     args = p.parse_args(argv)
-    cfg = dict(QUICK if args.quick else FULL)
+    full, name = SHAPES[args.shape]
+    cfg = dict(QUICK if args.quick else full)
     if args.reps:
         cfg["reps"] = cfg["dist_reps"] = args.reps
     RETRIES = args.retries
@@ -494,7 +505,8 @@ def main(argv=None):
     results["seconds"] = time.perf_counter() - began
 
     report.add_derived(results)
-    paths = report.write_results(results, args.out, "latest", report.chart, report.table)
+    paths = report.write_results(results, args.out, "latest" if args.quick else name,
+                                 report.chart, report.table)
     log(f"wrote {', '.join(paths)}")
     return 0
 

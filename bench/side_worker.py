@@ -49,16 +49,16 @@ def load_llm(model_dir, **options):
 
 
 def load_hf(model_dir):
-    """transformers' Qwen2 in float32, generating greedily with no end-of-sequence stop, so
-    that every call makes exactly max_new_tokens tokens, as msinfer's ignore_eos does
-    (min_new_tokens would instead forbid the eos token): the model, the seconds it took to
-    load, the versions."""
+    """transformers' model of the checkpoint (Qwen2 or Qwen3) in float32, generating greedily
+    with no end-of-sequence stop, so that every call makes exactly max_new_tokens tokens, as
+    msinfer's ignore_eos does (min_new_tokens would instead forbid the eos token): the model,
+    the seconds it took to load, the versions."""
     import torch
     import transformers
 
     start = time.perf_counter()
-    model = transformers.Qwen2ForCausalLM.from_pretrained(model_dir,
-                                                          dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir,
+                                                              dtype=torch.float32).eval()
     seconds = time.perf_counter() - start
     config = model.generation_config
     config.eos_token_id = None
