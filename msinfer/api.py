@@ -207,6 +207,8 @@ def _output_to_json(out: RequestOutput) -> dict:
     fields = {field.name: getattr(out, field.name) for field in dataclasses.fields(out)}
     if out.logprobs is not None:
         fields["logprobs"] = [list(step.items()) for step in out.logprobs]
+    if out.prompt_logprobs is not None:
+        fields["prompt_logprobs"] = [step and list(step.items()) for step in out.prompt_logprobs]
     return fields
 
 
@@ -215,6 +217,9 @@ def _output_from_json(fields: dict) -> RequestOutput:
     if fields.get("logprobs") is not None:
         fields["logprobs"] = [{int(token): logprob for token, logprob in step}
                               for step in fields["logprobs"]]
+    if fields.get("prompt_logprobs") is not None:
+        fields["prompt_logprobs"] = [step and {int(token): logprob for token, logprob in step}
+                                     for step in fields["prompt_logprobs"]]
     return RequestOutput(**fields)
 
 

@@ -1,10 +1,11 @@
-"""The engine's logprobs (`llm_engine._logprobs`): its partial selection of the top entries
-(candidates bounded by block maxima) gives exactly what sorting the whole row gives: the same
-tokens, values and order (ties by id)."""
+"""The engine's logprobs (`llm_engine.logprobs_of_rows`): its partial selection of the top
+entries (candidates bounded by block maxima) gives what sorting the whole row in float64
+gives: the same tokens in the same order (ties by id), values within 1e-6 (its log-sum-exp
+sums float32 exponentials), row by row or many rows at once."""
 import numpy as np
 import pytest
 
-from msinfer.engine.llm_engine import _logprobs
+from msinfer.engine.llm_engine import _logprobs, logprobs_of_rows
 
 
 def full_sort(logits, token, top):
@@ -41,7 +42,16 @@ def test_partial_selection_equals_the_full_sort(name, logits, top):
     for row in logits:
         for token in (int(np.argmax(row)), int(rng.integers(len(row)))):
             got, want = _logprobs(row, token, top), full_sort(row, token, top)
-            assert list(got.items()) == list(want.items()), name
+            assert list(got) == list(want), name
+            assert list(got.values()) == pytest.approx(list(want.values()), abs=1e-6), name
+
+
+@pytest.mark.parametrize("top", [0, 3])
+def test_many_rows_at_once_are_each_row_alone(top):
+    logits = (np.random.default_rng(3).standard_normal((9, 70000)) * 3).astype(np.float32)
+    tokens = list(range(9))
+    assert logprobs_of_rows(logits, tokens, top) == [_logprobs(row, t, top)
+                                                     for row, t in zip(logits, tokens)]
 
 
 def test_the_values_are_log_probabilities():

@@ -7,7 +7,8 @@ pool); this module keeps the free blocks and, with prefix caching, what each ful
 Prefix caching (as vLLM's automatic prefix caching): a block whose every position has been
 computed is named by a hash chained over its tokens and every token before it, so equal names
 mean equal K/V. A new sequence takes the longest run of named blocks matching its tokens (never
-its last token: that one is computed, so the sequence has logits) and is prefilled from there.
+its last token: that one is computed, so the sequence has logits; nor a position whose logits
+score its prompt, when it asks for prompt logprobs, as vLLM) and is prefilled from there.
 Blocks carry reference counts: a block several sequences hold is only ever read (a sequence
 writes only past its matched blocks). A block nobody holds stays named and free; it is reused
 for something else only when the pool runs out of unnamed free blocks, least recently freed
@@ -59,7 +60,10 @@ class BlockManager:
         last token (empty without prefix caching)."""
         if not self.prefix_caching:
             return []
-        names = self._names(seq, (seq.length - 1) // self.layout.block_size)
+        usable = seq.length - 1
+        if seq.unscored_prompt:  # positions that score prompt tokens need their logits
+            usable = min(usable, seq.unscored_prompt.start)
+        names = self._names(seq, usable // self.layout.block_size)
         found = []
         for name in names:
             block = self.named.get(name)

@@ -40,6 +40,9 @@ class RequestOutput:
     # logits were not finite: `error` says why and what to do)
     finish_reason: str = None
     logprobs: list = None  # per generated token {token id: logprob}, when asked
+    # per prompt token {token id: logprob} (None for the first), when asked: from the first
+    # output on (the prompt is scored when its last chunk runs)
+    prompt_logprobs: list = None
     error: str = None  # with finish_reason "error"
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache, not computed
 
@@ -159,6 +162,8 @@ class LLMEngine:
         seq = Sequence(request_id, ids, params, generator=generator, prompt=prompt)
         if params.logprobs is not None:
             seq.logprobs = []
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]  # the first token: nothing before it scores it
         if self._tokenizer is not None:
             seq.decoder = IncrementalDecoder(self._tokenizer())
         self._requests[request_id] = seq
@@ -223,15 +228,27 @@ class LLMEngine:
         self.decisions = []
         sampled_seqs, logits = [], []
         if schedule.chunks:
+            positions = [chunk.logit_positions() for chunk in schedule.chunks]
             chunk_logits = self.runner.prefill(schedule.chunks)
-            for chunk in schedule.chunks:
+            completing, row = [], 0
+            for chunk, chunk_positions in zip(schedule.chunks, positions):
+                scoring = len(chunk_positions) - chunk.completes  # prompt rows come first
+                if scoring:
+                    if sample:  # only the leader of a tensor group keeps values
+                        self._score_prompt(chunk.seq, chunk_logits[row:row + scoring])
+                    chunk.seq.prompt_scored += scoring
+                row += scoring
+                if chunk.completes:
+                    completing.append(row)
+                    row += 1
                 chunk.seq.computed += chunk.count
                 self.prefill_tokens_computed += chunk.count
                 self.blocks.computed(chunk.seq)
             completed = [c.seq for c in schedule.chunks if c.completes]
             if completed:
                 sampled_seqs += completed
-                logits.append(chunk_logits)
+                logits.append(chunk_logits if row == len(completing)
+                              else chunk_logits[completing])
         if schedule.decodes:
             logits.append(self.runner.decode(schedule.decodes))
             for seq in schedule.decodes:
@@ -241,6 +258,19 @@ class LLMEngine:
         if not sampled_seqs or not sample:
             return []
         outputs = []
+        # max_tokens 0 (prompt logprobs only): the prompt is scored, nothing is generated
+        scored_only = [s.params.max_tokens == 0 for s in sampled_seqs]
+        if any(scored_only):
+            for seq, done in zip(sampled_seqs, scored_only):
+                if done:
+                    self._finish(seq, "length")
+                    outputs.append(self._output(seq))
+                    self.decisions.append([seq.request_id, None, "length"])
+            keep = [not done for done in scored_only]
+            sampled_seqs = [s for s, k in zip(sampled_seqs, keep) if k]
+            logits = [np.concatenate(logits)[keep]] if sampled_seqs else []
+            if not sampled_seqs:
+                return outputs
         # one call's logits need no copy (16 x 151,936 float32 is 9.7 MB)
         logits = logits[0] if len(logits) == 1 else np.concatenate(logits)
         finite = np.isfinite(logits).all(axis=1)  # 0.2 ms for 16 x 151,936
@@ -303,7 +333,7 @@ class LLMEngine:
         seq.generated.append(token)
         self.generation_tokens_total += 1
         if seq.logprobs is not None:
-            seq.logprobs.append(_logprobs(logits, token, seq.params.logprobs))
+            seq.logprobs.append(logprobs_of_rows(logits[None], [token], seq.params.logprobs)[0])
         decoder = seq.decoder
         if decoder is not None:
             decoder.push(token)
@@ -324,6 +354,16 @@ class LLMEngine:
             reason = "length"
         if reason:
             self._finish(seq, reason)
+
+    def _score_prompt(self, seq, logits):
+        """Record the logprobs of the prompt tokens that `logits` rows (one per position
+        from the first unscored one on) score, with their `prompt_logprobs` top entries."""
+        first = seq.prompt_scored  # the token that the first row scores
+        tokens = seq.prompt_token_ids[first:first + len(logits)]
+        if not np.isfinite(logits).all():  # reported as such, not as a number that is not one
+            seq.prompt_logprobs += [{t: float("nan")} for t in tokens]
+            return
+        seq.prompt_logprobs += logprobs_of_rows(logits, tokens, seq.params.prompt_logprobs)
 
     def _fail(self, seq):
         """Finish `seq` whose logits are not finite: finish_reason "error", logged (every
@@ -351,6 +391,10 @@ class LLMEngine:
                              token_ids=list(seq.generated), text=text, finished=seq.finished,
                              finish_reason=seq.finish_reason,
                              logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                             prompt_logprobs=(list(seq.prompt_logprobs)
+                                              if seq.prompt_logprobs is not None
+                                              and len(seq.prompt_logprobs)
+                                              == len(seq.prompt_token_ids) else None),
                              cached_tokens=seq.cached_tokens or 0)
 
     # ---- compile ahead ----
@@ -384,42 +428,55 @@ class LLMEngine:
                 gc.unfreeze()
 
 
-_LOGPROB_BLOCK = 256  # entries per block whose maxima bound the top ones (_logprobs)
+_LOGPROB_BLOCK = 256  # entries per block whose maxima bound the top ones (logprobs_of_rows)
+
+
+def logprobs_of_rows(logits, tokens, top):
+    """One {token: logprob} per row of `logits` (rows, vocab): the row's token in `tokens`
+    and its `top` most likely ones, from the model's distribution (before temperature and
+    truncation, as vLLM reports them), most likely first, ties by token id.
+
+    All rows at once. The log-sum-exp is taken over float32 exponentials, summed pairwise
+    (within 1e-6 of float64 throughout: a third of its time), and log-probabilities only for
+    the entries returned. The top ones are found without sorting a row: the top-th largest of
+    its blocks' maxima is a bound every one of the top entries reaches (k blocks reach it, so
+    k entries do), which leaves a handful of candidates; only they are sorted. The same
+    tokens in the same order as sorting the whole row (docs/engine.md)."""
+    logits = np.asarray(logits)
+    if logits.dtype != np.float32:
+        logits = logits.astype(np.float32)
+    rows, vocab = logits.shape
+    peak = logits.max(axis=1)
+    shifted = np.subtract(logits, peak[:, None], dtype=np.float32)  # the one full temporary
+    np.exp(shifted, out=shifted)
+    lse = np.log(shifted.sum(axis=1)).astype(np.float64) + peak.astype(np.float64)
+    tokens = np.asarray(tokens, dtype=np.int64)
+    chosen = logits[np.arange(rows), tokens].astype(np.float64) - lse
+    picked = [{int(t): float(v)} for t, v in zip(tokens, chosen)]
+    if not top:
+        return picked
+    whole = vocab // _LOGPROB_BLOCK * _LOGPROB_BLOCK
+    maxima = logits[:, :whole].reshape(rows, -1, _LOGPROB_BLOCK).max(axis=2)
+    if whole < vocab:
+        maxima = np.concatenate([maxima, logits[:, whole:].max(axis=1, keepdims=True)], 1)
+    if maxima.shape[1] > top:
+        bound = np.partition(maxima, maxima.shape[1] - top, axis=1)[:, maxima.shape[1] - top]
+    else:
+        bound = logits.min(axis=1)
+    candidate_rows, candidate_ids = np.nonzero(logits >= bound[:, None])
+    starts = np.searchsorted(candidate_rows, np.arange(rows + 1))
+    for row in range(rows):
+        ids = candidate_ids[starts[row]:starts[row + 1]]
+        values = logits[row, ids]
+        if len(ids) > top:  # keep the top-th largest candidate and all above or equal to it
+            kth = np.partition(values, len(ids) - top)[len(ids) - top]
+            ids, values = ids[values >= kth], values[values >= kth]
+        order = np.lexsort((ids, -values))[:top]  # by logit (so logprob), descending; by id
+        for i in order:
+            picked[row].setdefault(int(ids[i]), float(values[i] - lse[row]))
+    return picked
 
 
 def _logprobs(logits, token, top):
-    """{token: logprob} for the sampled token and the `top` most likely ones, from the model's
-    distribution (before temperature and truncation, as vLLM reports them).
-
-    The row's log-sum-exp is taken in float64, and log-probabilities only for the entries
-    returned. The top ones are found without sorting the row: the top-th largest of its
-    blocks' maxima is a bound every one of the top entries reaches (k blocks reach it, so k
-    entries do), which leaves a handful of candidates; only they are sorted. The same values
-    in the same order (ties by token id) as sorting the whole row, for ~1/20 of its cost
-    (docs/engine.md)."""
-    peak = logits.max()
-    shifted = np.subtract(logits, peak, dtype=np.float64)  # the one full-row temporary
-    np.exp(shifted, out=shifted)
-    lse = np.log(shifted.sum())
-
-    def logprob(ids):
-        return (logits[ids].astype(np.float64) - np.float64(peak)) - lse
-    picked = {token: float(logprob(token))}
-    if top:
-        whole = len(logits) // _LOGPROB_BLOCK * _LOGPROB_BLOCK
-        maxima = logits[:whole].reshape(-1, _LOGPROB_BLOCK).max(axis=1)
-        if whole < len(logits):
-            maxima = np.append(maxima, logits[whole:].max())
-        if len(maxima) > top:
-            bound = np.partition(maxima, len(maxima) - top)[len(maxima) - top]
-            ids = np.flatnonzero(logits >= bound)
-        else:
-            ids = np.arange(len(logits))
-        if len(ids) > top:  # keep the top-th largest candidate and all above or equal to it
-            values = logits[ids]
-            kth = np.partition(values, len(ids) - top)[len(ids) - top]
-            ids = ids[values >= kth]
-        values = logprob(ids)
-        for i in np.lexsort((ids, -values))[:top]:  # by logprob, descending; ties by id
-            picked.setdefault(int(ids[i]), float(values[i]))
-    return picked
+    """logprobs_of_rows of one row."""
+    return logprobs_of_rows(np.asarray(logits)[None], [token], top)[0]

@@ -115,9 +115,11 @@ class ModelRunner:
         return logits
 
     def prefill(self, chunks) -> np.ndarray:
-        """Runs the chunks (each writes its tokens' K/V); returns logits (k, vocab) for the k
-        chunks that complete their sequence's pending tokens, in chunk order (none: an empty
-        array, and explicit mode skips the lm_head)."""
+        """Runs the chunks (each writes its tokens' K/V); returns the logits rows of every
+        chunk's `logit_positions()`, in chunk order: one row for each chunk that completes its
+        sequence's pending tokens, and with prompt logprobs a row for each position scoring a
+        prompt token before it (none at all: an empty array, and explicit mode skips the
+        lm_head)."""
         total = sum(c.count for c in chunks)
         size = bucket_for(total, self.chunk_buckets)
         context = bucket_for(sum(c.start + c.count for c in chunks), self.context_buckets)
@@ -141,10 +143,9 @@ class ModelRunner:
             slots[filled:filled + end] = seq_slots
             context_owner[filled:filled + end] = i
             context_position[filled:filled + end] = np.arange(end)
+            rows += [token + position - c.start for position in c.logit_positions()]
             token += c.count
             filled += end
-            if c.completes:
-                rows.append(token - 1)
         visible = ((owner[:, None] == context_owner[None, :])
                    & (context_position[None, :] <= positions[:, None]))
         mask = np.where(visible, 0.0, MASKED).astype(np.float32)[None]
@@ -159,10 +160,15 @@ class ModelRunner:
         return logits
 
     def prefill_rows(self, count, size):
-        """The lm_head rows a prefill call of `size` tokens computes when `count` of its chunks
-        complete their prompts: the row bucket of `count`. Explicit mode picks those rows
+        """The lm_head rows a prefill call of `size` tokens computes when it needs `count`
+        logits rows (one per chunk completing its prompt, more with prompt logprobs): the row
+        bucket of `count`, else a multiple of the largest. Explicit mode picks those rows
         before its head graph (ExplicitRunner._run), which is then the decode step's graph of
-        that batch: no graph of its own for any (chunk, rows)."""
+        that batch (of the largest batch, in turn, for more rows): no graph of its own for any
+        (chunk, rows)."""
+        largest = self.row_buckets[-1]
+        if count > largest:  # prompt logprobs: the largest batch's head, as often as needed
+            return round_up(count, largest)
         return bucket_for(max(count, 1), self.row_buckets)
 
     def _time(self, kind, start, tokens, compiled_before, shape):
@@ -283,13 +289,20 @@ class ExplicitRunner(ModelRunner):
         if rows is None:
             x.asnumpy()  # the call's cache writes done before the next call builds on them
             return None
-        if len(rows) != len(ids) or (rows != np.arange(len(ids))).any():
-            # A prefill call's rows are picked first (one op, outside the graphs): the head's
-            # graph then takes R rows whatever the chunk, the graph a decode step of batch R
-            # compiled, so prefill calls of any chunk and row count compile no head of their
-            # own (row_buckets are the batch buckets).
-            x = ops.gather(x, Tensor(rows), 0)
-            rows = np.arange(len(rows), dtype=np.int32)
+        if len(rows) == len(ids) and (rows == np.arange(len(ids))).all():
+            return self._head(x, rows)
+        # A prefill call's rows are picked first (one op, outside the graphs): the head's
+        # graph then takes R rows whatever the chunk, the graph a decode step of batch R
+        # compiled, so prefill calls of any chunk and row count compile no head of their own
+        # (row_buckets are the batch buckets). More rows than the largest batch (prompt
+        # logprobs) go through that batch's head in turn (prefill_rows pads to a multiple).
+        piece = min(len(rows), self.row_buckets[-1])
+        return np.concatenate([
+            self._head(ops.gather(x, Tensor(rows[start:start + piece]), 0),
+                       np.arange(piece, dtype=np.int32))
+            for start in range(0, len(rows), piece)])
+
+    def _head(self, x, rows):
         logits = self.head(x, Tensor(rows), *self.head_weights).asnumpy()
         return blocked_transpose(logits) if self.head.transposed_for(len(rows)) else logits
 
@@ -304,8 +317,11 @@ class SemiAutoRunner(ModelRunner):
         """The most rows a prefill call of `size` tokens can need (one per completing chunk:
         at most min(max_num_seqs, size)), whatever `count`: the whole-model graph includes
         the lm_head, and one row count per chunk bucket keeps one graph per (chunk, context).
-        The rows beyond `count` are row 0 again, computed and dropped."""
-        return bucket_for(min(size, self.row_buckets[-1]), self.row_buckets)
+        The rows beyond `count` are row 0 again, computed and dropped. A call that needs more
+        (prompt logprobs) has a row for every token: one more graph for that (chunk,
+        context), compiled when first asked (warm-up does not: few requests ask)."""
+        largest = bucket_for(min(size, self.row_buckets[-1]), self.row_buckets)
+        return size if count > largest else largest
 
     def __init__(self, ctx, layout, max_num_seqs, max_prefill_tokens, max_model_len, model,
                  world_size=1):

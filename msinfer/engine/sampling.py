@@ -34,6 +34,9 @@ class SamplingParams:
     stop_token_ids: Tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int = None  # report the sampled token's logprob and this many most likely ones
+    # report each prompt token's logprob (the first has none) and this many most likely ones
+    # at its position (vLLM's prompt_logprobs); with it, max_tokens 0 scores the prompt only
+    prompt_logprobs: int = None
     min_p: float = 0.0  # keep tokens at least this share of the most likely one's probability
     presence_penalty: float = 0.0  # subtracted once from each token already generated
     frequency_penalty: float = 0.0  # subtracted per occurrence in what was generated
@@ -54,8 +57,14 @@ class SamplingParams:
         def is_int(value):
             return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            bad("max_tokens", self.max_tokens, "must be an integer >= 1")
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
+                                                 or self.prompt_logprobs < 0):
+            bad("prompt_logprobs", self.prompt_logprobs,
+                "must be a non-negative integer or None")
+        least = 0 if self.prompt_logprobs is not None else 1  # 0: score the prompt only
+        if not is_int(self.max_tokens) or self.max_tokens < least:
+            bad("max_tokens", self.max_tokens, f"must be an integer >= {least}"
+                + (" (0 only with prompt_logprobs)" if least else ""))
         if (not isinstance(self.temperature, numbers.Real) or isinstance(self.temperature, bool)
                 or not math.isfinite(self.temperature) or self.temperature < 0):
             bad("temperature", self.temperature, "must be a finite number >= 0 (0 = greedy)")

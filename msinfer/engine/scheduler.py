@@ -39,6 +39,16 @@ class Chunk:
         """Reaches the sequence's last token: its logits give the next token."""
         return self.start + self.count == self.seq.length
 
+    def logit_positions(self) -> list[int]:
+        """The positions of this chunk whose logits the step needs, ascending: those that
+        score prompt tokens (Sequence.unscored_prompt), then the last one when it completes."""
+        unscored = self.seq.unscored_prompt
+        end = self.start + self.count
+        positions = list(range(max(self.start, unscored.start), min(end, unscored.stop)))
+        if self.completes:
+            positions.append(end - 1)
+        return positions
+
 
 @dataclasses.dataclass
 class Schedule:

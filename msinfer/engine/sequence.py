@@ -30,6 +30,12 @@ class Sequence:
     generated: list[int] = dataclasses.field(default_factory=list)
     # one {token id: logprob} per generated token, when asked
     logprobs: list[dict[int, float]] | None = None
+    # with params.prompt_logprobs: None for the first prompt token, then one {token id:
+    # logprob} per prompt token (the leader's; other ranks of a tensor group keep none)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # prompt tokens scored so far (the first needs nothing), on every rank alike: which
+    # positions still need logits (unscored_prompt), and so what the prefix cache may serve
+    prompt_scored: int = 1
     decoder: IncrementalDecoder | None = None  # of the generated text, with a tokenizer
     # the grammar's state, where this sequence is sampled (engine/structured.py)
     guided: GuidedSequence | None = None
@@ -63,6 +69,15 @@ class Sequence:
     def prefilling(self) -> bool:
         """More than one pending token: they go through prefill chunks; one goes to decode."""
         return self.pending > 1
+
+    @property
+    def unscored_prompt(self) -> range:
+        """The positions whose logits score a prompt token not scored yet (the token after
+        each), when prompt logprobs are asked: they are computed, never served by the prefix
+        cache, and the runner returns their logits rows."""
+        if self.params.prompt_logprobs is None:
+            return range(0)
+        return range(self.prompt_scored - 1, len(self.prompt_token_ids) - 1)
 
     @property
     def finished(self) -> bool:

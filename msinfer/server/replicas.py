@@ -215,7 +215,8 @@ class RemoteReplica:
             self.done.set()
 
     def _apply(self, entry):
-        request_id, tokens, keep, text, finished, reason, logprobs, error, cached = entry
+        (request_id, tokens, keep, text, finished, reason, logprobs, error, cached,
+         prompt_logprobs) = entry
         with self._lock:
             mirror = self._requests.get(request_id)
             if mirror is None:
@@ -227,12 +228,15 @@ class RemoteReplica:
         if logprobs is not None:
             mirror.logprobs = (mirror.logprobs or []) + [
                 {int(t): v for t, v in row} for row in logprobs]
+        if prompt_logprobs is not None:
+            mirror.prompt_logprobs = [row and {int(t): v for t, v in row}
+                                      for row in prompt_logprobs]
         mirror.sink(RequestOutput(
             request_id=request_id, prompt=mirror.prompt,
             prompt_token_ids=mirror.prompt_token_ids, token_ids=list(mirror.token_ids),
             text=mirror.text, finished=finished, finish_reason=reason,
             logprobs=list(mirror.logprobs) if mirror.logprobs is not None else None,
-            error=error, cached_tokens=cached))
+            error=error, cached_tokens=cached, prompt_logprobs=mirror.prompt_logprobs))
 
 
 @dataclasses.dataclass
@@ -243,6 +247,7 @@ class _Mirror:
     token_ids: list = dataclasses.field(default_factory=list)
     text: str = ""
     logprobs: list = None
+    prompt_logprobs: list = None
 
 
 class ReplicaUplink:
@@ -269,13 +274,16 @@ class ReplicaUplink:
                                    "step_seconds": step_seconds, "handoff": handoff}})
 
     def _entry(self, out):
+        keep_sent = out.request_id in self._sent  # reported before
         tokens, text = self._sent.pop(out.request_id, (0, ""))
         keep = len(text) if out.text.startswith(text) else len(
             os.path.commonprefix([text, out.text]))
         if not out.finished:
             self._sent[out.request_id] = (len(out.token_ids), out.text)
-        logprobs = None
+        logprobs = prompt_logprobs = None
         if out.logprobs is not None:
             logprobs = [list(row.items()) for row in out.logprobs[tokens:]]
+        if out.prompt_logprobs is not None and not keep_sent:  # once, in the first report
+            prompt_logprobs = [row and list(row.items()) for row in out.prompt_logprobs]
         return [out.request_id, out.token_ids[tokens:], keep, out.text[keep:], out.finished,
-                out.finish_reason, logprobs, out.error, out.cached_tokens]
+                out.finish_reason, logprobs, out.error, out.cached_tokens, prompt_logprobs]
