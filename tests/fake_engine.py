@@ -137,6 +137,11 @@ class FakeEngine:
             return []
         outputs = []
         for r in list(self.running):
+            if r.params.max_tokens == 0:  # prompt logprobs only: scored, nothing generated
+                self.running.remove(r)
+                self.decisions.append([r.request_id, None, "length"])
+                outputs.append(self._output(r, "length"))
+                continue
             token = r.planned[len(r.generated)]
             r.generated.append(token)
             self.generation_tokens += 1
@@ -163,8 +168,9 @@ class FakeEngine:
                 raise MsinferError(f"the leader decided for request {request_id!r}, which "
                                    f"this rank does not hold")
             r = by_id[request_id]
-            r.generated.append(token)
-            self.generation_tokens += 1
+            if token is not None:
+                r.generated.append(token)
+                self.generation_tokens += 1
             if reason:
                 self.running.remove(r)
 
@@ -176,7 +182,19 @@ class FakeEngine:
         n = getattr(r.params, "logprobs", None)
         return RequestOutput(r.request_id, r.prompt, r.prompt_ids, list(r.generated), text,
                              reason is not None, reason,
-                             list(r.logprobs) if n is not None else None)
+                             list(r.logprobs) if n is not None else None,
+                             prompt_logprobs=self._prompt_logprobs(r))
+
+    @staticmethod
+    def _prompt_logprobs(r):
+        """With prompt_logprobs asked: None, then prompt token i scored -1 - i / 100 beside
+        that many made-up most likely ones (ids 250...)."""
+        top = getattr(r.params, "prompt_logprobs", None)
+        if top is None:
+            return None
+        return [None] + [{t: -1.0 - i / 100, **{u: -0.5 - u / 1000 for u in
+                                                range(250, 250 + top) if u != t}}
+                         for i, t in enumerate(r.prompt_ids[1:], 1)]
 
     def stats(self):
         return EngineStats(len(self.running), len(self.waiting), self.num_blocks, self._used(),

@@ -11,6 +11,7 @@ import pytest
 
 from msinfer.server.serving import IGNORED_FIELDS_HEADER
 
+from fake_engine import expected_ids
 from test_serve_protocol import MODEL, RunningServer, expected_text, raw
 
 
@@ -77,8 +78,15 @@ def test_neutral_values_of_fields_msinfer_does_not_do_yet_are_accepted(server, e
 
 
 @pytest.mark.parametrize("extra, field", [
-    ({"n": 17}, "n"), ({"n": 0}, "n"), ({"best_of": 3}, "best_of"), ({"echo": True}, "echo"),
-    ({"suffix": "end"}, "suffix"), ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"n": 17}, "n"), ({"n": 0}, "n"), ({"suffix": "end"}, "suffix"),
+    ({"n": 5}, "n"),  # beyond the server's --max-num-seqs (4)
+    ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"), ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # as vLLM
+    ({"best_of": 2, "n": 3}, "best_of"), ({"best_of": 5}, "best_of"), ({"best_of": 0}, "best_of"),
+    ({"best_of": 2, "stream": True}, "best_of"),
+    ({"max_tokens": 0}, "max_tokens"),  # only with echo or prompt_logprobs
+    ({"max_tokens": -1}, "max_tokens"), ({"echo": "yes please"}, "echo"),
     ({"tools": [{"type": "function"}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
@@ -353,3 +361,78 @@ def test_the_qwen3_split_of_a_whole_answer_is_vllms():
     assert split_whole("<think>unfinished") == (None, "<think>unfinished")
     assert split_whole("plan</think>answer") == ("plan", "answer")  # template opened <think>
     assert split_whole("<think>only thinking</think>") == ("only thinking", None)
+
+
+def test_chat_bounds_on_logprobs_name_the_field(server):
+    for extra, field in [({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                         ({"prompt_logprobs": 21}, "prompt_logprobs"),
+                         ({"n": 5}, "n"), ({"max_tokens": 0}, "max_tokens")]:
+        response = raw(server, "/v1/chat/completions",
+                       {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                        **extra})
+        assert response.status_code == 400, (extra, response.text)
+        assert response.json()["error"]["param"] == field
+
+
+def fake_prompt_logprob(i):
+    """The fake engine's logprob of prompt token i (fake_engine._prompt_logprobs)."""
+    return -1.0 - i / 100
+
+
+def test_echo_with_logprobs_and_max_tokens_0_scores_the_prompt_as_lm_eval_reads_it(server):
+    """lm-eval's loglikelihood request: token ids, echo, logprobs 1, max_tokens 0 or 1; one
+    entry per prompt token (the first null), then the generated ones."""
+    prompt = [72, 105, 33, 10]
+    for max_tokens in (0, 1, 3):
+        out = raw(server, "/v1/completions", {"model": MODEL, "prompt": prompt, "echo": True,
+                                              "logprobs": 1, "max_tokens": max_tokens,
+                                              "temperature": 0}).json()
+        choice = out["choices"][0]
+        generated = expected_ids(prompt, max_tokens)
+        assert choice["text"] == bytes(prompt).decode() + bytes(generated).decode(
+            errors="replace")
+        logprobs = choice["logprobs"]
+        assert len(logprobs["tokens"]) == len(prompt) + max_tokens
+        assert logprobs["token_logprobs"][:len(prompt)] == [None] + [
+            fake_prompt_logprob(i) for i in range(1, len(prompt))]
+        assert logprobs["token_logprobs"][len(prompt):] == [-0.25] * max_tokens
+        assert logprobs["top_logprobs"][0] is None
+        assert all(len(top) == 1 for top in logprobs["top_logprobs"][1:])
+        assert logprobs["text_offset"][:2] == [0, 1]
+        assert choice["finish_reason"] == "length"
+        assert out["usage"]["completion_tokens"] == max_tokens
+        assert choice["prompt_logprobs"] is None  # vLLM's field only when asked for
+
+
+def test_echo_without_logprobs_and_streamed_echo(server):
+    whole = raw(server, "/v1/completions", {"model": MODEL, "prompt": "Hey", "echo": True,
+                                            "max_tokens": 4}).json()["choices"][0]
+    assert whole["text"] == "Hey" + expected_text("Hey", 4) and whole["logprobs"] is None
+    response = raw(server, "/v1/completions", {"model": MODEL, "prompt": "Hey", "echo": True,
+                                               "max_tokens": 4, "stream": True,
+                                               "logprobs": 0})
+    chunks = [e["choices"][0] for e in sse_events(response)]
+    assert chunks[0]["text"].startswith("Hey")
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    tokens = sum((c["logprobs"]["tokens"] for c in chunks), [])
+    assert tokens == ["H", "e", "y"] + [bytes([t]).decode(errors="replace")
+                                        for t in expected_ids(list(b"Hey"), 4)]
+
+
+def test_prompt_logprobs_come_in_vllms_shape_on_completions_and_chat(server):
+    out = raw(server, "/v1/completions", {"model": MODEL, "prompt": [72, 105, 33],
+                                          "prompt_logprobs": 2, "max_tokens": 1}).json()
+    scored = out["choices"][0]["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == 3
+    # the prompt token (rank null: below the two made-up most likely) and the top 2, ranked
+    assert scored[1] == {"105": {"logprob": fake_prompt_logprob(1), "rank": None,
+                                 "decoded_token": "i"},
+                         "250": {"logprob": -0.75, "rank": 1, "decoded_token": "\ufffd"},
+                         "251": {"logprob": -0.751, "rank": 2, "decoded_token": "\ufffd"}}
+    assert out["choices"][0]["logprobs"] is None
+    chat = raw(server, "/v1/chat/completions",
+               {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                "prompt_logprobs": 0, "max_tokens": 1}).json()
+    templated = "<user>x\n<assistant>"
+    assert [next(iter(e)) for e in chat["prompt_logprobs"][1:]] == [
+        str(b) for b in templated.encode()[1:]]

@@ -37,7 +37,8 @@ class RunningServer:
                               api_key=api_key, max_queue=max_queue,
                               max_request_bytes=max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
                               root="/models/fake", vocab_size=self.engine.vocab_size,
-                              reasoning_parser=reasoning_parser)
+                              reasoning_parser=reasoning_parser,
+                              max_num_seqs=getattr(self.engine, "max_num_seqs", None))
         app = build_app(self.loop, self.llm.tokenizer, config, self.metrics)
         listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{listener.getsockname()[1]}"
@@ -171,9 +172,9 @@ def raw(server, path, body=None, headers=None, method="POST"):
     ({"model": MODEL, "prompt": "hi", "presence_penalty": 5}, 400, "presence_penalty"),
     ({"model": MODEL, "prompt": "hi", "repetition_penalty": -1}, 400, "repetition_penalty"),
     ({"model": MODEL, "prompt": "hi", "logit_bias": {"100000": 1}}, 400, "outside the vocab"),
-    ({"model": MODEL, "prompt": "hi", "best_of": 2}, 400, "best_of"),
+    ({"model": MODEL, "prompt": "hi", "best_of": 2, "n": 3}, 400, "best_of"),
     ({"model": MODEL, "prompt": "hi", "suffix": "x"}, 400, "suffix"),
-    ({"model": MODEL, "prompt": "hi", "prompt_logprobs": 0}, 400, "prompt_logprobs"),
+    ({"model": MODEL, "prompt": "hi", "prompt_logprobs": 99}, 400, "prompt_logprobs"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 10 ** 9}, 400, "max_len"),
     ({"model": MODEL, "prompt": ""}, 400, "empty"),
@@ -183,7 +184,7 @@ def raw(server, path, body=None, headers=None, method="POST"):
     ({"model": MODEL, "prompt": "x" * 200, "max_tokens": 1}, 400, "max_len"),
     ({"model": "gpt-4", "prompt": "hi"}, 404, "gpt-4"),
     ({"model": MODEL, "prompt": "hi", "n": 99}, 400, "n"),
-    ({"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo"),
+    ({"model": MODEL, "prompt": "hi", "echo": 3}, 400, "echo"),
     ({"model": MODEL}, 400, "prompt"),
     ([1, 2], 400, "body"),
 ])

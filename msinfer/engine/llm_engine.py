@@ -133,6 +133,7 @@ class LLMEngine:
                                    max_context=max_model_len)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
         self.eos_token_ids = set(eos_token_ids)
         self.seed = seed
         self._tokenizer = tokenizer

@@ -223,7 +223,8 @@ def _front(llm, links, options):
                           or DEFAULT_MAX_REQUEST_BYTES,
                           root=getattr(llm, "model_dir", None),
                           vocab_size=getattr(getattr(llm, "config", None), "vocab_size", None),
-                          reasoning_parser=options.reasoning_parser)
+                          reasoning_parser=options.reasoning_parser,
+                          max_num_seqs=getattr(llm.engine, "max_num_seqs", None))
     app = build_app(router, llm.tokenizer, config, metrics)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=5))

@@ -3,10 +3,9 @@
 Requests accept fields msinfer does not know, as vLLM does: they are ignored, logged and named
 in the response's `X-Msinfer-Ignored-Fields` header (`ignored_fields()`), so clients written
 for vLLM or OpenAI (guidellm, lm-eval, `vllm bench serve`, aiperf) run unmodified. Known fields
-are validated by type and range (400). Fields msinfer knows but cannot honour yet (best_of,
-echo, ...) are refused by `unsupported()` with the field's name, never silently
-ignored; a value that asks for nothing (`best_of: 1`, `echo: false`, `tools: []`,
-...) is accepted.
+are validated by type and range (400). Fields msinfer knows but cannot honour yet (suffix,
+...) are refused by `unsupported()` with the field's name, never silently ignored; a value
+that asks for nothing (`suffix: null`, `tools: []`, ...) is accepted.
 """
 import json
 import time
@@ -22,6 +21,7 @@ from ..engine.tokenizer import prompt_list
 MAX_STOP_STRINGS = 16
 MAX_N = 16  # choices per prompt (n); each is a sequence of its own in the engine
 MAX_STOP_CHARS = 256
+MAX_LOGPROBS = 20  # top entries per token (logprobs, top_logprobs, prompt_logprobs): vLLM's
 
 
 def _extras(model, prefix=""):
@@ -58,9 +58,11 @@ class _Request(BaseModel):
     repetition_penalty: Optional[float] = Field(default=None, gt=0.0)
     min_tokens: int = Field(default=0, ge=0)
     min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    # vLLM's: each prompt token's logprob and this many most likely ones at its position
+    # (-1, vLLM's whole vocabulary, is refused: out_of_bounds)
+    prompt_logprobs: Optional[int] = Field(default=None, ge=-1)
     # Fields (vLLM's and OpenAI's) msinfer knows but does not do yet: only the values that
     # ask for nothing are accepted (unsupported())
-    prompt_logprobs: Optional[int] = Field(default=None, ge=-1)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # a constraint on the output, enforced while decoding (server/guided.py): OpenAI's, and
@@ -88,8 +90,8 @@ class _Request(BaseModel):
 
     def unsupported(self):
         """(field, why) for the first field set to something msinfer does not do, else None."""
-        if self.prompt_logprobs is not None:
-            return "prompt_logprobs", "prompt_logprobs is not supported"
+        if self.prompt_logprobs is not None and self.stream:  # as vLLM
+            return "prompt_logprobs", "prompt_logprobs are not available with stream=true"
         if self.include_stop_str_in_output:
             return "include_stop_str_in_output", "only include_stop_str_in_output=false is " \
                                                  "supported"
@@ -106,10 +108,17 @@ class _Request(BaseModel):
             names += _extras(self.stream_options, "stream_options.")
         return names
 
-    def out_of_bounds(self):
-        """(field, why) for a field beyond msinfer's bounds (a 400 naming it), else None."""
+    def out_of_bounds(self, max_num_seqs=None):
+        """(field, why) for a field beyond msinfer's bounds (a 400 naming it), else None;
+        `max_num_seqs`: the server's running batch, which bounds n too."""
         if not 1 <= self.n <= MAX_N:
             return "n", f"n={self.n}: choices per prompt must be 1..{MAX_N}"
+        if max_num_seqs and self.n > max_num_seqs:
+            return "n", (f"n={self.n}: choices per prompt must be at most the server's "
+                         f"--max-num-seqs {max_num_seqs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            return "prompt_logprobs", (f"prompt_logprobs={self.prompt_logprobs}: must be "
+                                       f"0..{MAX_LOGPROBS}")
         stops = self.stop_strings()
         if len(stops) > MAX_STOP_STRINGS:
             return "stop", (f"{len(stops)} stop strings; at most {MAX_STOP_STRINGS} are "
@@ -119,6 +128,10 @@ class _Request(BaseModel):
             return "stop", (f"a stop string of {len(longest)} characters; each may have at "
                             f"most {MAX_STOP_CHARS}")
         return None
+
+    def sequences_per_prompt(self):
+        """Sequences the engine runs for each prompt."""
+        return self.n
 
     def stop_strings(self):
         if self.stop is None:
@@ -138,8 +151,12 @@ class _Request(BaseModel):
 
 class CompletionRequest(_Request):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    # 0 only with echo or prompt_logprobs: the prompt is scored, nothing generated
+    max_tokens: Optional[int] = Field(default=None, ge=0)
+    logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # the prompt before the completion, in the text and (with logprobs) in the logprobs
     echo: bool = False
+    # best_of sequences per prompt, of which the n with the highest cumulative logprob return
     best_of: Optional[int] = Field(default=None, ge=1)
     suffix: Optional[str] = None
 
@@ -149,17 +166,38 @@ class CompletionRequest(_Request):
         return False if value is None else value
 
     def unsupported(self):
-        if self.echo:
-            return "echo", "echo is not supported"
-        if self.best_of not in (None, 1):
-            return "best_of", "only best_of=1 is supported"
         if self.suffix:
-            return "suffix", "suffix is not supported"
+            return "suffix", ("suffix is not supported: Qwen models have no fill-in-the-middle "
+                              "format in the completions API")
         if self.tools:
             return "tools", "tools are taken by /v1/chat/completions only"
         if self.tool_choice not in (None, "none"):
             return "tool_choice", "tool_choice is taken by /v1/chat/completions only"
+        if self.best_of and self.best_of > self.n and self.stream:  # as OpenAI and vLLM
+            return "best_of", "best_of > n cannot be streamed"
+        if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
+            return "max_tokens", "max_tokens=0 needs echo=true or prompt_logprobs"
         return super().unsupported()
+
+    def out_of_bounds(self, max_num_seqs=None):
+        if self.best_of is not None:
+            if self.best_of < self.n:
+                return "best_of", f"best_of={self.best_of} must be at least n={self.n}"
+            if self.best_of > min(MAX_N, max_num_seqs or MAX_N):
+                return "best_of", (f"best_of={self.best_of}: sequences per prompt must be at "
+                                   f"most {min(MAX_N, max_num_seqs or MAX_N)} (at most "
+                                   f"{MAX_N}, and the server's --max-num-seqs)")
+        return super().out_of_bounds(max_num_seqs)
+
+    def sequences_per_prompt(self):
+        return max(self.n, self.best_of or 1)
+
+    def prompt_logprobs_count(self):
+        """Top entries per prompt token the engine computes: echo with logprobs needs the
+        prompt's (OpenAI's echo), prompt_logprobs asks for them (vLLM's); None for none."""
+        counts = [c for c in (self.prompt_logprobs,
+                              self.logprobs if self.echo else None) if c is not None]
+        return max(counts) if counts else None
 
     def prompts(self):
         """The prompt as a list of prompts, each a string or a list of token ids."""
@@ -213,7 +251,7 @@ class ChatCompletionRequest(_Request):
     chat_template_kwargs: Optional[dict[str, Any]] = None
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     def unsupported(self):
         if self.top_logprobs and not self.logprobs:
@@ -257,9 +295,21 @@ class UsageInfo(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    # null for an echoed prompt's first token (nothing before it scores it)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob: one entry of a prompt position's {token id: ...}."""
+    logprob: float
+    rank: Optional[int] = None  # 1 = most likely; null: the prompt token, below the top ones
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt token, null for the first, else {token id: PromptLogprob}
+PromptLogprobs = list[Optional[dict[str, PromptLogprob]]]
 
 
 class CompletionChoice(BaseModel):
@@ -267,6 +317,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class CompletionResponse(BaseModel):
@@ -324,6 +375,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: Optional[PromptLogprobs] = None  # vLLM's, of the templated prompt
 
 
 class ChatDelta(BaseModel):

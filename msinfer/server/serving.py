@@ -53,6 +53,7 @@ class ServerConfig:
     root: str = None  # the checkpoint served (/v1/models' `root`); None: the first name
     vocab_size: int = None  # token ids /detokenize takes; None: any
     reasoning_parser: str = None  # chat answers split into reasoning and content (reasoning.py)
+    max_num_seqs: int = None  # the running batch, which bounds n and best_of; None: 16 only
 
 
 class Serving:
@@ -76,7 +77,7 @@ class Serving:
         if body.model not in config.model_names:
             raise ApiError(404, f"The model `{body.model}` does not exist.",
                            param="model", code="model_not_found")
-        refused = body.unsupported() or body.out_of_bounds()
+        refused = body.unsupported() or body.out_of_bounds(config.max_num_seqs)
         if refused:
             raise ApiError(400, f"{refused[0]}: {refused[1]}", param=refused[0])
         if not engine_loop.ready:
@@ -102,9 +103,10 @@ class Serving:
         arrival = time.monotonic()
         streams = []
         # n choices per prompt, choice index prompt * n + j (as OpenAI numbers them); with a
-        # seed, choice j draws from seed + j (as vLLM), so the choices differ
-        n = fmt.body.n
-        choices = [(text, ids, j) for text, ids in prompts for j in range(n)]
+        # seed, choice j draws from seed + j (as vLLM), so the choices differ. With best_of,
+        # best_of sequences per prompt run, and the n best return (_best_of)
+        per_prompt = fmt.body.sequences_per_prompt()
+        choices = [(text, ids, j) for text, ids in prompts for j in range(per_prompt)]
         for index, (text, ids, j) in enumerate(choices):
             request_id = f"{fmt.id}-{index}"
             choice_params = (params if j == 0 or params.seed is None
@@ -116,7 +118,7 @@ class Serving:
                 except RuntimeError:
                     pass  # the event loop is closed: the server is going down
             streams.append(RequestStream(request_id, ids, choice_params, arrival, self.metrics,
-                                         first_choice=j == 0))
+                                         first_choice=j == 0, prompt_text=text))
             try:
                 accepted = self.engine_loop.submit(request_id, ids, choice_params, text, sink)
             except ServerBusy as e:
@@ -214,7 +216,9 @@ class Serving:
         finally:
             left.cancel()
             self._abort(streams)
-        return fmt.response(streams, _usage(streams))
+        # usage counts every sequence run, as OpenAI bills best_of
+        return fmt.response(_best_of(streams, fmt.body.sequences_per_prompt(), fmt.body.n),
+                            _usage(streams))
 
 
 IGNORED_FIELDS_HEADER = "X-Msinfer-Ignored-Fields"
@@ -233,10 +237,10 @@ def ignored_fields_headers(names):
     return {IGNORED_FIELDS_HEADER: value}
 
 
-def sampling_params(body, max_tokens, logprobs, structured=None):
-    """The SamplingParams of a request (logprobs: top entries per token, None for none;
-    structured: the grammar its output follows, server/guided.py); values SamplingParams
-    refuses are the request's fault: 400."""
+def sampling_params(body, max_tokens, logprobs, structured=None, prompt_logprobs=None):
+    """The SamplingParams of a request (logprobs, prompt_logprobs: top entries per token,
+    None for none; structured: the grammar its output follows, server/guided.py); values
+    SamplingParams refuses are the request's fault: 400."""
     try:
         kwargs = dict(max_tokens=max_tokens, temperature=body.temperature,
                       top_k=body.top_k, top_p=body.top_p, seed=body.seed,
@@ -250,6 +254,8 @@ def sampling_params(body, max_tokens, logprobs, structured=None):
             kwargs["logprobs"] = logprobs
         if structured is not None:
             kwargs["structured_outputs"] = structured
+        if prompt_logprobs is not None:
+            kwargs["prompt_logprobs"] = prompt_logprobs
         return SamplingParams(**kwargs)
     except (MsinferError, TypeError) as e:
         raise ApiError(400, str(e), param=getattr(e, "field", None)) from None
@@ -275,6 +281,37 @@ def tokenize(step, value):
 
 def token_text(tokenizer, token_id):
     return tokenizer.decode([token_id])
+
+
+def vllm_prompt_logprobs(tokenizer, prompt_logprobs, top):
+    """vLLM's prompt_logprobs of one prompt: null for the first token, then per token
+    {token id: PromptLogprob} of the prompt token and the `top` most likely ones, ranked."""
+    result = []
+    for entry in prompt_logprobs:
+        if entry is None:
+            result.append(None)
+            continue
+        prompt_token = next(iter(entry))  # the engine puts the scored token first
+        ranked = sorted(entry.items(), key=lambda kv: (-kv[1], kv[0]))[:top]
+        ranks = {t: rank for rank, (t, _) in enumerate(ranked, 1)}
+        chosen = dict(ranked)
+        chosen.setdefault(prompt_token, entry[prompt_token])
+        result.append({str(t): p.PromptLogprob(logprob=v, rank=ranks.get(t),
+                                               decoded_token=token_text(tokenizer, t))
+                       for t, v in chosen.items()})
+    return result
+
+
+def _best_of(streams, per_prompt, n):
+    """Of each prompt's `per_prompt` sequences, the n with the highest cumulative logprob,
+    best first (OpenAI's and vLLM's best_of); all of them when per_prompt is n."""
+    if per_prompt == n:
+        return streams
+    chosen = []
+    for first in range(0, len(streams), per_prompt):
+        group = streams[first:first + per_prompt]
+        chosen += sorted(group, key=lambda s: -s.cumulative_logprob())[:n]
+    return chosen
 
 
 async def _client_left(request):
@@ -308,6 +345,7 @@ class Delta:
     text: str
     token_ids: list
     logprobs: list  # dicts, one per new token, when asked for
+    stream: "RequestStream" = None  # set on a stream's first delta (what echo sends first)
 
 
 class RequestStream:
@@ -315,8 +353,9 @@ class RequestStream:
     of it, and when (for the latency metrics)."""
 
     def __init__(self, request_id, prompt_token_ids, params, arrival, metrics,
-                 first_choice=True):
+                 first_choice=True, prompt_text=None):
         self.request_id = request_id
+        self.prompt_text = prompt_text  # None: the prompt came as token ids
         self.first_choice = first_choice  # the first of its prompt's n choices
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -327,6 +366,8 @@ class RequestStream:
         self.cached_tokens = 0  # prompt tokens the prefix cache held
         self.token_ids = []
         self.logprobs = []
+        self.prompt_logprobs = None  # with prompt logprobs asked: from the first output on
+        self.opened = False  # has given its first delta
         self.text = ""  # final text once finished; what may be sent so far before
         self.sent = 0  # characters of text already streamed
         self.finished = False
@@ -344,8 +385,11 @@ class RequestStream:
                 self.metrics.observe_token_gap((now - self.last_token) / len(new_ids),
                                                self.replica)
             self.last_token = now
+        first, self.opened = not self.opened, True
         self.token_ids = list(out.token_ids)
         self.logprobs = list(out.logprobs or [])
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.cached_tokens = out.cached_tokens
         text = out.text
         if not out.finished:
@@ -360,7 +404,11 @@ class RequestStream:
                                          replica=self.replica)
         delta = text[self.sent:]
         self.text, self.sent = text, max(self.sent, len(text))
-        return Delta(delta, new_ids, new_logprobs)
+        return Delta(delta, new_ids, new_logprobs, self if first else None)
+
+    def cumulative_logprob(self):
+        """The sum of the generated tokens' logprobs (they must have been asked for)."""
+        return sum(lp[t] for t, lp in zip(self.token_ids, self.logprobs))
 
 
 def _safe_prefix(text, stops):

@@ -7,7 +7,8 @@ from ..engine.structured import AFTER_THINK
 from . import protocol as p
 from .guided import structured_outputs
 from .reasoning import StreamSplitter, split_whole
-from .serving import ApiError, request_check, sampling_params, token_text, tokenize
+from .serving import (ApiError, request_check, sampling_params, token_text, tokenize,
+                      vllm_prompt_logprobs)
 from .tool_calls import ToolCallStream, check_tools, forcing_grammar, new_call_id, parse_whole
 
 
@@ -42,7 +43,8 @@ class ServingChat:
         if constraint and serving.config.reasoning_parser:
             # a thinking model thinks first, unconstrained, as vLLM lets it
             constraint = {**constraint, AFTER_THINK: True}
-        params = sampling_params(body, max_tokens, body.logprobs_count(), constraint)
+        params = sampling_params(body, max_tokens, body.logprobs_count(), constraint,
+                                 body.prompt_logprobs)
         return await serving.generate(fmt, [(text, ids)], params, request, headers)
 
 
@@ -100,8 +102,13 @@ class ChatFormat:
         return self._chunk([], usage)
 
     def response(self, streams, usage):
+        prompt_logprobs = None  # vLLM's, of the templated prompt (the same for every choice)
+        if self.body.prompt_logprobs is not None and streams[0].prompt_logprobs is not None:
+            prompt_logprobs = vllm_prompt_logprobs(self.tokenizer, streams[0].prompt_logprobs,
+                                                   self.body.prompt_logprobs)
         return p.ChatCompletionResponse(
             id=self.id, created=self.created, model=self.model, usage=usage,
+            prompt_logprobs=prompt_logprobs,
             choices=[self._choice(i, s) for i, s in enumerate(streams)])
 
     def _choice(self, index, stream):
