@@ -291,8 +291,9 @@ class LLMEngine:
                                [s.generator for s in sampled_seqs],
                                [(s.prompt_token_ids, s.generated) for s in sampled_seqs],
                                self.eos_token_ids)
+        logprobs = self._token_logprobs(sampled_seqs, logits, tokens, model_rows)
         for row, (seq, token) in enumerate(zip(sampled_seqs, tokens)):
-            self._append(seq, int(token), model_rows.get(row, logits[row]))
+            self._append(seq, int(token), logprobs.get(row))
             outputs.append(self._output(seq))
             self.decisions.append([seq.request_id, int(token), seq.finish_reason])
         return outputs
@@ -330,11 +331,31 @@ class LLMEngine:
             seq.guided.mask(logits[row])
         return model_rows
 
-    def _append(self, seq, token, logits):
+    @staticmethod
+    def _token_logprobs(seqs, logits, tokens, model_rows=None):
+        """{row: {token: logprob}} of the rows whose requests ask for logprobs, taken together
+        for each top count (a copy of the rows only when not every row asks alike), from the
+        model's rows (`model_rows`: those of guided sequences, before their mask)."""
+        by_top = {}
+        for row, seq in enumerate(seqs):
+            if seq.logprobs is not None:
+                by_top.setdefault(seq.params.logprobs, []).append(row)
+        found = {}
+        for top, rows in by_top.items():
+            picked = logits if len(rows) == len(logits) else logits[rows]
+            unmasked = [i for i, row in enumerate(rows) if row in (model_rows or {})]
+            if unmasked:
+                picked = picked.copy() if picked is logits else picked
+                for i in unmasked:
+                    picked[i] = model_rows[rows[i]]
+            found.update(zip(rows, logprobs_of_rows(picked, np.asarray(tokens)[rows], top)))
+        return found
+
+    def _append(self, seq, token, logprobs=None):
         seq.generated.append(token)
         self.generation_tokens_total += 1
         if seq.logprobs is not None:
-            seq.logprobs.append(logprobs_of_rows(logits[None], [token], seq.params.logprobs)[0])
+            seq.logprobs.append(logprobs)
         decoder = seq.decoder
         if decoder is not None:
             decoder.push(token)
