@@ -39,6 +39,21 @@ def greedy(server, prompt, max_tokens=12):
                                               temperature=0)
 
 
+def scored(server, prompt, max_tokens):
+    """lm-eval's loglikelihood request (echo, logprobs 1): (tokens, their logprobs)."""
+    response = httpx.post(server.url + "/v1/completions", timeout=120, json={
+        "model": NAME, "prompt": prompt, "echo": True, "logprobs": 1, "temperature": 0,
+        "max_tokens": max_tokens})
+    assert response.status_code == 200, response.text
+    logprobs = response.json()["choices"][0]["logprobs"]
+    return logprobs["tokens"], logprobs["token_logprobs"]
+
+
+def assert_scored_alike(ours, reference, tolerance=1e-4):
+    assert ours[0] == reference[0] and ours[1][0] is None and reference[1][0] is None
+    assert max(abs(a - b) for a, b in zip(ours[1][1:], reference[1][1:])) < tolerance
+
+
 def test_health_says_how_far_warm_up_is_until_ready(server):
     progress = [s for s in server.not_ready_seen if s.startswith("not ready: warming up: ")]
     assert progress, server.not_ready_seen  # e.g. "compiling graphs: 3/10, 2.6s, ~6s left"
@@ -188,6 +203,11 @@ def test_tp4_under_mpirun_serves_the_same_completions_and_a_stopped_rank_ends_it
                 == server.client().chat.completions.create(
                     model=NAME, messages=chat, max_tokens=8,
                     temperature=0).choices[0].message.content)
+        # prompt logprobs take the sampled tokens' path: the leader scores, the others keep
+        # pace (and a request that only scores, max_tokens 0, ends on every rank)
+        for max_tokens in (1, 0):
+            assert_scored_alike(scored(job, PROMPTS[1], max_tokens),
+                                scored(server, PROMPTS[1], max_tokens))
         steps = job.metric("msinfer_handoff_seconds_count")
         assert steps > 0 and job.metric("msinfer_handoff_seconds_sum") / steps < 0.01
 
@@ -265,6 +285,14 @@ def test_dp2_tp2_replicas_share_the_requests_and_a_diverging_rank_ends_the_job(
         assert job.metric("msinfer_prefill_tokens_computed_total") == prompt_tokens - cached
         assert job.metric("vllm:prompt_tokens_total") == prompt_tokens
         check_qwen3_chat(job, llm, model_dir)
+        # prompt logprobs come back from either replica (replicas.py carries them)
+        for i in range(4):
+            tokens, values = scored(job, prompts[i], 0)
+            reference = llm.generate([prompts[i]], SamplingParams(
+                max_tokens=0, prompt_logprobs=0))[0].prompt_logprobs
+            assert len(values) == len(reference) and values[0] is None
+            assert max(abs(v - next(iter(r.values())))
+                       for v, r in zip(values[1:], reference[1:])) < 1e-4
 
         trigger.touch()
         started = time.monotonic()
