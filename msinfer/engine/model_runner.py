@@ -33,7 +33,7 @@ from ..layers.rotary import rotary_tables
 from ..models.families import family_of
 from ..models.loader import full_shapes, rank_weights
 from ..planning.kv_layout import TRASH_BLOCK, CacheLayout
-from ..planning.shapes import ShapeBuckets, bucket_for
+from ..planning.shapes import ShapeBuckets, bucket_for, round_up
 from ..planning.workspace import largest_call_bytes, layer_activation_bytes, layers_per_graph
 
 MASKED = -1e30  # added to the float32 scores of context positions a query must not see
