@@ -47,6 +47,7 @@ GENERATE = [{"question": q, "answer": ""} for q in (
 MC_TASK = """task: msinfer_tiny_mc
 dataset_path: json
 dataset_kwargs:
+  cache_dir: {cache}
   data_files:
     test: {data}
 test_split: test
@@ -60,6 +61,7 @@ metric_list:
 GEN_TASK = """task: msinfer_tiny_gen
 dataset_path: json
 dataset_kwargs:
+  cache_dir: {cache}
   data_files:
     test: {data}
 test_split: test
@@ -85,7 +87,9 @@ def tasks(tmp_path_factory):
                                  ("gen", GENERATE, GEN_TASK)):
         data = folder / f"{name}.jsonl"
         data.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
-        (folder / f"{name}.yaml").write_text(template.format(data=data))
+        # datasets' cache of the JSON files in the temp dir too, not the user's
+        (folder / f"{name}.yaml").write_text(template.format(data=data,
+                                                             cache=folder / "datasets"))
     return TaskManager(include_path=str(folder), include_defaults=False)  # no built-in index
 
 

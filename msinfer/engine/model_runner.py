@@ -33,7 +33,7 @@ from ..layers.rotary import rotary_tables
 from ..models.families import family_of
 from ..models.loader import full_shapes, rank_weights
 from ..planning.kv_layout import TRASH_BLOCK, CacheLayout
-from ..planning.shapes import ShapeBuckets, bucket_for, round_up
+from ..planning.shapes import ShapeBuckets, bucket_for
 from ..planning.workspace import largest_call_bytes, layer_activation_bytes, layers_per_graph
 
 MASKED = -1e30  # added to the float32 scores of context positions a query must not see
@@ -162,13 +162,14 @@ class ModelRunner:
     def prefill_rows(self, count, size):
         """The lm_head rows a prefill call of `size` tokens computes when it needs `count`
         logits rows (one per chunk completing its prompt, more with prompt logprobs): the row
-        bucket of `count`, else a multiple of the largest. Explicit mode picks those rows
-        before its head graph (ExplicitRunner._run), which is then the decode step's graph of
-        that batch (of the largest batch, in turn, for more rows): no graph of its own for any
-        (chunk, rows)."""
-        largest = self.row_buckets[-1]
-        if count > largest:  # prompt logprobs: the largest batch's head, as often as needed
-            return round_up(count, largest)
+        bucket of `count`. Explicit mode picks those rows before its head graph
+        (ExplicitRunner._run), which is then the decode step's graph of that batch: no graph
+        of its own for any (chunk, rows). More rows than the largest batch (prompt logprobs)
+        take a row per token: a head graph of `size` rows, compiled when first asked, never
+        by warm-up (few requests ask). One call reads the lm_head's weight once; the largest
+        batch's head in turn read it once per batch (151,936 x 896 float32 is 545 MB)."""
+        if count > self.row_buckets[-1]:
+            return size
         return bucket_for(max(count, 1), self.row_buckets)
 
     def _time(self, kind, start, tokens, compiled_before, shape):
@@ -289,20 +290,13 @@ class ExplicitRunner(ModelRunner):
         if rows is None:
             x.asnumpy()  # the call's cache writes done before the next call builds on them
             return None
-        if len(rows) == len(ids) and (rows == np.arange(len(ids))).all():
-            return self._head(x, rows)
-        # A prefill call's rows are picked first (one op, outside the graphs): the head's
-        # graph then takes R rows whatever the chunk, the graph a decode step of batch R
-        # compiled, so prefill calls of any chunk and row count compile no head of their own
-        # (row_buckets are the batch buckets). More rows than the largest batch (prompt
-        # logprobs) go through that batch's head in turn (prefill_rows pads to a multiple).
-        piece = min(len(rows), self.row_buckets[-1])
-        return np.concatenate([
-            self._head(ops.gather(x, Tensor(rows[start:start + piece]), 0),
-                       np.arange(piece, dtype=np.int32))
-            for start in range(0, len(rows), piece)])
-
-    def _head(self, x, rows):
+        if len(rows) != len(ids) or (rows != np.arange(len(ids))).any():
+            # A prefill call's rows are picked first (one op, outside the graphs): the head's
+            # graph then takes R rows whatever the chunk, the graph a decode step of batch R
+            # compiled, so prefill calls of any chunk and row count compile no head of their
+            # own (row_buckets are the batch buckets; prompt logprobs: prefill_rows).
+            x = ops.gather(x, Tensor(rows), 0)
+            rows = np.arange(len(rows), dtype=np.int32)
         logits = self.head(x, Tensor(rows), *self.head_weights).asnumpy()
         return blocked_transpose(logits) if self.head.transposed_for(len(rows)) else logits
 
