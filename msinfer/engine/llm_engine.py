@@ -478,24 +478,40 @@ def logprobs_of_rows(logits, tokens, top):
     if not top:
         return picked
     whole = vocab // _LOGPROB_BLOCK * _LOGPROB_BLOCK
-    maxima = logits[:, :whole].reshape(rows, -1, _LOGPROB_BLOCK).max(axis=2)
-    if whole < vocab:
+    blocks = logits[:, :whole].reshape(rows, -1, _LOGPROB_BLOCK)
+    maxima = blocks.max(axis=2)
+    if whole < vocab:  # the tail beyond the last whole block is a block of its own
         maxima = np.concatenate([maxima, logits[:, whole:].max(axis=1, keepdims=True)], 1)
     if maxima.shape[1] > top:
         bound = np.partition(maxima, maxima.shape[1] - top, axis=1)[:, maxima.shape[1] - top]
     else:
-        bound = logits.min(axis=1)
-    candidate_rows, candidate_ids = np.nonzero(logits >= bound[:, None])
-    starts = np.searchsorted(candidate_rows, np.arange(rows + 1))
+        bound = np.full(rows, -np.inf, np.float32)
+    # only the blocks whose maximum reaches the bound hold candidates: a few per row, laid
+    # side by side (rows, blocks x 256), padding -inf with ids past the vocabulary
+    hit = maxima >= bound[:, None]
+    order = np.argsort(~hit, axis=1, kind="stable")[:, :hit.sum(axis=1).max()]
+    body = blocks.shape[1]
+    inside = np.minimum(order, max(body - 1, 0))  # the tail's slots are filled below
+    values = (blocks[np.arange(rows)[:, None], inside] if body
+              else np.full(order.shape + (_LOGPROB_BLOCK,), -np.inf, np.float32))
+    ids = inside[..., None] * _LOGPROB_BLOCK + np.arange(_LOGPROB_BLOCK)
+    if whole < vocab:
+        tail_rows, tail_slots = np.nonzero(order == body)
+        values[tail_rows, tail_slots] = -np.inf
+        values[tail_rows, tail_slots, :vocab - whole] = logits[tail_rows, whole:]
+        ids[tail_rows, tail_slots] = whole + np.arange(_LOGPROB_BLOCK)
+    missing = ~np.take_along_axis(hit, order, 1)
+    values[missing], ids[missing] = -np.inf, vocab
+    values, ids = values.reshape(rows, -1), ids.reshape(rows, -1)
+    ids[ids >= vocab] = vocab  # the tail's padding
+    best = np.lexsort((ids, -values))[:, :top]  # by logit (so logprob), descending; by id
+    best_ids = np.take_along_axis(ids, best, 1).tolist()
+    best_values = (np.take_along_axis(values, best, 1).astype(np.float64)
+                   - lse[:, None]).tolist()
     for row in range(rows):
-        ids = candidate_ids[starts[row]:starts[row + 1]]
-        values = logits[row, ids]
-        if len(ids) > top:  # keep the top-th largest candidate and all above or equal to it
-            kth = np.partition(values, len(ids) - top)[len(ids) - top]
-            ids, values = ids[values >= kth], values[values >= kth]
-        order = np.lexsort((ids, -values))[:top]  # by logit (so logprob), descending; by id
-        for i in order:
-            picked[row].setdefault(int(ids[i]), float(values[i] - lse[row]))
+        for token, value in zip(best_ids[row], best_values[row]):
+            if token < vocab:
+                picked[row].setdefault(token, value)
     return picked
 
 
