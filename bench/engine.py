@@ -1,9 +1,12 @@
 """The serving engine (issue 9) measured side by side: memory on long prompts, a mixed
 workload against the old static-batch engine and HF transformers, time to first token
-under load, and compilation from cold.
+under load, and compilation from cold; and (issue 21, --parts logprobs) what logprobs,
+echo and prompt logprobs cost against the same steps without them.
 
-    python bench/engine.py [--quick] [--parts rss mixed ttft compile] [--out bench/results]
-           [--old-engine /work/old-engine]
+    python bench/engine.py [--quick] [--parts rss mixed ttft compile logprobs]
+           [--out bench/results] [--old-engine /work/old-engine]
+
+--parts logprobs alone writes OUT/logprobs.json and OUT/logprobs.txt instead.
 
 Writes OUT/engine.json (every figure, the machine, the versions), OUT/engine.png and
 OUT/engine.txt (the table, also printed). bench/README.md says what each figure means.
@@ -40,13 +43,19 @@ FULL = dict(
     requests=64, prompt_range=(16, 1024), output_range=(8, 256), max_num_seqs=16,
     pool_num_seqs=32,
     ttft_model=("qwen2-0.5b-shape", QWEN2_05B_SHAPE), long_requests=8, long_prompt=512,
-    long_tokens=256, short_prompt=32, short_tokens=8, steps_before=4, ttft_reps=2)
+    long_tokens=256, short_prompt=32, short_tokens=8, steps_before=4, ttft_reps=2,
+    # issue 21's figures: a 1-layer model of Qwen2-0.5B's width and 151,936-token vocabulary
+    logprobs_model=("qwen2-0.5b-shape-1l", QWEN2_05B_SHAPE + ["--layers", "1"]),
+    logprobs_batches=(16, 64), logprobs_prompt=32, logprobs_steps=16, logprobs_top=5,
+    logprobs_reps=3)
 QUICK = dict(
     rss_model=("small", SMALL_SHAPE), rss_prompts=(100, 200, 300), rss_tokens=4,
     mixed_model=("small", SMALL_SHAPE), requests=12, prompt_range=(16, 200),
     output_range=(4, 24), max_num_seqs=4, pool_num_seqs=8,
     ttft_model=("small", SMALL_SHAPE), long_requests=4, long_prompt=64, long_tokens=32,
-    short_prompt=16, short_tokens=4, steps_before=2, ttft_reps=2)
+    short_prompt=16, short_tokens=4, steps_before=2, ttft_reps=2,
+    logprobs_model=("small", SMALL_SHAPE), logprobs_batches=(4,), logprobs_prompt=16,
+    logprobs_steps=3, logprobs_top=5, logprobs_reps=1)
 # The engine's default max_prefill_tokens. max_len is the longest prompt + the longest output,
 # and at least the longest prompt + a chunk (as in every run since the first: 1024 + 256 and
 # 512 + 256 in the full configuration, so that figures stay comparable across runs).
@@ -281,6 +290,72 @@ def part_ttft(cfg, rng, log_dir, log):
             "load": load_figures(w)}
 
 
+# ---- (e) what logprobs cost (issue 21) ----
+
+def part_logprobs(cfg, rng, log_dir, log):
+    """One process per batch size (its max_num_seqs), no prefix cache (a scored prompt would
+    otherwise serve the plain run of the same prompts). MsinferSide.logprob_cost."""
+    model_dir = ensure_model(*cfg["logprobs_model"], log)
+    from msinfer.config import ModelConfig
+    vocab = ModelConfig.from_model_dir(model_dir).vocab_size
+    out = {"model": os.path.relpath(model_dir, ROOT), "vocab": vocab,
+           "prompt_len": cfg["logprobs_prompt"], "top": cfg["logprobs_top"], "batches": {}}
+    for batch in cfg["logprobs_batches"]:
+        prompts = random_prompts(rng, [cfg["logprobs_prompt"]] * batch, vocab)
+        options = {"max_len": 128, "max_num_seqs": batch, "enable_prefix_caching": False,
+                   "max_prefill_tokens": 256}
+        w = Worker(f"logprobs-{batch}", "msinfer", model_dir, options, log_dir)
+        a = w.measured(op="logprob_cost", prompts=prompts, decode_steps=cfg["logprobs_steps"],
+                       top=cfg["logprobs_top"], reps=cfg["logprobs_reps"])
+        w.close()
+        a["decode_ratio"] = (a["decode_logprobs"]["step_seconds"]
+                             / a["decode_plain"]["step_seconds"])
+        # Under load the graphs' time swings between runs; each side's step over its own
+        # graphs does not: what logprobs add to a step of the same graphs
+        a["decode_ratio_same_graphs"] = (
+            (a["decode_logprobs"]["step_seconds"] / a["decode_logprobs"]["graph_seconds"])
+            / (a["decode_plain"]["step_seconds"] / a["decode_plain"]["graph_seconds"]))
+        a["score_ratio"] = (a["score_prompt_logprobs"]["seconds"]
+                            / a["score_plain"]["seconds"])
+        # the same graphs (the lm_head over every scored position) with and without the
+        # host's share: what the logprobs themselves add
+        a["score_host_ratio"] = (
+            (a["score_prompt_logprobs"]["seconds"] / a["score_prompt_logprobs"]["graph_seconds"])
+            / (a["score_plain"]["seconds"] / a["score_plain"]["graph_seconds"]))
+        a["options"] = options
+        out["batches"][str(batch)] = a
+        log(f"  batch {batch}: decode step {a['decode_plain']['step_seconds'] * 1e3:.1f} ms, "
+            f"with logprobs {cfg['logprobs_top']} "
+            f"{a['decode_logprobs']['step_seconds'] * 1e3:.1f} ms ({a['decode_ratio']:.2f}x, "
+            f"{a['decode_ratio_same_graphs']:.2f}x over the same graphs); "
+            f"scoring {a['score_plain']['seconds']:.2f} s, with prompt logprobs "
+            f"{a['score_prompt_logprobs']['seconds']:.2f} s ({a['score_ratio']:.2f}x, "
+            f"{a['score_host_ratio']:.2f}x over the same graphs) (others "
+            f"{a['other_load']:.2f} cores)")
+    return out
+
+
+def logprobs_table(results):
+    lp = results["logprobs"]
+    m = results["machine"]
+    lines = [f"logprobs cost (issue 21), {lp['model']} ({lp['vocab']}-token vocabulary), "
+             f"{m['cpu']}, {m['cores']} cores"
+             + ("  [--quick: figures mean nothing]" if results["quick"] else ""),
+             "x: with / without; x same graphs: each side's time over its own graphs' (steady "
+             "under load)",
+             f"{'batch':>6}{'decode ms':>11}{'+logprobs ' + str(lp['top']):>14}{'x':>6}"
+             f"{'x same graphs':>15}{'score s':>9}{'+prompt lp':>12}{'x':>6}"
+             f"{'x same graphs':>15}{'others':>8}"]
+    for batch, a in lp["batches"].items():
+        lines.append(f"{batch:>6}{a['decode_plain']['step_seconds'] * 1e3:>11.1f}"
+                     f"{a['decode_logprobs']['step_seconds'] * 1e3:>14.1f}"
+                     f"{a['decode_ratio']:>6.2f}{a['decode_ratio_same_graphs']:>15.2f}"
+                     f"{a['score_plain']['seconds']:>9.2f}"
+                     f"{a['score_prompt_logprobs']['seconds']:>12.2f}{a['score_ratio']:>6.2f}"
+                     f"{a['score_host_ratio']:>15.2f}{a['other_load']:>8.2f}")
+    return "\n".join(lines)
+
+
 # ---- report ----
 
 def bars(results):
@@ -472,7 +547,7 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true",
                    help="small models, a small workload: checks the harness")
     p.add_argument("--parts", nargs="+", default=["rss", "mixed", "compile", "ttft"],
-                   choices=["rss", "mixed", "compile", "ttft"])
+                   choices=["rss", "mixed", "compile", "ttft", "logprobs"])
     p.add_argument("--old-engine", default="/work/old-engine",
                    help="a checkout of the static-batch engine (commit 8717a73)")
     p.add_argument("--out", default=os.path.join(BENCH, "results"))
@@ -480,6 +555,8 @@ def main(argv=None):
                    help="measured mixed-workload runs taken again when other processes load "
                         f"the machine (default {MIXED_RETRIES})")
     args = p.parse_args(argv)
+    if "logprobs" in args.parts and args.parts != ["logprobs"]:
+        p.error("--parts logprobs runs alone (its own results file)")
     if "compile" in args.parts and "mixed" not in args.parts:
         p.error("--parts compile needs mixed (it compares with the mixed run's lazy compile)")
     if "mixed" in args.parts and not os.path.isfile(
@@ -512,6 +589,19 @@ def main(argv=None):
     if "ttft" in args.parts:
         log("(c) time to first token under load")
         results["ttft"] = part_ttft(cfg, rng, log_dir, log)
+    if args.parts == ["logprobs"]:
+        log("(e) what logprobs cost")
+        results["logprobs"] = part_logprobs(cfg, rng, log_dir, log)
+        results["seconds"] = time.perf_counter() - began
+        paths = [os.path.join(args.out, "logprobs.json"), os.path.join(args.out, "logprobs.txt")]
+        with open(paths[0], "w") as f:
+            json.dump(results, f, indent=1)
+        text = logprobs_table(results)
+        with open(paths[1], "w") as f:
+            f.write(text + "\n")
+        print(text)
+        log(f"wrote {', '.join(paths)}")
+        return 0
     for loaded in ([*results.get("rss", {}).get("runs", {}).values()]
                    + [*results.get("mixed", {}).get("sides", {}).values()]
                    + [results.get("ttft", {}).get("load", {})]):

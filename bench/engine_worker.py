@@ -13,6 +13,7 @@ Requests (all greedy, no end-of-sequence stop, exactly max_tokens new tokens per
       answers seconds, token_ids, compilations (msinfer sides) and peak RSS after it
   {"op": "warmup"}      new engine only: engine.warmup() from here; graphs and seconds
   {"op": "ttft", ...}   new engine only: see MsinferSide.ttft
+  {"op": "logprob_cost", ...}  new engine only: see MsinferSide.logprob_cost
   {"op": "exit"}
 The first answer, sent unasked, reports the load: seconds, RSS, versions, allocations.
 """
@@ -108,6 +109,62 @@ class MsinferSide:
                 "long_prefill_seconds": prefill_seconds,
                 "long_tokens_remaining": remaining,
                 "static_batch_wait_estimate_seconds": remaining * statistics.median(steps)}
+
+
+    def logprob_cost(self, prompts, decode_steps, top, reps):
+        """What logprobs cost, side by side in this process (best of `reps`, the two sides
+        taking turns): decode steps of len(prompts) greedy requests without and with
+        logprobs=top; and the prompts scored as lm-eval scores them (max_tokens 1, echo with
+        logprobs 1: prompt logprobs) against the same prompts without prompt logprobs. Each
+        with the graphs' share (runner timings; the rest is the host's)."""
+        from msinfer import SamplingParams
+
+        engine, runner = self.llm.engine, self.llm.engine.runner
+
+        def decode(logprobs):
+            params = SamplingParams(max_tokens=decode_steps + 2, temperature=0,
+                                    ignore_eos=True, logprobs=logprobs)
+            for i, prompt in enumerate(prompts):
+                engine.add_request(f"d{i}", prompt, params)
+            done = set()
+            while len(done) < len(prompts):  # every request decoding
+                done |= {o.request_id for o in engine.step() if o.token_ids}
+            steps, graphs = [], []
+            for _ in range(decode_steps):
+                before = runner.timings["decode_s"]
+                start = time.perf_counter()
+                engine.step()
+                steps.append(time.perf_counter() - start)
+                graphs.append(runner.timings["decode_s"] - before)
+            while engine.has_unfinished_requests():
+                engine.step()
+            return {"step_seconds": statistics.median(steps),
+                    "graph_seconds": statistics.median(graphs)}
+
+        def score(prompt_logprobs):
+            params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True,
+                                    logprobs=1 if prompt_logprobs else None,
+                                    prompt_logprobs=1 if prompt_logprobs else None)
+            before = runner.timings["prefill_s"] + runner.timings["decode_s"]
+            start = time.perf_counter()
+            outs = self.llm.generate(prompts, params)
+            seconds = time.perf_counter() - start
+            if prompt_logprobs:
+                assert all(len(o.prompt_logprobs) == len(p) for o, p in zip(outs, prompts))
+            return {"seconds": seconds, "graph_seconds": runner.timings["prefill_s"]
+                    + runner.timings["decode_s"] - before}
+
+        decode(None), decode(top), score(False), score(True)  # compiles what they use
+        runs = {"decode_plain": [], "decode_logprobs": [], "score_plain": [],
+                "score_prompt_logprobs": []}
+        for _ in range(reps):
+            runs["decode_plain"].append(decode(None))
+            runs["decode_logprobs"].append(decode(top))
+            runs["score_plain"].append(score(False))
+            runs["score_prompt_logprobs"].append(score(True))
+        key = {"decode_plain": "step_seconds", "decode_logprobs": "step_seconds",
+               "score_plain": "seconds", "score_prompt_logprobs": "seconds"}
+        return {name: min(values, key=lambda v: v[key[name]]) for name, values in runs.items()}
 
 
 class OldEngineSide(MsinferSide):
