@@ -134,7 +134,9 @@ def post(server, body):
     ({"model": NAME, "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
     ({"model": NAME, "prompt": "x", "max_tokens": 100000}, 400, str(MAX_LEN)),
     ({"model": NAME, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
-    ({"model": NAME, "prompt": "x", "best_of": 2}, 400, "best_of"),
+    # beyond the server's --max-num-seqs (4)
+    ({"model": NAME, "prompt": "x", "best_of": 5}, 400, "best_of"),
+    ({"model": NAME, "prompt": "x", "n": 5}, 400, "--max-num-seqs 4"),
     ({"model": NAME, "prompt": ""}, 400, "empty"),
     ({"model": NAME, "prompt": list(range(MAX_LEN + 5)), "max_tokens": 1}, 400, str(MAX_LEN)),
     ({"model": NAME, "prompt": [1, 10 ** 6]}, 400, str(10 ** 6)),
