@@ -32,6 +32,15 @@ if ! .venv/bin/python -c "import msinfer, mindspore, mpi4py, torch, transformers
   .venv/bin/python -m pip install -q -e ".[test]"
 fi
 
+# guidellm (tests/test_client_guidellm.py, bench/guidellm_compare.py) needs NumPy 2, which
+# MindSpore 2.10 cannot import with: its own venv. torch pinned to the CPU build (an unpinned
+# one pulls a 6 GB CUDA build).
+if [ ! -x .venv-guidellm/bin/guidellm ]; then
+  echo "== installing guidellm 0.8.1 into .venv-guidellm (about 1.5 GB)"
+  python3 -m venv .venv-guidellm
+  .venv-guidellm/bin/python -m pip install -q torch==2.13.0 guidellm==0.8.1
+fi
+
 MODEL=models/tiny-qwen2
 if [ ! -f "$MODEL/config.json" ]; then
   echo "== making $MODEL (random weights, trained tokenizer)"
