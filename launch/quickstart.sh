@@ -3,7 +3,8 @@
 # the main job, a four-rank sharded Qwen2 generation under mpirun on a small model it makes.
 #
 #   1. OpenMPI (Debian packages openmpi-bin, libopenmpi-dev) and gcc when missing;
-#   2. a virtualenv in .venv with msinfer and its test tools (MindSpore is about 2.5 GB);
+#   2. a virtualenv in .venv with msinfer and its test tools (MindSpore is about 2.5 GB), and
+#      .venv-guidellm for guidellm (it needs NumPy 2);
 #   3. models/tiny-qwen2: a random-weight Qwen2 checkpoint in Hugging Face layout;
 #   4. `msinfer launch --nproc 4`: plan check, then four ranks each holding a quarter of it.
 # Safe to run again: finished steps are skipped.
