@@ -12,6 +12,7 @@ import httpx2 as httpx
 import openai
 import pytest
 
+from msinfer.cli.launch import die_with_parent
 from msinfer.parallel.distributed import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,7 +37,8 @@ class ServerProcess:
         self.log = open(log_path, "w")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "msinfer"] + argv + ["--port", str(self.port)],
-            env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+            env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=die_with_parent)  # a pytest killed outright takes its servers along
         deadline = time.monotonic() + ready_timeout
         while not self.healthy():
             if self.process.poll() is not None:

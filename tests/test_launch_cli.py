@@ -314,3 +314,36 @@ def test_stopping_a_job_signals_each_rank_and_waits_for_it(behaviour, monkeypatc
     while launch_cli._session_members(job.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert launch_cli._session_members(job.pid) == []  # nothing of the job is left
+
+
+def test_a_launcher_killed_outright_takes_its_job_along(tmp_path):
+    """SIGKILL gives `msinfer launch` no chance to stop its job: mpirun, in a session of its
+    own, would run on. Started with die_with_parent, it gets SIGTERM (on which mpirun tears
+    the job down) when the launcher dies."""
+    import subprocess
+    import sys
+    import time
+
+    pid_file = tmp_path / "child"
+    launcher = subprocess.Popen([sys.executable, "-c", f"""
+import subprocess, sys, time
+from msinfer.cli.launch import die_with_parent
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                         start_new_session=True, preexec_fn=die_with_parent)
+open({str(pid_file)!r}, "w").write(str(child.pid))
+time.sleep(60)
+"""], env=dict(os.environ, PYTHONPATH=ROOT))
+    deadline = time.monotonic() + 30
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 5
+    while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
+        with open(f"/proc/{child}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":  # dead, not yet reaped
+                break
+        time.sleep(0.05)
+    else:
+        assert not os.path.exists(f"/proc/{child}"), "the child outlived its launcher"

@@ -17,6 +17,8 @@ environment sets them.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import os
 import re
 import shlex
@@ -339,9 +341,11 @@ def _run(command, timeout, rank_env):
     # msrun starts each worker with the `python` found on PATH: make it this interpreter.
     env = dict(os.environ, **rank_env, PATH=os.path.dirname(sys.executable) + os.pathsep +
                os.environ.get("PATH", ""))
-    # Own process group, so an interrupt or a timeout takes every rank down with the launcher.
+    # Own process group, so an interrupt or a timeout takes every rank down with the launcher;
+    # and a launcher killed outright (SIGKILL, no chance to stop it) takes mpirun/msrun along.
     process = subprocess.Popen(command, start_new_session=True, env=env, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               preexec_fn=die_with_parent)
     pumps = [threading.Thread(target=_pump, args=(process.stdout, sys.stdout), daemon=True),
              threading.Thread(target=_pump, args=(process.stderr, sys.stderr), daemon=True)]
     for pump in pumps:
@@ -366,6 +370,16 @@ def _run(command, timeout, rank_env):
     for pump in pumps:
         pump.join(timeout=5)
     return code
+
+
+def die_with_parent():
+    """In a child before exec: SIGTERM to it when the process that started it dies (Linux's
+    PR_SET_PDEATHSIG); elsewhere nothing."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _stop(process):
