@@ -28,8 +28,7 @@ QWEN3_ADDED_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_
 # - qwen2.5-instruct.jinja: the chat_template of Qwen/Qwen2.5-7B-Instruct's
 #   tokenizer_config.json (the Qwen2.5-Instruct series share it), as the kalosm crate's
 #   chat-template tests copy it verbatim (and chujiezheng/chat_templates'
-#   chat_templates/qwen2.5-instruct.jinja with its whitespace changed); llama.cpp keeps the
-#   same in models/templates/Qwen-Qwen2.5-7B-Instruct.jinja.
+#   chat_templates/qwen2.5-instruct.jinja with its whitespace changed).
 # - qwen3.jinja: the chat_template of Qwen/Qwen3-0.6B (the Qwen3 dense series share it), as
 #   huggingface/trl keeps it in trl/chat_templates/qwen3.jinja (commit a22ae88f).
 CHAT_TEMPLATE_FILES = {"qwen2": "qwen2.5-instruct.jinja", "qwen3": "qwen3.jinja"}
