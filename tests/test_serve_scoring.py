@@ -51,3 +51,15 @@ def test_a_prompt_scored_twice_is_computed_twice_with_the_same_numbers(tiny_serv
     # without prompt logprobs, the same prompt is served from the cache
     plain = complete(tiny_server, prompt=prompt, max_tokens=1)
     assert plain["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_n_choices_of_one_prompt_compute_its_full_blocks_once(tiny_server):
+    """n = 4 on a 40-token prompt (blocks of 16): the first choice computes all 40 tokens,
+    the others take its two full blocks from the prefix cache in the same step and compute
+    only the 8 of the last, partial block (vLLM's prefix cache shares full blocks too)."""
+    prompt = list(range(300, 340))  # token ids no other test sends
+    before = tiny_server.metric("msinfer_prefill_tokens_computed_total")
+    out = complete(tiny_server, prompt=prompt, n=4, max_tokens=3, temperature=1.0, seed=5)
+    assert len(out["choices"]) == 4
+    assert out["usage"]["prompt_tokens"] == 40, out["usage"]  # counted once, as OpenAI's
+    assert tiny_server.metric("msinfer_prefill_tokens_computed_total") - before == 40 + 3 * 8
