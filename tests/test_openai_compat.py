@@ -5,7 +5,6 @@ endpoints, /version and /v1/models, and every response's `object`."""
 import json
 import logging
 
-import httpx2 as httpx
 import openai
 import pytest
 
@@ -355,12 +354,31 @@ def test_a_thinking_answer_comes_as_reasoning_content_and_content_whole_and_stre
         s.stop()
 
 
-def test_the_qwen3_split_of_a_whole_answer_is_vllms():
-    from msinfer.server.reasoning import split_whole
-    assert split_whole("no tags at all") == (None, "no tags at all")
-    assert split_whole("<think>unfinished") == (None, "<think>unfinished")
-    assert split_whole("plan</think>answer") == ("plan", "answer")  # template opened <think>
-    assert split_whole("<think>only thinking</think>") == ("only thinking", None)
+def test_the_qwen3_split_is_vllms_and_the_same_streamed_and_whole():
+    from msinfer.server.reasoning import StreamSplitter, prompt_opens_thinking, split_whole
+
+    def streamed(text, thinking, step=3):
+        splitter, parts = StreamSplitter(thinking), ["", ""]
+        for i in range(0, len(text), step):
+            r, c = splitter.feed(text[i:i + step], i + step >= len(text))
+            parts = [parts[0] + r, parts[1] + c]
+        return parts[0] or None, parts[1] or None
+
+    cases = [  # (answer, prompt opened a think block) -> (reasoning, content)
+        ("no tags at all", False, (None, "no tags at all")),
+        ("<think>only thinking</think>", False, ("only thinking", None)),
+        ("<think>plan</think>answer", False, ("plan", "answer")),
+        ("<think>unfinished", False, ("unfinished", None)),
+        ("plan</think>answer", False, (None, "plan</think>answer")),  # never thought
+        ("plan</think>answer", True, ("plan", "answer")),  # the template opened <think>
+        ("cut short while thinking", True, ("cut short while thinking", None)),
+    ]
+    for text, thinking, split in cases:
+        assert split_whole(text, thinking) == split, text
+        assert streamed(text, thinking) == split, text
+    assert prompt_opens_thinking("<|im_start|>assistant\n<think>\n")
+    assert not prompt_opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not prompt_opens_thinking("<|im_start|>assistant\n")
 
 
 def test_chat_bounds_on_logprobs_name_the_field(server):

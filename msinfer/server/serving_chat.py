@@ -6,7 +6,7 @@ import uuid
 from ..engine.structured import AFTER_THINK
 from . import protocol as p
 from .guided import structured_outputs
-from .reasoning import StreamSplitter, split_whole
+from .reasoning import StreamSplitter, prompt_opens_thinking, split_whole
 from .serving import (ApiError, request_check, sampling_params, token_text, tokenize,
                       vllm_prompt_logprobs)
 from .tool_calls import ToolCallStream, check_tools, forcing_grammar, new_call_id, parse_whole
@@ -38,7 +38,8 @@ class ServingChat:
         ids = tokenize(serving.tokenizer.encode, text)
         max_tokens = body.token_budget() or max(1, serving.config.max_model_len - len(ids))
         fmt = ChatFormat(body, serving.model_name, serving.tokenizer,
-                         serving.config.reasoning_parser, tool_choice)
+                         serving.config.reasoning_parser, tool_choice,
+                         thinking=prompt_opens_thinking(text))
         constraint = forced or structured
         if constraint and serving.config.reasoning_parser:
             # a thinking model thinks first, unconstrained, as vLLM lets it
@@ -49,9 +50,12 @@ class ServingChat:
 
 
 class ChatFormat:
-    def __init__(self, body, model_name, tokenizer, reasoning_parser=None, tool_choice="none"):
+    def __init__(self, body, model_name, tokenizer, reasoning_parser=None, tool_choice="none",
+                 thinking=False):
+        """thinking: the prompt opened a think block (reasoning.prompt_opens_thinking)."""
         self.body, self.model, self.tokenizer = body, model_name, tokenizer
         self.reasoning = reasoning_parser
+        self.thinking = thinking
         self._splitters = {}  # choice index -> StreamSplitter, with a reasoning parser
         self.parse_tools = tool_choice != "none"  # the answer's <tool_call>s are tool_calls
         self._tool_streams = {}  # choice index -> ToolCallStream, when parsing tools
@@ -86,7 +90,7 @@ class ChatFormat:
     def chunk(self, index, delta, finish_reason):
         message = p.ChatDelta(content=delta.text)
         if self.reasoning:
-            splitter = self._splitters.setdefault(index, StreamSplitter())
+            splitter = self._splitters.setdefault(index, StreamSplitter(self.thinking))
             reasoning, content = splitter.feed(delta.text, finish_reason is not None)
             message = p.ChatDelta(content=content or None, reasoning_content=reasoning or None)
         if self.parse_tools:
@@ -119,7 +123,8 @@ class ChatFormat:
                             logprobs=self._logprobs(stream.token_ids, stream.logprobs))
 
     def _message(self, text):
-        reasoning, content = split_whole(text) if self.reasoning else (None, text)
+        reasoning, content = (split_whole(text, self.thinking) if self.reasoning
+                              else (None, text))
         calls = []
         if self.parse_tools and content:
             content, calls = parse_whole(content)
