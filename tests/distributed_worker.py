@@ -11,9 +11,9 @@ OUT/down_at first; the other ranks meanwhile wait in a collective that the lost 
 joins, so only the launcher can end them (OUT/rank_R.survived if one ever returns).
 --weight-first computes every MLP and lm_head product as (W @ x.T).T, whatever this
 processor's forms (hardware.cpu_matmul_forms), so that the sharded lm_head's transposed
-gather runs. --model2 DIR runs a second checkpoint (e.g. another model family) in the same job
-once the first one's results are written (or its --sampling outputs), to OUT/rank_R.model2.npz:
-one job start, two models.
+gather runs. --model2 DIR runs another checkpoint (e.g. another model family) in the same job
+once the first one's results are written (or its --sampling outputs), to OUT/rank_R.model2.npz
+(a second --model2 to model3.npz): one job start, several models.
 """
 import argparse
 import dataclasses
@@ -44,7 +44,9 @@ def main():
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--sampling", help="JSON list of SamplingParams arguments, one per prompt")
     p.add_argument("--weight-first", action="store_true")
-    p.add_argument("--model2", help="a second checkpoint to run, after the first, in the job")
+    p.add_argument("--model2", action="append", default=[],
+                   help="another checkpoint to run, after the first, in the job (repeatable: "
+                        "the n-th writes rank_R.model{n+1}.npz)")
     p.add_argument("--model2-new-tokens", type=int, help="default: --new-tokens")
     args = p.parse_args()
     os.environ.setdefault("GLOG_v", "3")
@@ -78,9 +80,9 @@ def main():
     else:
         write_results(llm, prompts, args, f"rank_{rank}.npz", baseline=baseline,
                       after_load=after_load)
-    if args.model2:
-        second = make_llm(args.model2, args.strategy)
-        write_results(second, prompts, args, f"rank_{rank}.model2.npz",
+    for number, path in enumerate(args.model2, start=2):
+        other = make_llm(path, args.strategy)
+        write_results(other, prompts, args, f"rank_{rank}.model{number}.npz",
                       new_tokens=args.model2_new_tokens)
     try:
         lose_a_rank(args.out, rank)

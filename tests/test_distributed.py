@@ -160,13 +160,14 @@ def run_losing_a_rank(cmd, out_dir, env, log_dir=None):
 
 @pytest.fixture(scope="module")
 def tp4_mpirun(models, tmp_path_factory):
-    """tp4 under mpirun on the GQA checkpoint, then on the Qwen3 one in the same job (9 new
-    tokens: every context within the smallest bucket, half the graphs to compile); after the
-    results, rank 2 is SIGKILLed."""
+    """tp4 under mpirun on the GQA checkpoint, then on the Qwen3 one and on the Qwen2 with
+    yarn in the same job (9 new tokens: every context within the smallest bucket, half the
+    graphs to compile); after the results, rank 2 is SIGKILLed."""
     out_dir = tmp_path_factory.mktemp("tp4_mpirun")
     cmd = (mpirun_prefix(4) + [sys.executable]
            + worker_args(models["gqa"][0], "qwen2_tp4.yaml", out_dir)
-           + ["--model2", models["qwen3_tied"][0], "--model2-new-tokens", "9"])
+           + ["--model2", models["qwen3_tied"][0], "--model2", models["yarn"][0],
+              "--model2-new-tokens", "9"])
     return run_losing_a_rank(cmd, out_dir, {"MSINFER_TEST_KILL_RANK": "2"})
 
 
@@ -222,6 +223,16 @@ def test_tp4_under_mpirun_runs_qwen3_as_transformers_does(models, tp4_mpirun):
     assert ranks[0]["tokens"].shape == (len(PROMPTS), 9)
     full_bytes = sum(p.numel() for p in hf.parameters()) * 4
     assert all(int(r["param_bytes"]) < 0.4 * full_bytes for r in ranks)
+
+
+def test_tp4_under_mpirun_runs_qwen2_with_yarn_as_transformers_does(models, tp4_mpirun):
+    """Qwen2 with yarn rope scaling at tp4 (2 KV heads, each on 2 ranks), positions up to 48
+    past its original 32; the same job, third."""
+    job = tp4_mpirun
+    assert job.down_seconds is not None, job.out[-3000:]
+    ranks = check_ranks_against_hf(job.dir, 4, models["yarn"][1], "mpirun-bridge",
+                                   results="model3.npz")
+    assert ranks[0]["tokens"].shape == (len(PROMPTS), 9) and max(map(len, PROMPTS)) + 9 > 32
 
 
 def test_tp2_under_msrun_matches_hf_with_tied_embeddings(models, tp2_msrun):
