@@ -278,7 +278,8 @@ def test_dp2_tp2_every_rank_returns_exactly_what_one_process_returns(models, tmp
     cmd = (mpirun_prefix(4) + [sys.executable]
            + worker_args(model_dir, "qwen2_dp2_tp2.yaml", tmp_path)
            + ["--sampling", json.dumps(sampling)]
-           + ["--model2", models["yarn"][0], "--model2-new-tokens", "9"])
+           + ["--model2", models["yarn"][0], "--model2", models["qwen3_untied"][0],
+              "--model2-new-tokens", "9"])
     code, out, _ = run_job(cmd)
     assert code == 0, out[-3000:]
     assert "2 data replicas" in out
@@ -287,6 +288,10 @@ def test_dp2_tp2_every_rank_returns_exactly_what_one_process_returns(models, tmp
     yarn = check_ranks_against_hf(tmp_path, 4, models["yarn"][1], "mpirun-bridge",
                                   results="model2.npz")
     assert yarn[0]["tokens"].shape == (len(PROMPTS), 9) and max(map(len, PROMPTS)) + 9 > 32
+    # and its third: the untied Qwen3 (head_dim 32 over hidden 64) under dp2 x tp2
+    qwen3 = check_ranks_against_hf(tmp_path, 4, models["qwen3_untied"][1], "mpirun-bridge",
+                                   results="model3.npz")
+    assert qwen3[0]["tokens"].shape == (len(PROMPTS), 9)
     ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(4)]
     for r, outputs in enumerate(ranks):  # exactly, floats included: nothing lost on the way
         assert outputs == ranks[0], f"rank {r} differs from rank 0"
