@@ -29,10 +29,6 @@ import serve as load  # noqa: E402  (bench/serve.py)
 SIDES = ("msinfer", "hf")
 
 
-def uptime():
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-
-
 def serve_py(url, model, args, tokenizer):
     """bench/serve.py's load; its summary (ms, tokens/s)."""
     load_args = argparse.Namespace(num_prompts=args.num_prompts, input_len=args.input_len,
@@ -102,14 +98,7 @@ def guidellm(url, model, args, out_path):
 
 
 def bench_side(side, args, tokenizer):
-    from msinfer.parallel.distributed import free_port
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    print(f"{side}: starting on {url} ...", file=sys.stderr, flush=True)
-    process, model = load.start_server(side, args, port)
-    out = {"command": " ".join(process.args), "uptime_before": uptime()}
-    try:
-        load.wait_healthy(url, process, args.ready_timeout)
+    with load.running_server(side, args) as (url, model, out):
         warm = load.make_requests(argparse.Namespace(
             num_prompts=4, input_len=args.input_len, output_len=4, range_ratio=0.0,
             shared_prefix_len=0, seed=args.seed), tokenizer, salt="warmup")
@@ -119,9 +108,7 @@ def bench_side(side, args, tokenizer):
         out["guidellm"] = guidellm(url, model, args,
                                    os.path.join(args.log_dir, f"guidellm_{side}.json"))
         print(f"  guidellm: {_line(out['guidellm'])}", file=sys.stderr, flush=True)
-        out["uptime_after"] = uptime()
-    finally:
-        out["exit_code"] = load.stop_server(process)
+        out["uptime_after"] = load.uptime()
     return out
 
 
@@ -223,15 +210,14 @@ def main(argv=None):
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version()},
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "uptime_start": uptime(), "sides": {}}
+        "uptime_start": load.uptime(), "sides": {}}
     report["workload"]["model"] = args.model_dir
     for side in sides:
         report["sides"][side] = bench_side(side, args, tokenizer)
-    report["uptime_end"] = uptime()
+    report["uptime_end"] = load.uptime()
     loads = [report["uptime_start"]] + [s[k] for s in report["sides"].values()
                                         for k in ("uptime_before", "uptime_after") if k in s]
-    report["load_note"] = "1-min load " + ", ".join(
-        u.split("load average:")[1].split(",")[0].strip() for u in loads if "load average" in u)
+    report["load_note"] = load.load_note(loads)
     with open(args.out + ".json", "w") as f:
         json.dump(report, f, indent=1)
     text = table(report) + f"\n\n{version}; load (uptime): {report['load_note']}\n"

@@ -26,7 +26,6 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 
@@ -39,10 +38,6 @@ from msinfer.planning.kv_layout import DEFAULT_BLOCK_SIZE  # noqa: E402
 
 SIDES = ("msinfer", "msinfer-nocache", "hf")
 CACHE_COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
-
-
-def uptime():
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 def ids(tokenizer, text):
@@ -185,16 +180,7 @@ def delta(after, before):
 
 
 def bench_side(side, args, tokenizer, workloads):
-    from msinfer.parallel.distributed import free_port
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    print(f"{side}: starting on {url} ...", file=sys.stderr, flush=True)
-    process, model = load.start_server(side, args, port)
-    out = {"command": " ".join(process.args), "uptime_before": uptime()}
-    try:
-        started = time.monotonic()
-        load.wait_healthy(url, process, args.ready_timeout)
-        out["ready_s"] = time.monotonic() - started
+    with load.running_server(side, args) as (url, model, out):
         warm, _ = send(url, model, warmup_prompts(args, tokenizer), 4)
         out["warmup_errors"] = errors_of(warm)
         for name, run in (("shared", lambda: run_shared(url, model, args, workloads["shared"])),
@@ -208,9 +194,7 @@ def bench_side(side, args, tokenizer, workloads):
             if before is not None:
                 out[name + "_metrics"] = delta(counters(url), before)
             print("    " + _summary_line(name, out[name]), file=sys.stderr, flush=True)
-        out["uptime_after"] = uptime()
-    finally:
-        out["exit_code"] = load.stop_server(process)
+        out["uptime_after"] = load.uptime()
     return out
 
 
@@ -376,7 +360,7 @@ def main(argv=None):
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version()},
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "uptime_start": uptime(), "sides": {}}
+        "uptime_start": load.uptime(), "sides": {}}
     report["workload"]["model"] = args.model_dir
     report["workload"]["shared_prompt_tokens_mean"] = statistics.fmean(
         len(t) for t in workloads["shared"][1])
@@ -393,12 +377,11 @@ def main(argv=None):
     for side, side_report in report["sides"].items():
         if side.startswith("msinfer") and "shared_metrics" in side_report:
             side_report["cache_checks"] = cache_checks(side_report, workloads["shared"])
-    report["uptime_end"] = uptime()
+    report["uptime_end"] = load.uptime()
     report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     loads = [s[k] for s in report["sides"].values()
              for k in ("uptime_before", "uptime_after") if k in s]
-    report["load_note"] = "1-min load " + ", ".join(
-        u.split("load average:")[1].split(",")[0].strip() for u in loads if "load average" in u)
+    report["load_note"] = load.load_note(loads)
     report["ratios"] = ratios(report["sides"])
     with open(args.out + ".json", "w") as f:
         json.dump(report, f, indent=1)

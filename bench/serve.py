@@ -17,6 +17,7 @@ OUT.json, OUT.png and prints a Markdown table (also in OUT.md).
 """
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -221,6 +222,37 @@ def wait_healthy(url, process, timeout):
             pass
         time.sleep(1)
     raise RuntimeError(f"server not healthy after {timeout}s")
+
+
+@contextlib.contextmanager
+def running_server(side, args):
+    """start_server on a free port and wait_healthy; yields (url, model, facts), and stops it
+    on the way out. facts: its command, the `uptime` line once started, the seconds to ready
+    and, after, its exit code."""
+    from msinfer.parallel.distributed import free_port
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    print(f"{side}: starting on {url} ...", file=sys.stderr, flush=True)
+    process, model = start_server(side, args, port)
+    facts = {"command": " ".join(process.args), "uptime_before": uptime()}
+    try:
+        started = time.monotonic()
+        wait_healthy(url, process, args.ready_timeout)
+        facts["ready_s"] = time.monotonic() - started
+        yield url, model, facts
+    finally:
+        facts["exit_code"] = stop_server(process)
+
+
+def uptime():
+    """The `uptime` line (its load averages are recorded beside the figures)."""
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def load_note(uptimes):
+    """'1-min load a, b, ...' from `uptime` lines."""
+    return "1-min load " + ", ".join(u.split("load average:")[1].split(",")[0].strip()
+                                     for u in uptimes if "load average" in u)
 
 
 def stop_server(process):
@@ -472,16 +504,9 @@ def main(argv=None):
         if args.soak:
             report["soak"] = {args.url: soak(args.url, model, args)}
     for side in args.start:
-        from msinfer.parallel.distributed import free_port
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        print(f"{side}: starting on {url} ...", file=sys.stderr, flush=True)
-        process, model = start_server(side, args, port)
-        report.setdefault("commands", {})[side] = " ".join(process.args)
-        try:
-            started = time.monotonic()
-            wait_healthy(url, process, args.ready_timeout)
-            report.setdefault("ready_seconds", {})[side] = time.monotonic() - started
+        with running_server(side, args) as (url, model, facts):
+            report.setdefault("commands", {})[side] = facts["command"]
+            report.setdefault("ready_seconds", {})[side] = facts["ready_s"]
             report["servers"][side] = bench_url(url, model, args, workloads)
             if side.startswith("msinfer"):
                 report.setdefault("server_metrics", {})[side] = scrape(url, (
@@ -493,8 +518,7 @@ def main(argv=None):
                 report.setdefault("per_replica", {})[side] = scrape_per_replica(url)
             if args.soak and side == "msinfer":
                 report.setdefault("soak", {})[side] = soak(url, model, args)
-        finally:
-            report.setdefault("exit_codes", {})[side] = stop_server(process)
+        report.setdefault("exit_codes", {})[side] = facts["exit_code"]
     with open(args.out + ".json", "w") as f:
         json.dump(report, f, indent=1)
     text = table(report)

@@ -17,7 +17,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ import httpx2 as httpx
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from msinfer.parallel.distributed import free_port  # noqa: E402
+from serve import stop_server  # noqa: E402  (bench/serve.py)
 
 JOBS = {"tp1": (1, None), "tp2": (2, "qwen2_tp2.yaml")}
 PREFILL_TOKENS = 256  # the prompt whose time to first token gives prefill tokens/s
@@ -61,18 +61,9 @@ def start(args, nproc, strategy, cache, log_path):
         except httpx.HTTPError:
             pass
         if time.monotonic() - began > args.timeout:
-            stop(process)
+            stop_server(process)
             raise RuntimeError(f"not ready after {args.timeout}s: see {log_path}")
         time.sleep(0.25)
-
-
-def stop(process):
-    os.killpg(process.pid, signal.SIGINT)
-    try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
 
 
 def speed(url, max_len):
@@ -124,7 +115,7 @@ def measure(args, job, work):
         try:
             facts = speed(url, args.max_len)
         finally:
-            stop(process)
+            stop_server(process)
         row[run] = dict(ready_s=ready, **warmup_facts(log_path), **facts)
         print(f"  {job} {run}: ready in {ready:.1f}s, {facts}", flush=True)
     row["graphs_per_rank"] = graph_files(cache) // nproc
