@@ -8,6 +8,7 @@ rank of a sharded job the same code runs; every rank returns the same outputs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 from . import log
@@ -108,20 +109,27 @@ class LLM:
             tokenizer=(lambda: self.tokenizer) if self.has_tokenizer else None,
             prefix_caching=enable_prefix_caching)
         self._batches = 0
-        self.compile_cache = None
-        if compile_cache is not False:
-            from .engine.compile_cache import CompileCache, default_root, weight_files
-            self.compile_cache = CompileCache(compile_cache or default_root(), dict(
-                config=dataclasses.asdict(self.config), weights=weight_files(model_dir),
-                strategy=dataclasses.asdict(self.strategy), mode=self.parallel_mode,
-                rank=self.dist.rank, world_size=self.dist.world_size, dtype=report.dtype,
-                hardware=self.profile.name, limits=dataclasses.asdict(self.limits),
-                layout=dataclasses.asdict(self.memory.layout), shapes=runner.shapes()))
+        self._compile_cache_root = compile_cache
 
-    def warmup(self) -> int:
+    @functools.cached_property
+    def compile_cache(self):
+        """This configuration's compile cache entry (engine/compile_cache.py), None without
+        one; built when first asked for (warm-up), not at every start."""
+        if self._compile_cache_root is False:
+            return None
+        from .engine.compile_cache import CompileCache, default_root, weight_files
+        return CompileCache(self._compile_cache_root or default_root(), dict(
+            config=dataclasses.asdict(self.config), weights=weight_files(self.model_dir),
+            strategy=dataclasses.asdict(self.strategy), mode=self.parallel_mode,
+            rank=self.dist.rank, world_size=self.dist.world_size, dtype=self.compute_dtype,
+            hardware=self.profile.name, limits=dataclasses.asdict(self.limits),
+            layout=dataclasses.asdict(self.memory.layout),
+            shapes=self.engine.runner.shapes()))
+
+    def warmup(self, on_shape=None) -> int:
         """Compile (or load from the compile cache) every graph serving can use, so that no
-        request waits for one; returns how many."""
-        return self.engine.warmup(self.compile_cache)
+        request waits for one; returns how many. on_shape(text): warm-up's progress."""
+        return self.engine.warmup(self.compile_cache, on_shape)
 
     @property
     def tokenizer(self):

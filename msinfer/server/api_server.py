@@ -60,7 +60,7 @@ def serve(llm, options):
 
 def _warmup(llm, options, on_shape=None):
     if not options.lazy_warmup:
-        llm.engine.warmup(llm.compile_cache, on_shape)
+        llm.warmup(on_shape)
         return
     log.get().warning("lazy warm-up: ready at once; each of the %d graph shapes compiles on "
                       "its first use, and the requests of that step wait for it (development "
