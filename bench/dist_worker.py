@@ -42,43 +42,22 @@ def count_collectives(runner):
     def count(cell, attr):
         return sum(getattr(c, attr, None) is not None for _, c in cell.cells_and_names())
 
-    from msinfer.models.qwen2 import DecoderLayer
-
-    layer = DecoderLayer(runner.ctx)
-    reduces = (count(runner.embedding, "reduce") + count(runner.head, "reduce")
+    family = runner.family
+    embedding, head = family.Embedding(runner.ctx), family.LMHead(runner.ctx)
+    layer = family.LayerStack.LAYER(runner.ctx)
+    reduces = (count(embedding, "reduce") + count(head, "reduce")
                + runner.num_layers * count(layer, "reduce"))
-    gathers = (count(runner.head, "vocab_gather") + count(runner.embedding, "vocab_gather")
+    gathers = (count(head, "vocab_gather") + count(embedding, "vocab_gather")
                + runner.num_layers * count(layer, "vocab_gather"))
     return reduces, gathers
 
 
 def without_collectives(llm):
-    """Point the runner at new graphs built from the same cells with no collective: the
-    sharded layers keep their slices and skip the AllReduce / AllGather. The lm_head then
-    gives this rank's vocabulary block only, so greedy ids stay inside it and the embedding
-    (which skips its AllReduce too) looks them up locally. New wrapper Cells, because a Cell
-    already compiled keeps its graphs whatever its attributes say now."""
-    from mindspore import nn
-
-    class _EmbeddingGraph(nn.Cell):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def construct(self, ids, weight):
-            return self.inner(ids, weight)
-
-    class _HeadGraph(nn.Cell):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def transposed_for(self, rows):
-            return self.inner.transposed_for(rows)
-
-        def construct(self, x, rows, norm_weight, lm_weight):
-            return self.inner(x, rows, norm_weight, lm_weight)
-
+    """Have the runner build its graphs again, from Cells with no collective: the sharded
+    layers keep their slices and skip the AllReduce / AllGather. The lm_head then gives this
+    rank's vocabulary block only, so greedy ids stay inside it and the embedding (which skips
+    its AllReduce too) looks them up locally. New Cells, because a Cell already compiled keeps
+    its graphs whatever its attributes say now."""
     def strip(graph):
         for _, cell in graph.cells_and_names():
             if getattr(cell, "reduce", None) is not None:
@@ -87,19 +66,10 @@ def without_collectives(llm):
                 cell.vocab_gather = None
         return graph
 
-    class _StrippedStacks(dict):
-        """The runner's stacks, built again on first use (it stores each one it builds
-        here) and stripped as they are stored."""
-
-        def __setitem__(self, count, stack):
-            super().__setitem__(count, strip(stack))
-
     runner = llm.engine.runner
-    strip(runner.embedding)
-    strip(runner.head)
-    runner.embedding = _EmbeddingGraph(runner.embedding)
-    runner.head = _HeadGraph(runner.head)
-    runner.stacks = _StrippedStacks()
+    build = runner._build
+    runner._build = lambda graph: strip(build(graph))
+    runner.cells = {}
 
 
 def param_bytes(runner):

@@ -152,19 +152,15 @@ class MsinferSide:
                 steps[-1]["step"] = time.perf_counter() - start
                 decoding.clear()
 
-        graphs = runner.embedding, runner.stacks, runner.head
-        plain_decode, compiled = runner.decode, self.llm.compilations
-        runner.embedding = Timed(graphs[0], "embedding", record)
-        runner.stacks = {k: Timed(g, "stack", record) for k, g in graphs[1].items()}
-        runner.head = Timed(graphs[2], "head", record)
+        plain_decode, plain_cell = runner.decode, runner.cell
+        compiled = self.llm.compilations
+        names = {"embedding": "embedding", "layers": "stack", "head": "head"}
+        runner.cell = lambda graph: Timed(plain_cell(graph), names[graph.part], record)
         runner.decode = decode
         try:
             self.llm.generate(prompts, greedy(max_tokens))
         finally:
-            del runner.decode
-            for k, g in runner.stacks.items():  # a stack built meanwhile is kept, untimed
-                graphs[1][k] = g.graph if isinstance(g, Timed) else g
-            runner.embedding, runner.stacks, runner.head = graphs
+            del runner.decode, runner.cell
         full = [s for s in steps if s["batch"] == len(prompts)]
         med = statistics.median
         figures = {"batch": len(prompts), "decode_steps": len(full),

@@ -5,6 +5,7 @@ decode and prefill speed after each, for one rank and tp2 (issue 24).
     python bench/startup.py                      # the 0.5B shape, defaults, tp1 and tp2
     python bench/startup.py --max-len 32768 --kv-cache-memory 1GiB
     python bench/startup.py --model DIR --jobs tp1
+    python bench/startup.py --before bench/results/startup_static_shapes.json
 
 Writes bench/results/startup.json, .md (the table, also printed) and .png. Each start gets a
 compile cache directory of its own under --out (removed at the end), so nothing on the machine
@@ -95,7 +96,7 @@ def warmup_facts(log_path):
     text = open(log_path).read()
     graphs = re.findall(r"(?:compiling|loading) graphs: (\d+)/(\d+), ([\d.]+)s", text)
     cache = re.search(r"compile cache: (filling|loading from)", text)
-    return {"shapes": int(graphs[-1][1]) if graphs else None,
+    return {"warmup_graphs_logged": int(graphs[-1][1]) if graphs else None,
             "warmup_s": float(graphs[-1][2]) if graphs else None,
             "cache": cache.group(1) if cache else None,
             "rebuilt_warning": "compiled again" in text or "rebuilding" in text}
@@ -123,19 +124,33 @@ def measure(args, job, work):
 
 
 def table(report):
+    """The runs, and those of `report["before"]` (an earlier report of the same command, e.g.
+    one graph per call shape) each beside them, with the cold start's ratio to it."""
+    before = {r["job"]: r for r in report.get("before", {}).get("runs", [])}
     lines = [f"start-up of `msinfer serve`: {report['model']}, --max-len {report['max_len']}, "
              f"{report['cpu']}; load average at start {report['load_at_start']}",
              "",
-             "| job | graphs/rank | shapes | cold: ready (s) | restart: ready (s) | restart/cold "
-             "| decode tok/s cold / restart | prefill tok/s cold / restart |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in report["runs"]:
+             "| job | graphs/rank | cold: ready (s) | restart: ready (s) "
+             "| restart/cold | decode tok/s cold / restart | prefill tok/s cold / restart |",
+             "|---|---|---|---|---|---|---|"]
+
+    def row(r, label):
         c, w = r["cold"], r["restart"]
-        lines.append(
-            f"| {r['job']} | {r['graphs_per_rank']} | {c['shapes']} | {c['ready_s']:.1f} | "
-            f"{w['ready_s']:.1f} | {w['ready_s'] / c['ready_s']:.2f} | "
-            f"{c['decode_tokens_per_s']:.2f} / {w['decode_tokens_per_s']:.2f} | "
-            f"{c['prefill_tokens_per_s']:.1f} / {w['prefill_tokens_per_s']:.1f} |")
+        return (f"| {label} | {r['graphs_per_rank']} | {c['ready_s']:.1f} | "
+                f"{w['ready_s']:.1f} | {w['ready_s'] / c['ready_s']:.2f} | "
+                f"{c['decode_tokens_per_s']:.2f} / {w['decode_tokens_per_s']:.2f} | "
+                f"{c['prefill_tokens_per_s']:.1f} / {w['prefill_tokens_per_s']:.1f} |")
+
+    for r in report["runs"]:
+        lines.append(row(r, r["job"]))
+        if r["job"] in before:
+            lines.append(row(before[r["job"]], f"{r['job']}, before"))
+    for r in report["runs"]:
+        if r["job"] in before:
+            old = before[r["job"]]["cold"]["ready_s"]
+            lines.append(f"\n{r['job']}: cold start {r['cold']['ready_s'] / old:.2f}x and "
+                         f"restart {r['restart']['ready_s'] / old:.2f}x of the cold start "
+                         f"before ({report['before'].get('label', 'the earlier report')})")
     return "\n".join(lines)
 
 
@@ -168,6 +183,8 @@ def main(argv=None):
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     p.add_argument("--name", default="startup", help="file name of the results")
+    p.add_argument("--before", default=None,
+                   help="an earlier report (JSON) of the same runs to set beside these")
     args = p.parse_args(argv)
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         subprocess.run([sys.executable, "-m", "msinfer", "make-tiny-model", "--preset",
@@ -183,6 +200,9 @@ def main(argv=None):
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report["load_at_end"] = round(os.getloadavg()[0], 2)
+    if args.before:
+        with open(args.before) as f:
+            report["before"] = json.load(f)
     os.makedirs(args.out, exist_ok=True)
     base = os.path.join(args.out, args.name)
     with open(base + ".json", "w") as f:

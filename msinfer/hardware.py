@@ -147,6 +147,20 @@ class CpuMatmulForms:
     mlp_weight_first: tuple = None
     head_weight_first: tuple = (8, None)
 
+    def mlp_weight_first_for(self, rows) -> bool:
+        return rows_within(rows, self.mlp_weight_first)
+
+    def head_weight_first_for(self, rows) -> bool:
+        return rows_within(rows, self.head_weight_first)
+
+
+def rows_within(rows, bounds) -> bool:
+    """Whether `rows` is within bounds (first, last), last None: no bound; bounds None: no."""
+    if bounds is None:
+        return False
+    first, last = bounds
+    return rows >= first and (last is None or rows <= last)
+
 
 # Measured on this project's machines, 0.5B shapes, kernel for kernel and through 24 layers of
 # distinct weights (so that they stream from memory), best of 5 (bench/README.md: the

@@ -66,7 +66,8 @@ def test_a_restart_loads_every_graph_and_a_corrupt_one_is_compiled_again(model, 
     assert json.loads((entry / "manifest.json").read_text())["graphs"] == len(files)
 
     warm_again, said = warm(model, tmp_path)
-    assert "compile cache: loading from" in said and "loading graphs: 3/3" in said
+    assert "compile cache: loading from" in said
+    assert f"loading graphs: {len(files)}/{len(files)}" in said
     assert warm_again["tokens"] == cold["tokens"] and warm_again["key"] == cold["key"]
     assert graph_files(entry) == files  # every graph read, none written again
 
@@ -135,5 +136,6 @@ def test_lazy_warmup_compiles_nothing_at_start_and_says_so(small_checkpoint, mon
     monkeypatch.setattr(log.get(), "propagate", True)  # after LLM's log.setup()
     _warmup(llm, ServeOptions(model_names=["x"], lazy_warmup=True))
     assert llm.compilations == 0
-    assert "lazy warm-up: ready at once; each of the 3 graph shapes compiles on its first use" \
-        in caplog.text
+    calls = len(llm.engine.runner.shapes())
+    assert (f"lazy warm-up: ready at once; each graph compiles on its first use (warm-up would "
+            f"run {calls} calls)") in caplog.text

@@ -18,7 +18,6 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from msinfer import LLM, SamplingParams  # noqa: E402
-from msinfer.planning.workspace import layer_activation_bytes  # noqa: E402
 
 PROMPT_LENGTHS = (5, 11, 37, 1)
 NEW_TOKENS = 32
@@ -143,30 +142,26 @@ def test_prompts_of_other_lengths_in_the_same_buckets_compile_no_new_graph(case)
     assert llm.compilations == compiled
 
 
-def test_layers_run_in_stacks_of_any_size_give_the_same_tokens(tiny_checkpoint, hf_model,
-                                                              monkeypatch):
+def test_layers_run_in_stacks_of_any_size_give_the_same_tokens(tiny_checkpoint, hf_model):
     """A graph runs k consecutive layers, k set by the workspace and the calls a pass may
-    take: one, two or all four layers per graph must all be Qwen2 (each layer's own weights
-    and own cache)."""
-    monkeypatch.setattr("msinfer.planning.workspace.CALLS_PER_PASS", 1)
+    take (planning/workspace.py): one, two or all four layers per graph must all be Qwen2
+    (each layer's own weights and own cache)."""
     model_dir, config = tiny_checkpoint(layers=4, hidden=64, heads=8, kv_heads=2, vocab=384,
                                         seed=4)
     llm = LLM(model_dir, **ENGINE)
     runner = llm.engine.runner
     hf = hf_model(model_dir)
     prompts = prompts_for(config.vocab_size, seed=5, lengths=(23, 6))
-    # This test's calls: 16-token prefill chunks and a 2-sequence decode, over 64 slots.
-    largest = max(layer_activation_bytes(llm.shard_plan, 4, tokens, groups, 64)
-                  for tokens, groups in ((16, 1), (2, 2)))
-    for workspace in (1, 2 * largest, runner.workspace_bytes):
-        runner.workspace_bytes = workspace
+    for count in (1, 2, 4):
+        runner.graph_of.layers_for = lambda tokens, groups, context, count=count: count
         for i, (prompt, out) in enumerate(zip(prompts, llm.generate(prompts, greedy(384, 6)))):
-            assert_matches_hf(hf, prompt, out, config.vocab_size, f"{workspace}: prompt {i}")
-    assert sorted(runner.stacks) == [1, 2, 4]
+            assert_matches_hf(hf, prompt, out, config.vocab_size, f"{count}: prompt {i}")
+    stacks = {graph: cell for graph, cell in runner.cells.items() if graph.part == "layers"}
+    assert sorted({graph.layers for graph in stacks}) == [1, 2, 4]
     # One Cell per position: a Cell called several times over Tensor caches it updates makes
     # MindSpore copy every cache at every call (model.LayerStack).
-    assert all(len({id(layer) for layer in stack.layers}) == count
-               for count, stack in runner.stacks.items())
+    assert all(len({id(layer) for layer in cell.layers}) == graph.layers
+               for graph, cell in stacks.items())
 
 
 def test_preempted_requests_are_recomputed_exactly(tiny_checkpoint, hf_model):

@@ -1,9 +1,11 @@
-"""Warm-up compiles every shape serving runs: after `engine.warmup()`, a workload of several
+"""Warm-up compiles every graph serving runs: after `engine.warmup()`, a workload of several
 short prompts completing in one prefill chunk (2, 3, 4 lm_head rows), mixed lengths (a prompt
 over two chunks), and preemption (a KV pool smaller than the requests need together) compiles
 no graph. In explicit mode a prefill call's rows are picked before the head graph, which is
 then the decode step's of that batch; semi_auto pads a prefill call's rows to the most its
-chunk can complete."""
+chunk can complete. Explicit mode's graphs are of dynamic shape (planning/shapes.py): as
+many at max_len 32768 as at the default, and a prompt over several context buckets compiles
+none."""
 import pytest
 
 from msinfer.engine.sampling import SamplingParams
@@ -17,16 +19,23 @@ BLOCK = 4
 BYTES_PER_BLOCK = 2 * 2 * 16 * BLOCK * 2 * 4
 ENGINE = dict(max_len=128, max_num_seqs=4, max_prefill_tokens=32, block_size=BLOCK,
               kv_cache_memory=33 * BYTES_PER_BLOCK)  # 32 usable blocks: 128 tokens
-# The workload's longest context is 46 tokens (a 40-token prompt and 6 more): it runs one
-# context bucket, 64, so warm-up compiles that one (5 shapes, not 10; 28 graphs -> 18).
-WORKLOAD_ENGINE = dict(ENGINE, max_len=64)
+# semi_auto compiles a graph per call shape: the workload's longest context is 46 tokens (a
+# 40-token prompt and 6 more) in one context bucket, 64, so max_len 64 (5 shapes, not 10).
+# Explicit mode: the default max_len (4096) and a large one, and a 100-token prompt whose
+# contexts span the buckets 64 and 128.
+# The pool holds one sequence of max_len (the planner's floor): preemption only at 64.
+WORKLOADS = {("semi_auto", 64): dict(ENGINE, max_len=64),
+             ("explicit", 4096): dict(ENGINE, max_len=4096,
+                                      kv_cache_memory=(4096 // BLOCK + 1) * BYTES_PER_BLOCK),
+             ("explicit", 32768): dict(ENGINE, max_len=32768,
+                                       kv_cache_memory=(32768 // BLOCK + 1) * BYTES_PER_BLOCK)}
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("warm") / "model")
     make_tiny_model(path, layers=2, hidden=64, heads=4, kv_heads=2, vocab=512,
-                    max_position=256)
+                    max_position=32768)
     return path
 
 
@@ -44,11 +53,14 @@ WORKLOAD = [
 ]
 
 
-@pytest.mark.parametrize("mode", ["explicit", "semi_auto"])
-def test_after_warmup_a_mixed_workload_compiles_nothing(model_dir, mode):
+LONG = ([prompt(100, 11)], 20)  # contexts 100-119: buckets 64 and 128 (explicit mode only)
+
+
+@pytest.mark.parametrize("mode,max_len", list(WORKLOADS))
+def test_after_warmup_a_mixed_workload_compiles_nothing(model_dir, mode, max_len):
     from msinfer import LLM
 
-    llm = LLM(model_dir, parallel_mode=mode, **WORKLOAD_ENGINE)
+    llm = LLM(model_dir, parallel_mode=mode, **WORKLOADS[mode, max_len])
     runner = llm.engine.runner
     rows_seen = []
     prefill = runner.prefill
@@ -62,16 +74,20 @@ def test_after_warmup_a_mixed_workload_compiles_nothing(model_dir, mode):
     assert compiled == llm.compilations > 0
     # what `msinfer plan` says warm-up compiles is what MindSpore compiled
     plan = make_plan(llm.config, llm.strategy, llm.profile, llm.limits, parallel_mode=mode)
-    assert plan.warmup_graphs == compiled and plan.warmup_shapes == len(runner.shapes())
+    assert plan.warmup_graphs == compiled
+    if mode == "explicit":  # one graph per kind of call, whatever max_len (2 layers: 1 stack
+        # per call kind and batch): embedding, decode at batches 1, 2, 4, prefill, 2 heads
+        assert compiled == 1 + 3 + 1 + 1 + (llm.engine.runner.head_weight_first(4)
+                                            != llm.engine.runner.head_weight_first(1))
     before = llm.compilations
     greedy = {}
-    for prompts, max_tokens in WORKLOAD:
+    for prompts, max_tokens in WORKLOAD + ([LONG] if mode == "explicit" else []):
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         for p, out in zip(prompts, llm.generate(prompts, params)):
             greedy[tuple(p)] = (max_tokens, out.token_ids)
     assert llm.compilations == before, f"{llm.compilations - before} graphs compiled mid-work"
     assert {2, 3} <= set(rows_seen) and max(rows_seen) >= 3
-    assert llm.engine.stats().num_preemptions > 0
+    assert llm.engine.stats().num_preemptions > 0 or max_len > 64
     # the batched tokens are each prompt's own (rows picked right, padding harmless)
     for p in (WORKLOAD[0][0][1], WORKLOAD[2][0][2], WORKLOAD[3][0][5]):
         max_tokens, tokens = greedy[tuple(p)]
@@ -86,9 +102,14 @@ def test_shapes_say_how_many_rows_each_call_computes(model_dir):
 
     runner = LLM(model_dir, **ENGINE).engine.runner
     shapes = runner.shapes()
-    assert ("decode", 4, 128, 4) in shapes and ("prefill", 32, 64, 1) in shapes
-    assert ("prefill", 32, 32, 1) not in shapes  # a context holds at least its chunk
-    assert len(shapes) == 3 * 2 + 2 * 2  # batches 1, 2, 4 and chunks 16, 32 over 64, 128
+    # explicit mode warms up one call per graph: every decode batch (static rows), a prefill
+    # chunk (dynamic rows and context), each running the lm_head on its rows
+    assert [s for s in shapes if s[0] == "decode"] == [("decode", b, 64, b) for b in (1, 2, 4)]
+    assert [s for s in shapes if s[0] == "prefill"] == [("prefill", 16, 64, 1)]
+    assert {s[:3] for s in shapes} == set(runner.graph_of.all().values())
     # explicit: any prefill row count is a decode batch's head graph
     assert [runner.prefill_rows(n, 32) for n in (1, 2, 3, 4)] == [1, 2, 4, 4]
-    assert set(runner.row_buckets) == {s[1] for s in shapes if s[0] == "decode"}
+    semi_auto = LLM(model_dir, parallel_mode="semi_auto", **ENGINE).engine.runner.shapes()
+    assert ("decode", 4, 128, 4) in semi_auto and ("prefill", 32, 64, 4) in semi_auto
+    assert ("prefill", 32, 32, 4) not in semi_auto  # a context holds at least its chunk
+    assert len(semi_auto) == 3 * 2 + 2 * 2  # batches 1, 2, 4 and chunks 16, 32 over 64, 128

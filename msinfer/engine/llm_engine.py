@@ -422,7 +422,7 @@ class LLMEngine:
     # ---- compile ahead ----
 
     def warmup(self, compile_cache=None, on_shape=None) -> int:
-        """Compile every graph the engine can use (shapes from `runner.shapes()`); returns how
+        """Compile every graph the engine can use (the calls of `runner.shapes()`); returns how
         many were compiled (or loaded from `compile_cache`, a compile_cache.CompileCache).
         `on_shape(text)` hears the progress after each shape. Writes and reads only the
         cache's reserved block."""
@@ -430,7 +430,7 @@ class LLMEngine:
         shapes = self.runner.shapes()
         with (compile_cache.session() if compile_cache else contextlib.nullcontext()) as cache:
             progress = log.Progress("loading graphs" if cache == "load" else "compiling graphs",
-                                    len(shapes), on_step=on_shape)
+                                    self.runner.graph_count, on_step=on_shape)
             self._compile(shapes, progress)
         return self.runner.compilations - before
 
@@ -442,9 +442,10 @@ class LLMEngine:
         gc.collect()
         gc.freeze()
         try:
-            for done, shape in enumerate(shapes, 1):
+            for shape in shapes:  # progress in graphs: a call may compile several
                 self.runner.compile_shape(*shape)
-                progress.step(done, f"{shape[0]} {shape[1]} x {shape[2]}, {shape[3]} rows")
+                progress.step(self.runner.compilations,
+                              f"{shape[0]} {shape[1]} x {shape[2]}, {shape[3]} rows")
         finally:
             if not frozen_before:
                 gc.unfreeze()

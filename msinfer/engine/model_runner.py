@@ -4,21 +4,23 @@ runs them and returns logits. Two runners behind one interface (`decode`, `prefi
 `shapes`, `compile_shape`, `compilations`): `ExplicitRunner` and `SemiAutoRunner`;
 `build_runner` makes the one a parallel mode needs.
 
-Every call is padded to a shape bucket so that the set of compiled graphs is small and fixed,
-whatever the mix of prompt lengths:
+Every call is padded to a shape bucket (planning/shapes.py):
 - decode: batch B (powers of two up to max_num_seqs) x context T (powers of two from 64 up to
   max_model_len): B sequences, one token each, each over its own T gathered cache slots;
 - prefill: chunk C tokens (16, 32, 64, ... up to max_prefill_tokens) x context T: the chunk's
   tokens (of one or several sequences) over their concatenated contexts, and the lm_head on
   R rows (the last token of each sequence whose prompt the chunk completes; powers of two).
 In explicit mode a call is one embedding call, the decoder layers in stacks of k consecutive
-layers (one compiled graph per k and shape, each layer's weights and KV cache passed in; k
-the fewest for a pass in a few calls, within the planner's workspace for that shape:
-planning/workspace.py), and one lm_head call (none for a prefill call that completes no
-prompt); in semi_auto mode one whole-model call.
+layers (each layer's weights and KV cache passed in; k the fewest for a pass in a few calls,
+within the planner's workspace for that shape: planning/workspace.py), and one lm_head call
+(none for a prefill call that completes no prompt). Those graphs are of dynamic shape, so
+their number does not grow with max_len (planning/shapes.ExplicitGraphs: dynamic in the
+context, and in the rows of all but decode steps). semi_auto runs one whole-model graph per
+call shape.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import mindspore as ms
@@ -28,13 +30,14 @@ from mindspore import Tensor, ops
 from .. import log
 from ..hardware import DTYPE_BYTES
 from ..layers.attention import new_cache
+from ..layers.cpu_forms import matmul_forms
 from ..layers.parallel_context import ParallelContext
 from ..layers.rotary import rotary_tables
 from ..models.families import family_of
 from ..models.loader import full_shapes, rank_weights
 from ..planning.kv_layout import TRASH_BLOCK, CacheLayout
-from ..planning.shapes import ShapeBuckets, bucket_for
-from ..planning.workspace import largest_call_bytes, layer_activation_bytes, layers_per_graph
+from ..planning.shapes import ExplicitGraphs, Graph, ShapeBuckets, bucket_for
+from ..planning.workspace import stack_layers
 
 MASKED = -1e30  # added to the float32 scores of context positions a query must not see
 
@@ -86,6 +89,11 @@ class ModelRunner:
     def compilations(self) -> int:
         """Graphs compiled so far."""
         return sum(len(g.compile_cache) for g in self.graphs)
+
+    @property
+    def graph_count(self) -> int:
+        """Graphs warm-up leaves compiled: one per call shape (semi_auto's whole model)."""
+        return len(self.shapes())
 
     # ---- one step's inputs ----
 
@@ -224,7 +232,8 @@ class ModelRunner:
 class ExplicitRunner(ModelRunner):
     """Explicit mode: this rank's weight slices and KV caches as Tensors passed to the graphs;
     a call is an embedding graph, the layers in LayerStacks of k consecutive layers, and an
-    lm_head graph."""
+    lm_head graph. Each of those is a graph of dynamic shape (planning/shapes.py `Graph`),
+    built and compiled when a call first needs it; warm-up runs one call for each."""
 
     def __init__(self, ctx, layout, max_num_seqs, max_prefill_tokens, max_model_len, weights,
                  min_layers_per_graph=1):
@@ -233,9 +242,6 @@ class ExplicitRunner(ModelRunner):
         super().__init__(ctx, layout, max_num_seqs, max_prefill_tokens, max_model_len)
         config = ctx.config
         family = self.family
-        self.embedding = family.Embedding(ctx)
-        self.head = family.LMHead(ctx)
-        self.stacks = {}  # layers per graph -> LayerStack
         self.caches = [(new_cache(layout.rows_shape, ctx.dtype),
                         new_cache(layout.rows_shape, ctx.dtype))
                        for _ in range(config.num_layers)]
@@ -246,59 +252,97 @@ class ExplicitRunner(ModelRunner):
         # Each layer's arguments of a LayerStack: its K and V caches, then its weights.
         self.layer_args = [t for (k, v), w in zip(self.caches, self.layer_weights)
                            for t in (k, v, *w)]
-        self._dtype_bytes = DTYPE_BYTES[str(ctx.dtype).lower()]
         # What the planner reserves for activations: each graph stays within it.
-        self.min_layers = min_layers_per_graph
-        self.workspace_bytes = largest_call_bytes(ctx.plan, self._dtype_bytes, max_model_len,
-                                                  max_prefill_tokens, max_num_seqs,
-                                                  layers=min_layers_per_graph)
+        self.layers_per_call = stack_layers(ctx.plan, DTYPE_BYTES[str(ctx.dtype).lower()],
+                                            max_model_len, max_prefill_tokens, max_num_seqs,
+                                            min_layers_per_graph)
+        self.forms = matmul_forms(ctx)
+        self.graph_of = ExplicitGraphs(self.buckets, self.layers_per_call, self.mlp_weight_first,
+                                       self.head_weight_first)
+        self.cells = {}  # Graph -> its Cell, built when a call first needs it
 
     @property
     def graphs(self):
-        return [self.embedding, *self.stacks.values(), self.head]
+        return list(self.cells.values())
 
     @property
     def cache_bytes(self) -> int:
         """Bytes of this rank's KV cache tensors."""
         return sum(k.nbytes + v.nbytes for k, v in self.caches)
 
-    def layers_per_call(self, tokens, groups, context) -> int:
-        """Decoder layers one graph runs for a call of that shape."""
-        layer = layer_activation_bytes(self.ctx.plan, self._dtype_bytes, tokens, groups,
-                                       context)
-        return layers_per_graph(self.num_layers, layer, self.workspace_bytes, self.min_layers)
+    def mlp_weight_first(self, rows) -> bool:
+        return self.forms is not None and self.forms.mlp_weight_first_for(rows)
 
-    def new_stack(self, count):
-        """A graph of `count` consecutive decoder layers."""
-        return self.family.LayerStack(self.ctx, count)
+    def head_weight_first(self, rows) -> bool:
+        return self.forms is not None and self.forms.head_weight_first_for(rows)
+
+    @property
+    def graph_count(self) -> int:
+        return len(self.graph_of.all())
+
+    def shapes(self):
+        """One call for each graph (planning/shapes.py: ExplicitGraphs.all): running them
+        compiles every graph a call can need."""
+        calls = dict.fromkeys(self.graph_of.all().values())
+        return [(kind, size, context, size if kind == "decode" else 1)
+                for kind, size, context in calls]
+
+    def cell(self, graph: Graph):
+        """The Cell of `graph`, built with its inputs' dynamic shapes on first use."""
+        cell = self.cells.get(graph)
+        if cell is None:
+            cell = self.cells[graph] = self._build(graph)
+        return cell
+
+    def _build(self, graph):
+        ctx = dataclasses.replace(self.ctx, graph=graph)
+        config = ctx.config
+        x = Tensor(shape=[None, config.hidden_size], dtype=self.dtype)
+        indices = Tensor(shape=[None], dtype=ms.int32)
+        if graph.part == "embedding":
+            cell = self.family.Embedding(ctx)
+            cell.set_inputs(indices, self.embed_weight)
+        elif graph.part == "head":
+            cell = self.family.LMHead(ctx)
+            cell.set_inputs(x, indices, *self.head_weights)
+        else:
+            cell = self.family.LayerStack(ctx, graph.layers)
+            rows = graph.rows or None  # a decode step's batch is static (ExplicitGraphs)
+            rotary = Tensor(shape=[rows, 1, config.head_dim],
+                            dtype=ms.float16 if self.cos.dtype == np.float16 else ms.float32)
+            written = rows and rows * ctx.plan.local_kv_heads  # CacheLayout.head_rows
+            mask = [rows, 1, None] if graph.kind == "decode" else [1, rows, None]
+            per_layer = self.family.LayerStack.ARGS_PER_LAYER * graph.layers
+            cell.set_inputs(Tensor(shape=[rows, config.hidden_size], dtype=self.dtype), rotary,
+                            rotary, Tensor(shape=[written], dtype=ms.int32), indices,
+                            Tensor(shape=mask, dtype=ms.float32), *self.layer_args[:per_layer])
+        return cell
 
     def _run(self, ids, positions, write, context_slots, mask, rows):
         cos, sin = self._rotary(positions)
-        groups, _, context = mask.shape
+        groups, queries, context = mask.shape
         # explicit mode's caches are rows of one head (kv_layout.py)
         args = (Tensor(self.layout.head_rows(write).astype(np.int32)),
                 Tensor(self.layout.rows_by_head(context_slots, groups).astype(np.int32)),
                 Tensor(mask))
-        count = self.layers_per_call(len(ids), groups, context)
-        stack = self.stacks.get(count)
-        if stack is None:
-            stack = self.stacks[count] = self.new_stack(count)
-        x = self.embedding(Tensor(ids), self.embed_weight)
+        tokens = len(ids)
+        graph = self.graph_of.layers("decode" if queries == 1 else "prefill", tokens, context)
+        stack, count = self.cell(graph), graph.layers
+        x = self.cell(Graph("embedding"))(Tensor(ids), self.embed_weight)
         n = self.family.LayerStack.ARGS_PER_LAYER
         for first in range(0, self.num_layers, count):
             x = stack(x, cos, sin, *args, *self.layer_args[first * n:(first + count) * n])
         if rows is None:
             x.asnumpy()  # the call's cache writes done before the next call builds on them
             return None
-        if len(rows) != len(ids) or (rows != np.arange(len(ids))).any():
-            # A prefill call's rows are picked first (one op, outside the graphs): the head's
-            # graph then takes R rows whatever the chunk, the graph a decode step of batch R
-            # compiled, so prefill calls of any chunk and row count compile no head of their
-            # own (row_buckets are the batch buckets; prompt logprobs: prefill_rows).
+        if len(rows) != tokens or (rows != np.arange(tokens)).any():
+            # A prefill call's rows are picked first (one op, outside the graphs), so the
+            # head's graph is one a decode step uses too (prefill_rows).
             x = ops.gather(x, Tensor(rows), 0)
             rows = np.arange(len(rows), dtype=np.int32)
-        logits = self.head(x, Tensor(rows), *self.head_weights).asnumpy()
-        return blocked_transpose(logits) if self.head.transposed_for(len(rows)) else logits
+        head = self.graph_of.head(len(rows))
+        logits = self.cell(head)(x, Tensor(rows), *self.head_weights).asnumpy()
+        return blocked_transpose(logits) if head.weight_first else logits
 
 
 class SemiAutoRunner(ModelRunner):

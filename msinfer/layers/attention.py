@@ -14,7 +14,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Zero
 
-from .cpu_forms import Expand, uses_cpu_forms
+from .cpu_forms import Expand
 from .parallel_context import SemiAutoLayout, shard
 
 
@@ -57,7 +57,10 @@ class PagedAttention(nn.Cell):
         self.probs_to_dtype = shard(ctx, ops.Cast(), per_head(4))
         self.weighted_values = shard(ctx, ops.BatchMatMul(), per_head(4), per_head(4))
         self.tokens_first = shard(ctx, ops.Transpose(), per_head(5, 1))
-        self.expand = Expand(uses_cpu_forms(ctx))
+        self.expand = Expand(ctx, grows_with_context=True)  # the mask (G, Q, T) to the scores
+        # Whether a call has several queries per group (a prefill chunk): a graph of dynamic
+        # shape is built for one kind; a static one reads it from the mask's shape.
+        self.kind = ctx.graph.kind if ctx.graph is not None else None
         # Prefill chunks in explicit mode: keep one sequence's non-finite K/V from the others'
         # rows (_finite_context). Primitives only explicit mode uses: no semi_auto layout.
         self.isolate_sequences = ctx.mode == "explicit"
@@ -123,13 +126,14 @@ class PagedAttention(nn.Cell):
         else:
             keys = self.keys_by_head(keys.reshape(groups, context, kv, d), (0, 2, 1, 3))
             values = self.keys_by_head(values.reshape(groups, context, kv, d), (0, 2, 1, 3))
+        many = self.kind == "prefill" if self.kind is not None else queries > 1
         poisoned = None
-        if queries > 1 and self.isolate_sequences:
+        if many and self.isolate_sequences:
             keys, values, poisoned = self._finite_context(keys, values, mask)
         # Query head j uses KV head j // groups: put each KV head's queries in one row block
         # (with one query per group, as in decode, that is a reshape: no Transpose to launch).
         q = q.reshape(groups, queries, kv, self.groups, d)
-        if queries > 1:
+        if many:
             q = self.queries_by_head(q, (0, 2, 3, 1, 4))
         q = q.reshape(groups, kv, self.groups * queries, d)
         # The scores are the big tensor here: scale q, not them; softmax in float32.
@@ -147,6 +151,6 @@ class PagedAttention(nn.Cell):
         if poisoned is not None:  # what a query saw of a non-finite K/V, it gets back
             out = self.fill(out, self.expand(poisoned.reshape(groups, 1, 1, queries, 1),
                                              out.shape), self.nan)
-        if queries > 1:
+        if many:
             out = self.tokens_first(out, (0, 3, 1, 2, 4))
         return out.reshape(groups * queries, self.heads * d)

@@ -23,24 +23,34 @@ def matmul_forms(ctx):
 
 class Expand(nn.Cell):
     """An elementwise operand broadcast to the other operand's shape before the op, where
-    `dense` (uses_cpu_forms) and the op is large. MindSpore's CPU Add/Mul/RealDiv with a
-    broadcast operand keep two int64 indices per output element for as long as their graph
-    lives (16 bytes per element, 4x a float32 output; a scalar operand is exempt): measured, a
+    uses_cpu_forms and the op is large. MindSpore's CPU Add/Mul/RealDiv with a broadcast
+    operand keep two int64 indices per output element for as long as their graph lives (16
+    bytes per element, 4x a float32 output; a scalar operand is exempt): measured, a
     (1, 2, 7, 256, 512) score-plus-mask Add holds 29 MB per compiled instance, the same Add
     after BroadcastTo 0.3 MB; a 256-token chunk's graphs held ~55 MB of them per layer. Small
     ops keep implicit broadcasting: a BroadcastTo is one more kernel launch, and nine per layer
-    made 0.5B-shape batch-1 decode ~3% slower."""
+    made 0.5B-shape batch-1 decode ~3% slower.
+
+    In a graph of dynamic shape (ctx.graph) an operand whose shape is not known when it
+    compiles (a prefill chunk's or the lm_head's rows, the context) is always broadcast; a
+    decode step's rows are static (planning/shapes.ExplicitGraphs)."""
 
     MIN_ELEMENTS = 1 << 12  # an op this large keeps 64 KiB of indices
 
-    def __init__(self, dense):
+    def __init__(self, ctx, grows_with_context=False):
         super().__init__()
-        self.dense = dense
+        self.dense = uses_cpu_forms(ctx)
+        graph = ctx.graph
+        self.static = graph is None or (graph.rows > 0 and not grows_with_context)
 
     def construct(self, operand, shape):
+        if not self.dense:
+            return operand
+        if not self.static:
+            return ops.broadcast_to(operand, shape)
         elements = 1
         for size in shape:  # static shapes: decided when the graph compiles
             elements *= size
-        if self.dense and elements >= self.MIN_ELEMENTS:
+        if elements >= self.MIN_ELEMENTS:
             return ops.broadcast_to(operand, shape)
         return operand

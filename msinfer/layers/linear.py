@@ -14,7 +14,8 @@ At tensor degree 1 every collective is skipped, so one code path serves 1 and N 
 """
 from mindspore import nn, ops
 
-from .cpu_forms import Expand, uses_cpu_forms
+from ..hardware import rows_within
+from .cpu_forms import Expand
 from .parallel_context import ParallelContext
 
 
@@ -33,7 +34,7 @@ class ParallelLinear(nn.Cell):
         self.weight_first = ops.MatMul(transpose_b=True)
         self.weight_times = ops.MatMul()
         self.add = ops.Add()
-        self.expand = Expand(uses_cpu_forms(ctx))
+        self.expand = Expand(ctx)
         self.reduce = None
         self.vocab_gather = None
         if ctx.explicit_collectives and style == "rowwise":
@@ -64,10 +65,7 @@ class ParallelLinear(nn.Cell):
 
     def weight_first_for(self, rows):
         """Whether x of `rows` rows takes (W @ x.T).T (static: decided when compiling)."""
-        if self.weight_first_range is None:
-            return False
-        first, last = self.weight_first_range
-        return rows >= first and (last is None or rows <= last)
+        return rows_within(rows, self.weight_first_range)
 
     def transposed(self, x, weight, x_transposed=False):
         """y.T = W @ x.T, (out, rows), from x (rows, in) or, `x_transposed`, from x.T (in,

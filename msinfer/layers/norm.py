@@ -2,7 +2,7 @@
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
-from .cpu_forms import Expand, uses_cpu_forms
+from .cpu_forms import Expand
 from .parallel_context import SemiAutoLayout, shard
 
 
@@ -26,7 +26,7 @@ class RMSNorm(nn.Cell):
         self.normalize = shard(ctx, ops.Mul(), rows, rows)
         self.to_dtype = shard(ctx, ops.Cast(), rows)
         self.scale = shard(ctx, ops.Mul(), (1,), rows)
-        self.expand = Expand(uses_cpu_forms(ctx))
+        self.expand = Expand(ctx)
 
     def construct(self, x, weight):
         xf = self.to_float(x, ms.float32)

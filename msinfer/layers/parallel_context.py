@@ -21,6 +21,10 @@ class ParallelContext:
     tensor_rank: int = 0
     group: str = None  # communication group of this rank's tensor-parallel peers
     dtype: object = None  # mindspore dtype of the weights and compute
+    # The explicit-mode graph of dynamic shape a Cell is built for (planning.shapes.Graph):
+    # what it decides when built that a graph of static shape decides from its shapes; None
+    # for static shapes (semi_auto)
+    graph: object = None
 
     @property
     def explicit_collectives(self) -> bool:

@@ -5,7 +5,7 @@ import math
 import numpy as np
 from mindspore import nn, ops
 
-from .cpu_forms import Expand, uses_cpu_forms
+from .cpu_forms import Expand
 from .parallel_context import SemiAutoLayout, shard
 
 
@@ -86,7 +86,7 @@ class Rotary(nn.Cell):
         self.mul_cos = shard(ctx, ops.Mul(), heads, whole)
         self.mul_sin = shard(ctx, ops.Mul(), heads, whole)
         self.add = shard(ctx, ops.Add(), heads, heads)
-        self.expand = Expand(uses_cpu_forms(ctx))
+        self.expand = Expand(ctx)
 
     def construct(self, x, cos, sin):
         tokens, heads, dim = x.shape

@@ -110,6 +110,8 @@ class DecoderLayer(nn.Cell):
         self.kv_block = self.kv_heads * self.head_dim // self.qkv_blocks
         self.mlp_block = self.intermediate // self.mlp_blocks
         self.attention = PagedAttention(ctx, self.heads, self.kv_heads, self.head_dim)
+        # The MLP's form: fixed for a graph of dynamic shape, else by its rows when it compiles
+        self.weight_first = ctx.graph.weight_first if ctx.graph is not None else None
         self._make_primitives(ctx)
 
     def _make_primitives(self, ctx):
@@ -161,7 +163,9 @@ class DecoderLayer(nn.Cell):
 
     def _mlp(self, x, w_gate_up, w_down):
         tokens = x.shape[0]
-        if self.gate_up_proj.weight_first_for(tokens):  # explicit mode on CPU: one block
+        weight_first = (self.weight_first if self.weight_first is not None
+                        else self.gate_up_proj.weight_first_for(tokens))
+        if weight_first:  # explicit mode on CPU: one block
             # Transposed from gate/up to down, so one Transpose (of the output) for the MLP.
             gate_up = self.gate_up_proj.transposed(x, w_gate_up)  # (2 x intermediate, tokens)
             width = self.mlp_block
@@ -241,10 +245,14 @@ class LMHead(nn.Cell):
         self.pick_rows = shard(ctx, ops.Gather(), (1, 1), (data,))
         self.to_float = shard(ctx, ops.Cast(), (1, 1))
         self.whole = shard(ctx, ops.Identity(), (1, 1)) if semi_auto else None
+        self.weight_first = ctx.graph.weight_first if ctx.graph is not None else None
 
     def transposed_for(self, rows):
         """Whether logits of `rows` rows come back as (vocab, rows): explicit mode on CPU
-        computes them weight first, and the host transposes them as it copies them out."""
+        computes them weight first, and the host transposes them as it copies them out. A
+        graph of dynamic shape has one form for all its row counts."""
+        if self.weight_first is not None:
+            return self.weight_first
         return self.lm_head.weight_first_for(rows)
 
     def construct(self, x, rows, norm_weight, lm_weight):

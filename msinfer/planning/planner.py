@@ -20,10 +20,12 @@ import textwrap
 
 from ..config import ModelConfig
 from ..errors import PlanRefused
-from ..hardware import DTYPE_BYTES, GiB, HardwareProfile, compute_dtype, dtype_name
+from ..hardware import (DTYPE_BYTES, GiB, HardwareProfile, compute_dtype, cpu_matmul_forms,
+                        dtype_name)
 from ..parallel.strategy import ShardPlan, Strategy, decide_parallel_mode
 from .memory import EngineLimits, engine_memory
-from .shapes import ShapeBuckets
+from .shapes import ExplicitGraphs, ShapeBuckets
+from .workspace import stack_layers
 
 _TIGHT_MARGIN = 0.10  # below this share of capacity to spare, say that the workspace is a guess
 
@@ -82,8 +84,7 @@ class PlanReport:
     decode_bytes_per_step: int | None = None  # read by the busiest device, full contexts
     decode_tokens_per_s_bound: float | None = None  # with full max-len contexts
     decode_tokens_per_s_bound_short_context: float | None = None  # weights only
-    warmup_shapes: int | None = None  # call shapes warm-up compiles (planning/shapes.py)
-    warmup_graphs: int | None = None  # and the graphs that makes, per rank
+    warmup_graphs: int | None = None  # graphs warm-up compiles per rank (planning/shapes.py)
     errors: list[str] = dataclasses.field(default_factory=list)
     warnings: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
@@ -123,11 +124,8 @@ def make_plan(config: ModelConfig, strategy: Strategy, profile: HardwareProfile,
         report.errors.append(str(e))
         return report
 
-    buckets = ShapeBuckets.for_engine(limits.max_num_seqs, limits.max_prefill_tokens,
-                                      limits.max_len,
-                                      step=shard_plan.data if mode == "semi_auto" else 1)
-    report.warmup_shapes, report.warmup_graphs = len(buckets.calls()), buckets.graphs(mode)
     dtype_bytes = DTYPE_BYTES[report.dtype]
+    report.warmup_graphs = warmup_graphs(shard_plan, profile, limits, dtype_bytes, mode)
     report.devices, layout = _device_memory(shard_plan, profile, report.dtype, limits)
     report.workspace_formula = _workspace_formula(profile, limits)
     report.collectives_per_token = _collectives(shard_plan, dtype_bytes, limits.max_num_seqs)
@@ -199,6 +197,22 @@ def _device_memory(shard_plan, profile, dtype, limits):
             workspace_bytes=memory.workspace_bytes, total_bytes=total,
             capacity_bytes=memory.capacity_bytes))
     return devices, layout
+
+
+def warmup_graphs(shard_plan, profile, limits, dtype_bytes, mode) -> int:
+    """Graphs one rank's warm-up compiles (planning/shapes.py): semi_auto one per call shape;
+    explicit one per `Graph` (ExplicitGraphs), as the model runner builds them."""
+    buckets = ShapeBuckets.for_engine(limits.max_num_seqs, limits.max_prefill_tokens,
+                                      limits.max_len,
+                                      step=shard_plan.data if mode == "semi_auto" else 1)
+    if mode == "semi_auto":
+        return len(buckets.calls())
+    layers_for = stack_layers(shard_plan, dtype_bytes, limits.max_len, limits.max_prefill_tokens,
+                              limits.max_num_seqs, profile.min_layers_per_graph)
+    forms = cpu_matmul_forms() if profile.device_target == "CPU" else None
+    return len(ExplicitGraphs(
+        buckets, layers_for, lambda rows: forms is not None and forms.mlp_weight_first_for(rows),
+        lambda rows: forms is not None and forms.head_weight_first_for(rows)).all())
 
 
 def _workspace_formula(profile, limits):
@@ -375,9 +389,11 @@ def format_plan(report: PlanReport) -> str:
     if report.dtype:
         lines.append(_wrap("  dtype      ", f"{report.dtype}: {report.dtype_reason}"))
     if report.warmup_graphs:
+        shapes = ("one per call shape" if report.parallel_mode == "semi_auto"
+                  else "of dynamic shape, whatever the lengths")
         lines.append(_wrap("  warm-up    ", (
-            f"{report.warmup_graphs} graphs per rank for {report.warmup_shapes} call shapes, "
-            f"compiled before serving (kept by the compile cache for the next start)")))
+            f"{report.warmup_graphs} graphs per rank ({shapes}), compiled before serving (kept "
+            f"by the compile cache for the next start)")))
     if report.devices:
         header = ("rank", "weights", "KV cache", "workspace", "total", "capacity", "margin")
         table = [header]

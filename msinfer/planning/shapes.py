@@ -1,7 +1,13 @@
-"""The shapes the engine's graphs are compiled for, and how many graphs that makes: every
-call is padded to a bucket, so the set is fixed by the engine's settings (docs/engine.md,
-'Compiled graphs'). The model runner pads its calls with these buckets; the planner counts
-the graphs a configuration's warm-up compiles from the same ones."""
+"""The shapes the engine's calls are padded to, and the graphs they compile (docs/engine.md,
+'Compiled graphs'). The model runner pads its calls with these buckets and builds the graphs
+`ExplicitGraphs` names; the planner counts the graphs a configuration's warm-up compiles
+with the same functions.
+
+semi_auto compiles one whole-model graph per call shape (MindSpore lays out a graph for its
+static shapes). Explicit mode compiles graphs of dynamic shape (`Cell.set_inputs` with None
+for the context axis, and the rows of all but decode steps): one per `Graph`, which holds only
+what a graph fixes when it is built (the kind of call, layers per graph, matmul forms, a
+decode step's batch), so their number does not grow with max_len."""
 from __future__ import annotations
 
 import dataclasses
@@ -54,12 +60,60 @@ class ShapeBuckets:
         return ([("decode", b, t) for b in self.batch for t in self.context]
                 + [("prefill", c, t) for c in self.chunk for t in self.context if t >= c])
 
-    def graphs(self, mode):
-        """Graphs warm-up compiles: semi_auto one whole-model graph per call shape; explicit
-        one layer-stack graph per call shape, an embedding graph per token count and an
-        lm_head graph per row count (prefill picks its rows first, so its head is a decode
-        step's: model_runner.py)."""
-        shapes = len(self.calls())
-        if mode == "semi_auto":
-            return shapes
-        return shapes + len(set(self.batch) | set(self.chunk)) + len(self.rows)
+
+@dataclasses.dataclass(frozen=True)
+class Graph:
+    """One compiled graph of explicit mode: what it fixes when it is built. Its other axes are
+    dynamic (None in `Cell.set_inputs`): the context always, the rows where `rows` is 0."""
+
+    part: str  # "embedding", "layers" or "head"
+    kind: str = None  # layers: "decode" (groups of one query) or "prefill" (one group)
+    layers: int = 0  # layers: consecutive decoder layers
+    weight_first: bool = False  # layers: the MLP's form; head: the lm_head's
+    # (hardware.CpuMatmulForms: (W @ x.T).T instead of x @ W.T)
+    rows: int = 0  # decode layers: the batch bucket (static); 0: dynamic
+
+
+class ExplicitGraphs:
+    """Which graph of explicit mode runs each part of a call: one `Graph` per kind of call,
+    layers per graph and matmul form, so that the graphs do not grow in number with max_len.
+
+    Decode steps keep static rows, one graph per batch bucket (and layers per graph): with
+    every axis dynamic, MindSpore's CPU runtime re-infers and resizes each of a layer's ~100
+    kernels at every launch, a cost a decode step feels and a prefill chunk, whose kernels are
+    large, does not (0.5B shape, the same process alternating, means of 3: batch-16 decode
+    247 ms a step with dynamic rows and its smallest layers per graph, 231 ms static; a
+    512-token prefill 181 vs 180 tokens/s). Prefill chunks and the embedding and lm_head (a
+    few kernels) are dynamic in rows; every graph is dynamic in its context."""
+
+    def __init__(self, buckets, layers_for, mlp_weight_first, head_weight_first):
+        """`layers_for(tokens, groups, context)`: layers per graph a call of that shape may
+        run (planning/workspace.stack_layers); `mlp_weight_first(rows)`,
+        `head_weight_first(rows)`: the CPU matmul forms (hardware.CpuMatmulForms)."""
+        self.buckets = buckets
+        self.layers_for = layers_for
+        self.mlp_weight_first = mlp_weight_first
+        self.head_weight_first = head_weight_first
+
+    def layers(self, kind, size, context) -> Graph:
+        """The layer stack of a call of `size` tokens (a decode step: its batch bucket) over
+        `context` slots."""
+        decode = kind == "decode"
+        return Graph("layers", kind, self.layers_for(size, size if decode else 1, context),
+                     self.mlp_weight_first(size), rows=size if decode else 0)
+
+    def head(self, rows) -> Graph:
+        return Graph("head", weight_first=self.head_weight_first(rows))
+
+    def all(self) -> dict:
+        """{Graph: the first call shape (kind, size, context) that runs it}: the embedding,
+        every call's layer stack, and the lm_head over every row bucket (prefill picks its
+        rows first, so its head is a decode step's: model_runner.py). Warm-up runs those
+        calls, which compiles every graph once."""
+        graphs = {}
+        for kind, size, context in self.buckets.calls():
+            graphs.setdefault(Graph("embedding"), (kind, size, context))
+            graphs.setdefault(self.layers(kind, size, context), (kind, size, context))
+        for rows in self.buckets.rows:
+            graphs.setdefault(self.head(rows), ("decode", rows, self.buckets.context[0]))
+        return graphs

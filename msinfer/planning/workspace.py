@@ -53,6 +53,20 @@ def largest_call_bytes(shard_plan, dtype_bytes, max_len, max_prefill_tokens, max
     return layers * max(prefill, decode)
 
 
+def stack_layers(shard_plan, dtype_bytes, max_len, max_prefill_tokens, max_num_seqs,
+                 min_layers=1):
+    """layers_for(tokens, groups, context): the decoder layers one graph of explicit mode runs
+    for a call of that shape, within the reserve of `min_layers` layers of the largest call:
+    what the model runner builds its stacks with and the planner counts graphs with."""
+    budget = largest_call_bytes(shard_plan, dtype_bytes, max_len, max_prefill_tokens,
+                                max_num_seqs, layers=min_layers)
+
+    def layers_for(tokens, groups, context):
+        layer = layer_activation_bytes(shard_plan, dtype_bytes, tokens, groups, context)
+        return layers_per_graph(shard_plan.config.num_layers, layer, budget, min_layers)
+    return layers_for
+
+
 # A pass over the layers takes at most this many graph calls when memory allows: more layers
 # per graph buy little past it (0.5B shape, batch-1 decode: ~125 ms a step with 6 layers per
 # graph as with 24, 150 ms with 1).

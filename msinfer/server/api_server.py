@@ -62,9 +62,9 @@ def _warmup(llm, options, on_shape=None):
     if not options.lazy_warmup:
         llm.warmup(on_shape)
         return
-    log.get().warning("lazy warm-up: ready at once; each of the %d graph shapes compiles on "
-                      "its first use, and the requests of that step wait for it (development "
-                      "only)", len(llm.engine.runner.shapes()))
+    log.get().warning("lazy warm-up: ready at once; each graph compiles on its first use "
+                      "(warm-up would run %d calls), and the requests of that step wait for it "
+                      "(development only)", len(llm.engine.runner.shapes()))
 
 
 def _die(message):

@@ -371,7 +371,7 @@ def _top_level(text):
     return items
 
 
-_TENSOR = re.compile(r"^<(?:Ref\[)?Tensor\[\w+\]\]?, \(([\d, ]*)\)")
+_TENSOR = re.compile(r"^<(?:Ref\[)?Tensor\[\w+\]\]?, \(([-\d, ]*)\)")  # -1: a dynamic axis
 
 
 def _tensor_shape(item):
