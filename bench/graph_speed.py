@@ -63,7 +63,7 @@ def measure(tree, model):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--before-tree", required=True, help="a checkout of the earlier commit")
+    p.add_argument("--before-tree", help="a checkout of the earlier commit (required)")
     p.add_argument("--model", default=os.path.join(ROOT, "models", "qwen2-0.5b-shape"))
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "graph_speed"))
@@ -71,6 +71,8 @@ def main():
     args = p.parse_args()
     if args.worker:
         return worker(args.worker)
+    if not args.before_tree:
+        p.error("--before-tree is required")
     sys.path.insert(0, ROOT)
     from msinfer.engine.compile_cache import _processor
 

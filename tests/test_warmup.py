@@ -104,8 +104,10 @@ def test_shapes_say_how_many_rows_each_call_computes(model_dir):
     shapes = runner.shapes()
     # explicit mode warms up one call per graph: every decode batch (static rows), a prefill
     # chunk (dynamic rows and context), each running the lm_head on its rows
-    assert [s for s in shapes if s[0] == "decode"] == [("decode", b, 64, b) for b in (1, 2, 4)]
-    assert [s for s in shapes if s[0] == "prefill"] == [("prefill", 16, 64, 1)]
+    assert [s[:4] for s in shapes if s[0] == "decode"] == [("decode", b, 64, b)
+                                                           for b in (1, 2, 4)]
+    assert [s[:4] for s in shapes if s[0] == "prefill"] == [("prefill", 16, 64, 1)]
+    assert [s[4] for s in shapes] == [g for g in runner.graph_of.all() if g.part == "layers"]
     assert {s[:3] for s in shapes} == set(runner.graph_of.all().values())
     # explicit: any prefill row count is a decode batch's head graph
     assert [runner.prefill_rows(n, 32) for n in (1, 2, 3, 4)] == [1, 2, 4, 4]

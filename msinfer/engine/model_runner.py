@@ -194,9 +194,10 @@ class ModelRunner:
         return (Tensor(self.cos[positions][:, None, :]),
                 Tensor(self.sin[positions][:, None, :]))
 
-    def _run(self, ids, positions, write, context_slots, mask, rows):
+    def _run(self, ids, positions, write, context_slots, mask, rows, graph=None):
         """mask (G, Q, T): G groups of Q queries, each over its own T context slots. Returns
-        the logits of `rows`; None when rows is None (the lm_head is skipped)."""
+        the logits of `rows`; None when rows is None (the lm_head is skipped). `graph`: the
+        layer stack explicit mode runs instead of the one the shape picks (warm-up's)."""
         raise NotImplementedError
 
     # ---- compile ahead ----
@@ -216,9 +217,11 @@ class ModelRunner:
         return [(kind, size, context, size if kind == "decode" else self.prefill_rows(1, size))
                 for kind, size, context in self.buckets.calls()]
 
-    def compile_shape(self, kind: str, size: int, context: int, rows: int = 1) -> None:
+    def compile_shape(self, kind: str, size: int, context: int, rows: int = 1,
+                      graph=None) -> None:
         """Runs one padded call of that shape, with the lm_head on `rows` rows (a decode step:
-        its batch), that writes only the trash block's write slot and reads its zero slot."""
+        its batch), that writes only the trash block's write slot and reads its zero slot.
+        `graph`: explicit mode's layer stack to run it with (runner.shapes())."""
         tokens = size
         mask = np.zeros((size, 1, context) if kind == "decode" else (1, size, context),
                         np.float32)
@@ -226,7 +229,7 @@ class ModelRunner:
                         np.int64)
         rows = np.zeros(size if kind == "decode" else self.prefill_rows(rows, size), np.int32)
         self._run(np.zeros(tokens, np.int32), np.zeros(tokens, np.int64),
-                  np.full(tokens, self.write_slot, np.int64), slots, mask, rows)
+                  np.full(tokens, self.write_slot, np.int64), slots, mask, rows, graph)
 
 
 class ExplicitRunner(ModelRunner):
@@ -281,11 +284,15 @@ class ExplicitRunner(ModelRunner):
         return len(self.graph_of.all())
 
     def shapes(self):
-        """One call for each graph (planning/shapes.py: ExplicitGraphs.all): running them
-        compiles every graph a call can need."""
-        calls = dict.fromkeys(self.graph_of.all().values())
-        return [(kind, size, context, size if kind == "decode" else 1)
-                for kind, size, context in calls]
+        """One call for each layer stack (planning/shapes.py: ExplicitGraphs.all), with the
+        stack given, at the smallest context a call of that size has (a graph first picked
+        at a long context, for its fewer layers per graph, compiles as fast at a short one;
+        its context axis is dynamic): (kind, size, context, lm_head rows, stack). Their
+        decode steps run every lm_head and all run the embedding: running them compiles
+        every graph a call can need."""
+        return [(kind, size, context, size if kind == "decode" else 1, graph)
+                for graph, (kind, size, context) in self.graph_of.all().items()
+                if graph.part == "layers"]
 
     def cell(self, graph: Graph):
         """The Cell of `graph`, built with its inputs' dynamic shapes on first use."""
@@ -318,7 +325,7 @@ class ExplicitRunner(ModelRunner):
                             Tensor(shape=mask, dtype=ms.float32), *self.layer_args[:per_layer])
         return cell
 
-    def _run(self, ids, positions, write, context_slots, mask, rows):
+    def _run(self, ids, positions, write, context_slots, mask, rows, graph=None):
         cos, sin = self._rotary(positions)
         groups, queries, context = mask.shape
         # explicit mode's caches are rows of one head (kv_layout.py)
@@ -326,7 +333,8 @@ class ExplicitRunner(ModelRunner):
                 Tensor(self.layout.rows_by_head(context_slots, groups).astype(np.int32)),
                 Tensor(mask))
         tokens = len(ids)
-        graph = self.graph_of.layers("decode" if queries == 1 else "prefill", tokens, context)
+        graph = graph or self.graph_of.layers("decode" if queries == 1 else "prefill", tokens,
+                                              context)
         stack, count = self.cell(graph), graph.layers
         x = self.cell(Graph("embedding"))(Tensor(ids), self.embed_weight)
         n = self.family.LayerStack.ARGS_PER_LAYER
@@ -380,7 +388,7 @@ class SemiAutoRunner(ModelRunner):
         for name, array in weights:
             self.model.weights[name].set_data(Tensor(array, dtype=self.dtype))
 
-    def _run(self, ids, positions, write, context_slots, mask, rows):
+    def _run(self, ids, positions, write, context_slots, mask, rows, graph=None):
         cos, sin = self._rotary(positions)
         return self.cell(Tensor(ids), cos, sin, Tensor(write.astype(np.int32)),
                          Tensor(context_slots.astype(np.int32)), Tensor(mask),

@@ -106,14 +106,16 @@ class ExplicitGraphs:
         return Graph("head", weight_first=self.head_weight_first(rows))
 
     def all(self) -> dict:
-        """{Graph: the first call shape (kind, size, context) that runs it}: the embedding,
-        every call's layer stack, and the lm_head over every row bucket (prefill picks its
-        rows first, so its head is a decode step's: model_runner.py). Warm-up runs those
-        calls, which compiles every graph once."""
+        """{Graph: a call (kind, size, context) that runs it}: the embedding, every call's
+        layer stack, and the lm_head over every row bucket (prefill picks its rows first, so
+        its head is a decode step's: model_runner.py). A layer stack's call is at the
+        smallest context a call of its size has, whatever context picked it (its context is
+        dynamic). Warm-up runs those calls, which compiles every graph once."""
         graphs = {}
         for kind, size, context in self.buckets.calls():
-            graphs.setdefault(Graph("embedding"), (kind, size, context))
-            graphs.setdefault(self.layers(kind, size, context), (kind, size, context))
+            shortest = min(t for t in self.buckets.context if kind == "decode" or t >= size)
+            graphs.setdefault(Graph("embedding"), (kind, size, shortest))
+            graphs.setdefault(self.layers(kind, size, context), (kind, size, shortest))
         for rows in self.buckets.rows:
             graphs.setdefault(self.head(rows), ("decode", rows, self.buckets.context[0]))
         return graphs
