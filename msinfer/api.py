@@ -44,6 +44,9 @@ class LLM:
     enable_prefix_caching: reuse the KV blocks of prompt prefixes computed before (on by
         default, as vLLM's; engine/block_manager.py).
     dtype: compute dtype override (the hardware's policy decides otherwise).
+    graph_shapes: explicit mode's compiled graphs, "static" (the default: one per call shape,
+        the fastest calls) or "dynamic" (a few, whatever max_len: a faster start, slower calls;
+        docs/engine.md, "Compiled graphs").
     compile_cache: where `warmup()` keeps compiled graphs for the next start of the same
         configuration (engine/compile_cache.py): a directory; None (the default):
         $MSINFER_COMPILE_CACHE, else ~/.cache/msinfer/compile; False: none.
@@ -54,7 +57,8 @@ class LLM:
                  dtype: str | None = None, rank_table: str | None = None,
                  kv_cache_memory: int | str | None = None, block_size: int | None = None,
                  max_prefill_tokens: int | None = None, max_num_seqs: int | None = None,
-                 enable_prefix_caching: bool = True, compile_cache: str | bool | None = None):
+                 enable_prefix_caching: bool = True, compile_cache: str | bool | None = None,
+                 graph_shapes: str | None = None):
         import mindspore as ms
 
         from .engine.model_runner import build_runner
@@ -71,7 +75,8 @@ class LLM:
                                              block_size=block_size,
                                              max_prefill_tokens=max_prefill_tokens,
                                              max_num_seqs=max_num_seqs,
-                                             kv_cache_memory=kv_cache_memory)
+                                             kv_cache_memory=kv_cache_memory,
+                                             graph_shapes=graph_shapes)
         # The planner's check, here too, so every entry point refuses an illegal or oversized
         # plan before any device or collective is touched.
         report = check_plan_or_raise(self.config, self.strategy, self.profile, self.limits,

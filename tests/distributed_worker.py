@@ -48,6 +48,7 @@ def main():
                    help="another checkpoint to run, after the first, in the job (repeatable: "
                         "the n-th writes rank_R.model{n+1}.npz)")
     p.add_argument("--model2-new-tokens", type=int, help="default: --new-tokens")
+    p.add_argument("--graph-shapes", default="static", help="EngineLimits.graph_shapes")
     args = p.parse_args()
     os.environ.setdefault("GLOG_v", "3")
     if args.weight_first:
@@ -64,7 +65,7 @@ def main():
         join_once_per_job()
     baseline = rss_bytes()
     try:
-        llm = make_llm(args.model, args.strategy)
+        llm = make_llm(args.model, args.strategy, args.graph_shapes)
     except MsinferError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -81,7 +82,7 @@ def main():
         write_results(llm, prompts, args, f"rank_{rank}.npz", baseline=baseline,
                       after_load=after_load)
     for number, path in enumerate(args.model2, start=2):
-        other = make_llm(path, args.strategy)
+        other = make_llm(path, args.strategy, args.graph_shapes)
         write_results(other, prompts, args, f"rank_{rank}.model{number}.npz",
                       new_tokens=args.model2_new_tokens)
     try:
@@ -115,11 +116,11 @@ def join_once_per_job():
     distributed.tensor_group = tensor_group
 
 
-def make_llm(model, strategy):
+def make_llm(model, strategy, graph_shapes):
     from msinfer import LLM
 
     return LLM(model, strategy=strategy, max_len=128, block_size=4, max_prefill_tokens=16,
-               kv_cache_memory=1 << 20)
+               kv_cache_memory=1 << 20, graph_shapes=graph_shapes)
 
 
 def write_results(llm, prompts, args, name, baseline=0, after_load=0, new_tokens=None):

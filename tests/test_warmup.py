@@ -19,16 +19,19 @@ BLOCK = 4
 BYTES_PER_BLOCK = 2 * 2 * 16 * BLOCK * 2 * 4
 ENGINE = dict(max_len=128, max_num_seqs=4, max_prefill_tokens=32, block_size=BLOCK,
               kv_cache_memory=33 * BYTES_PER_BLOCK)  # 32 usable blocks: 128 tokens
-# semi_auto compiles a graph per call shape: the workload's longest context is 46 tokens (a
-# 40-token prompt and 6 more) in one context bucket, 64, so max_len 64 (5 shapes, not 10).
-# Explicit mode: the default max_len (4096) and a large one, and a 100-token prompt whose
-# contexts span the buckets 64 and 128.
+# Static graphs (semi_auto, and explicit mode's default) are one per call shape: the
+# workload's longest context is 46 tokens (a 40-token prompt and 6 more) in one context
+# bucket, 64, so max_len 64 (5 shapes, not 10). Explicit mode's dynamic graphs: the default
+# max_len (4096) and a large one, and a 100-token prompt whose contexts span the buckets 64
+# and 128.
 # The pool holds one sequence of max_len (the planner's floor): preemption only at 64.
+DYNAMIC = dict(ENGINE, graph_shapes="dynamic")
 WORKLOADS = {("semi_auto", 64): dict(ENGINE, max_len=64),
-             ("explicit", 4096): dict(ENGINE, max_len=4096,
-                                      kv_cache_memory=(4096 // BLOCK + 1) * BYTES_PER_BLOCK),
-             ("explicit", 32768): dict(ENGINE, max_len=32768,
-                                       kv_cache_memory=(32768 // BLOCK + 1) * BYTES_PER_BLOCK)}
+             ("explicit", 64): dict(ENGINE, max_len=64),
+             ("dynamic", 4096): dict(DYNAMIC, max_len=4096,
+                                     kv_cache_memory=(4096 // BLOCK + 1) * BYTES_PER_BLOCK),
+             ("dynamic", 32768): dict(DYNAMIC, max_len=32768,
+                                      kv_cache_memory=(32768 // BLOCK + 1) * BYTES_PER_BLOCK)}
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +63,8 @@ LONG = ([prompt(100, 11)], 20)  # contexts 100-119: buckets 64 and 128 (explicit
 def test_after_warmup_a_mixed_workload_compiles_nothing(model_dir, mode, max_len):
     from msinfer import LLM
 
-    llm = LLM(model_dir, parallel_mode=mode, **WORKLOADS[mode, max_len])
+    llm = LLM(model_dir, parallel_mode="semi_auto" if mode == "semi_auto" else "explicit",
+              **WORKLOADS[mode, max_len])
     runner = llm.engine.runner
     rows_seen = []
     prefill = runner.prefill
@@ -73,15 +77,16 @@ def test_after_warmup_a_mixed_workload_compiles_nothing(model_dir, mode, max_len
     compiled = llm.engine.warmup()
     assert compiled == llm.compilations > 0
     # what `msinfer plan` says warm-up compiles is what MindSpore compiled
-    plan = make_plan(llm.config, llm.strategy, llm.profile, llm.limits, parallel_mode=mode)
+    plan = make_plan(llm.config, llm.strategy, llm.profile, llm.limits,
+                     parallel_mode=llm.parallel_mode)
     assert plan.warmup_graphs == compiled
-    if mode == "explicit":  # one graph per kind of call, whatever max_len (2 layers: 1 stack
+    if mode == "dynamic":  # one graph per kind of call, whatever max_len (2 layers: 1 stack
         # per call kind and batch): embedding, decode at batches 1, 2, 4, prefill, 2 heads
         assert compiled == 1 + 3 + 1 + 1 + (llm.engine.runner.head_weight_first(4)
                                             != llm.engine.runner.head_weight_first(1))
     before = llm.compilations
     greedy = {}
-    for prompts, max_tokens in WORKLOAD + ([LONG] if mode == "explicit" else []):
+    for prompts, max_tokens in WORKLOAD + ([LONG] if mode == "dynamic" else []):
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         for p, out in zip(prompts, llm.generate(prompts, params)):
             greedy[tuple(p)] = (max_tokens, out.token_ids)
@@ -100,7 +105,7 @@ def test_after_warmup_a_mixed_workload_compiles_nothing(model_dir, mode, max_len
 def test_shapes_say_how_many_rows_each_call_computes(model_dir):
     from msinfer import LLM
 
-    runner = LLM(model_dir, **ENGINE).engine.runner
+    runner = LLM(model_dir, **DYNAMIC).engine.runner
     shapes = runner.shapes()
     # explicit mode warms up one call per graph: every decode batch (static rows), a prefill
     # chunk (dynamic rows and context), each running the lm_head on its rows
@@ -115,3 +120,8 @@ def test_shapes_say_how_many_rows_each_call_computes(model_dir):
     assert ("decode", 4, 128, 4) in semi_auto and ("prefill", 32, 64, 4) in semi_auto
     assert ("prefill", 32, 32, 4) not in semi_auto  # a context holds at least its chunk
     assert len(semi_auto) == 3 * 2 + 2 * 2  # batches 1, 2, 4 and chunks 16, 32 over 64, 128
+    # explicit mode's static graphs: a call per shape too, which compiles its embedding (per
+    # token count) and lm_head (per row count) on the way
+    static = LLM(model_dir, **ENGINE).engine.runner
+    assert [s[:3] for s in static.shapes()] == [s[:3] for s in semi_auto]
+    assert static.graph_count == len(semi_auto) + len({1, 2, 4, 16, 32}) + len({1, 2, 4})

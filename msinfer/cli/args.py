@@ -4,7 +4,7 @@ from ..config import PRESETS
 from ..hardware import AUTO, HARDWARE_CHOICES
 from ..planning.kv_layout import DEFAULT_BLOCK_SIZE
 from ..planning.memory import (DEFAULT_MAX_LEN, DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_PREFILL_TOKENS,
-                               KV_CACHE_UTILIZATION, EngineLimits, parse_bytes)
+                               GRAPH_SHAPES, KV_CACHE_UTILIZATION, EngineLimits, parse_bytes)
 
 
 def add_model_and_strategy(parser):
@@ -42,6 +42,12 @@ def add_engine_arguments(parser):
     parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                         help="compute every prompt in full instead of reusing the KV blocks of "
                              "a prefix computed before (docs/engine.md, 'Prefix caching')")
+    parser.add_argument("--graph-shapes", choices=GRAPH_SHAPES, default=None,
+                        help="explicit mode's compiled graphs: static, one per call shape "
+                             "(the fastest calls; the 0.5B shape's defaults compile 81), or "
+                             "dynamic, one per kind of call (15: a start 4x faster, each call "
+                             "11-26%% slower on the CPU backend; docs/engine.md, 'Compiled "
+                             "graphs') (default: static)")
     # Parsed here, once, for every command (launch parses the rank command with this parser
     # too): the value the engine and the planner get is an int of bytes.
     parser.add_argument("--kv-cache-memory", type=kv_cache_bytes, default=None, metavar="BYTES",
@@ -60,4 +66,5 @@ def limits_from_args(config, args):
     return EngineLimits.for_model(config, max_len=args.max_len, block_size=args.block_size,
                                   max_prefill_tokens=args.max_prefill_tokens,
                                   max_num_seqs=args.max_num_seqs,
-                                  kv_cache_memory=args.kv_cache_memory)
+                                  kv_cache_memory=args.kv_cache_memory,
+                                  graph_shapes=args.graph_shapes)

@@ -15,8 +15,9 @@ layers (each layer's weights and KV cache passed in; k the fewest for a pass in 
 within the planner's workspace for that shape: planning/workspace.py), and one lm_head call
 (none for a prefill call that completes no prompt). Those graphs are of dynamic shape, so
 their number does not grow with max_len (planning/shapes.ExplicitGraphs: dynamic in the
-context, and in the rows of all but decode steps). semi_auto runs one whole-model graph per
-call shape.
+context, and in the rows of all but decode steps), and a call pads its dynamic axes only to
+a multiple of 64 slots (context) and 16 tokens (a prefill chunk). semi_auto runs one
+whole-model graph per call shape.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from ..layers.rotary import rotary_tables
 from ..models.families import family_of
 from ..models.loader import full_shapes, rank_weights
 from ..planning.kv_layout import TRASH_BLOCK, CacheLayout
-from ..planning.shapes import ExplicitGraphs, Graph, ShapeBuckets, bucket_for
+from ..planning.shapes import ExplicitGraphs, Graph, ShapeBuckets, bucket_for, round_up
 from ..planning.workspace import stack_layers
 
 MASKED = -1e30  # added to the float32 scores of context positions a query must not see
@@ -102,7 +103,7 @@ class ModelRunner:
         each: the last, at position length - 1)."""
         count = len(seqs)
         batch = bucket_for(count, self.batch_buckets)
-        context = bucket_for(max(s.length for s in seqs), self.context_buckets)
+        context = self.padded_context(max(s.length for s in seqs))
         ids = np.zeros(batch, np.int32)
         positions = np.zeros(batch, np.int64)
         write = np.full(batch, self.write_slot, np.int64)
@@ -129,8 +130,8 @@ class ModelRunner:
         prompt token before it (none at all: an empty array, and explicit mode skips the
         lm_head)."""
         total = sum(c.count for c in chunks)
-        size = bucket_for(total, self.chunk_buckets)
-        context = bucket_for(sum(c.start + c.count for c in chunks), self.context_buckets)
+        size = self.padded_chunk(total)
+        context = self.padded_context(sum(c.start + c.count for c in chunks))
         ids = np.zeros(size, np.int32)
         positions = np.zeros(size, np.int64)
         write = np.full(size, self.write_slot, np.int64)
@@ -166,6 +167,14 @@ class ModelRunner:
         logits = logits[:len(rows)] if logits is not None else np.zeros((0, 0), np.float32)
         self._time("prefill", start, total, compiled, f"chunk {size} x context {context}")
         return logits
+
+    def padded_context(self, length):
+        """The context slots a call over `length` reads: its bucket (a graph per shape)."""
+        return bucket_for(length, self.context_buckets)
+
+    def padded_chunk(self, tokens):
+        """The tokens a prefill call of `tokens` runs: its bucket."""
+        return bucket_for(tokens, self.chunk_buckets)
 
     def prefill_rows(self, count, size):
         """The lm_head rows a prefill call of `size` tokens computes when it needs `count`
@@ -239,9 +248,11 @@ class ExplicitRunner(ModelRunner):
     built and compiled when a call first needs it; warm-up runs one call for each."""
 
     def __init__(self, ctx, layout, max_num_seqs, max_prefill_tokens, max_model_len, weights,
-                 min_layers_per_graph=1):
+                 min_layers_per_graph=1, dynamic=False):
         """weights: {name: Tensor} of this rank's slices, in the layouts the graphs take
-        (the family's weight_layout). `min_layers_per_graph`: the hardware profile's."""
+        (the family's weight_layout). `min_layers_per_graph`: the hardware profile's.
+        `dynamic`: graphs of dynamic shape (EngineLimits.graph_shapes), else one per call
+        shape."""
         super().__init__(ctx, layout, max_num_seqs, max_prefill_tokens, max_model_len)
         config = ctx.config
         family = self.family
@@ -260,8 +271,9 @@ class ExplicitRunner(ModelRunner):
                                             max_model_len, max_prefill_tokens, max_num_seqs,
                                             min_layers_per_graph)
         self.forms = matmul_forms(ctx)
+        self.dynamic = dynamic
         self.graph_of = ExplicitGraphs(self.buckets, self.layers_per_call, self.mlp_weight_first,
-                                       self.head_weight_first)
+                                       self.head_weight_first, dynamic)
         self.cells = {}  # Graph -> its Cell, built when a call first needs it
 
     @property
@@ -283,6 +295,20 @@ class ExplicitRunner(ModelRunner):
     def graph_count(self) -> int:
         return len(self.graph_of.all())
 
+    # Axes a graph takes whatever their size (ExplicitGraphs): a call pads them to a multiple
+    # of these, not to their next power of two: a decode step over 1,100 tokens of context
+    # reads 1,152 slots, not 2,048, and a 100-token chunk runs 112 rows, not 128.
+    CONTEXT_STEP = 64
+    CHUNK_STEP = 16
+
+    def padded_context(self, length):
+        bucket = super().padded_context(length)
+        return min(round_up(length, self.CONTEXT_STEP), bucket) if self.dynamic else bucket
+
+    def padded_chunk(self, tokens):
+        bucket = super().padded_chunk(tokens)
+        return min(round_up(tokens, self.CHUNK_STEP), bucket) if self.dynamic else bucket
+
     def shapes(self):
         """One call for each layer stack (planning/shapes.py: ExplicitGraphs.all), with the
         stack given, at the smallest context a call of that size has (a graph first picked
@@ -302,26 +328,31 @@ class ExplicitRunner(ModelRunner):
         return cell
 
     def _build(self, graph):
+        """The Cell of `graph`, its inputs' axes static where the Graph fixes them and None
+        (dynamic) where it does not."""
         ctx = dataclasses.replace(self.ctx, graph=graph)
         config = ctx.config
-        x = Tensor(shape=[None, config.hidden_size], dtype=self.dtype)
-        indices = Tensor(shape=[None], dtype=ms.int32)
+        rows, context = graph.rows or None, graph.context or None
+        x = Tensor(shape=[rows, config.hidden_size], dtype=self.dtype)
+        picked = Tensor(shape=[rows], dtype=ms.int32)  # token ids; the head's rows
         if graph.part == "embedding":
             cell = self.family.Embedding(ctx)
-            cell.set_inputs(indices, self.embed_weight)
+            cell.set_inputs(picked, self.embed_weight)
         elif graph.part == "head":
             cell = self.family.LMHead(ctx)
-            cell.set_inputs(x, indices, *self.head_weights)
+            cell.set_inputs(x, picked, *self.head_weights)
         else:
             cell = self.family.LayerStack(ctx, graph.layers)
-            rows = graph.rows or None  # a decode step's batch is static (ExplicitGraphs)
             rotary = Tensor(shape=[rows, 1, config.head_dim],
                             dtype=ms.float16 if self.cos.dtype == np.float16 else ms.float32)
-            written = rows and rows * ctx.plan.local_kv_heads  # CacheLayout.head_rows
-            mask = [rows, 1, None] if graph.kind == "decode" else [1, rows, None]
+            kv = ctx.plan.local_kv_heads  # CacheLayout.head_rows, rows_by_head
+            decode = graph.kind == "decode"
+            groups = rows if decode else 1
+            read = groups and context and groups * kv * context
+            mask = [rows, 1, context] if decode else [1, rows, context]
             per_layer = self.family.LayerStack.ARGS_PER_LAYER * graph.layers
-            cell.set_inputs(Tensor(shape=[rows, config.hidden_size], dtype=self.dtype), rotary,
-                            rotary, Tensor(shape=[written], dtype=ms.int32), indices,
+            cell.set_inputs(x, rotary, rotary, Tensor(shape=[rows and rows * kv], dtype=ms.int32),
+                            Tensor(shape=[read], dtype=ms.int32),
                             Tensor(shape=mask, dtype=ms.float32), *self.layer_args[:per_layer])
         return cell
 
@@ -336,7 +367,7 @@ class ExplicitRunner(ModelRunner):
         graph = graph or self.graph_of.layers("decode" if queries == 1 else "prefill", tokens,
                                               context)
         stack, count = self.cell(graph), graph.layers
-        x = self.cell(Graph("embedding"))(Tensor(ids), self.embed_weight)
+        x = self.cell(self.graph_of.embedding(tokens))(Tensor(ids), self.embed_weight)
         n = self.family.LayerStack.ARGS_PER_LAYER
         for first in range(0, self.num_layers, count):
             x = stack(x, cos, sin, *args, *self.layer_args[first * n:(first + count) * n])
@@ -413,7 +444,7 @@ def build_runner(model_dir, ctx, layout, limits, world_size, min_layers_per_grap
     loaded = {name: host_tensor(family.weight_layout(ctx, name, array), ctx.dtype)
               for name, array in weights}
     return ExplicitRunner(ctx, layout, weights=loaded, min_layers_per_graph=min_layers_per_graph,
-                          **sizes)
+                          dynamic=limits.graph_shapes == "dynamic", **sizes)
 
 
 def host_tensor(array, dtype):

@@ -32,8 +32,8 @@ class Expand(nn.Cell):
     made 0.5B-shape batch-1 decode ~3% slower.
 
     In a graph of dynamic shape (ctx.graph) an operand whose shape is not known when it
-    compiles (a prefill chunk's or the lm_head's rows, the context) is always broadcast; a
-    decode step's rows are static (planning/shapes.ExplicitGraphs)."""
+    compiles (a dynamic chunk's or lm_head's rows, a dynamic context) is always broadcast
+    (planning/shapes.ExplicitGraphs)."""
 
     MIN_ELEMENTS = 1 << 12  # an op this large keeps 64 KiB of indices
 
@@ -41,7 +41,8 @@ class Expand(nn.Cell):
         super().__init__()
         self.dense = uses_cpu_forms(ctx)
         graph = ctx.graph
-        self.static = graph is None or (graph.rows > 0 and not grows_with_context)
+        self.static = graph is None or (graph.rows > 0 and (graph.context > 0
+                                                             or not grows_with_context))
 
     def construct(self, operand, shape):
         if not self.dense:

@@ -29,6 +29,9 @@ DEFAULT_MAX_PREFILL_TOKENS = 256
 KV_CACHE_UTILIZATION = 0.9
 
 
+GRAPH_SHAPES = ("static", "dynamic")  # EngineLimits.graph_shapes, the default first
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineLimits:
     """The engine's knobs that decide its memory: the longest sequence, the KV block size, the
@@ -40,6 +43,9 @@ class EngineLimits:
     max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     kv_cache_memory: int = None
+    # Explicit mode's graphs (planning/shapes.py): "static", one per call shape, or "dynamic",
+    # a few of dynamic shape: far fewer to compile, each call slower on MindSpore's CPU backend
+    graph_shapes: str = "static"
 
     def __post_init__(self):
         for field in ("max_len", "block_size", "max_prefill_tokens", "max_num_seqs"):
@@ -50,10 +56,13 @@ class EngineLimits:
             raise MsinferError(f"block_size must be at least 2, got {self.block_size}")
         if self.kv_cache_memory is not None:
             positive_int(self.kv_cache_memory, "kv_cache_memory")
+        if self.graph_shapes not in GRAPH_SHAPES:
+            raise MsinferError(f"graph_shapes must be one of {', '.join(GRAPH_SHAPES)}, got "
+                               f"{self.graph_shapes!r}")
 
     @classmethod
     def for_model(cls, config, max_len=None, block_size=None, max_prefill_tokens=None,
-                  max_num_seqs=None, kv_cache_memory=None):
+                  max_num_seqs=None, kv_cache_memory=None, graph_shapes=None):
         """Defaults filled in; max_len at most the model's context (max_position_embeddings,
         or what its yarn rope scaling reaches: config.max_context_len); kv_cache_memory in
         bytes or as parse_bytes reads it ("2GiB")."""
@@ -79,7 +88,8 @@ class EngineLimits:
         return cls(max_len=max_len, block_size=given(block_size, DEFAULT_BLOCK_SIZE),
                    max_prefill_tokens=max_prefill_tokens,
                    max_num_seqs=given(max_num_seqs, DEFAULT_MAX_NUM_SEQS),
-                   kv_cache_memory=kv_cache_memory)
+                   kv_cache_memory=kv_cache_memory,
+                   graph_shapes=given(graph_shapes, GRAPH_SHAPES[0]))
 
 
 @dataclasses.dataclass

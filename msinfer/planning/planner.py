@@ -85,6 +85,7 @@ class PlanReport:
     decode_tokens_per_s_bound: float | None = None  # with full max-len contexts
     decode_tokens_per_s_bound_short_context: float | None = None  # weights only
     warmup_graphs: int | None = None  # graphs warm-up compiles per rank (planning/shapes.py)
+    graph_shapes: str = "static"  # EngineLimits.graph_shapes
     errors: list[str] = dataclasses.field(default_factory=list)
     warnings: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
@@ -126,6 +127,7 @@ def make_plan(config: ModelConfig, strategy: Strategy, profile: HardwareProfile,
 
     dtype_bytes = DTYPE_BYTES[report.dtype]
     report.warmup_graphs = warmup_graphs(shard_plan, profile, limits, dtype_bytes, mode)
+    report.graph_shapes = limits.graph_shapes
     report.devices, layout = _device_memory(shard_plan, profile, report.dtype, limits)
     report.workspace_formula = _workspace_formula(profile, limits)
     report.collectives_per_token = _collectives(shard_plan, dtype_bytes, limits.max_num_seqs)
@@ -212,7 +214,8 @@ def warmup_graphs(shard_plan, profile, limits, dtype_bytes, mode) -> int:
     forms = cpu_matmul_forms() if profile.device_target == "CPU" else None
     return len(ExplicitGraphs(
         buckets, layers_for, lambda rows: forms is not None and forms.mlp_weight_first_for(rows),
-        lambda rows: forms is not None and forms.head_weight_first_for(rows)).all())
+        lambda rows: forms is not None and forms.head_weight_first_for(rows),
+        dynamic=limits.graph_shapes == "dynamic").all())
 
 
 def _workspace_formula(profile, limits):
@@ -389,8 +392,9 @@ def format_plan(report: PlanReport) -> str:
     if report.dtype:
         lines.append(_wrap("  dtype      ", f"{report.dtype}: {report.dtype_reason}"))
     if report.warmup_graphs:
-        shapes = ("one per call shape" if report.parallel_mode == "semi_auto"
-                  else "of dynamic shape, whatever the lengths")
+        shapes = ("of dynamic shape, whatever the lengths: --graph-shapes dynamic"
+                  if report.parallel_mode == "explicit" and report.graph_shapes == "dynamic"
+                  else "one per call shape")
         lines.append(_wrap("  warm-up    ", (
             f"{report.warmup_graphs} graphs per rank ({shapes}), compiled before serving (kept "
             f"by the compile cache for the next start)")))

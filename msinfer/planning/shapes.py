@@ -63,30 +63,37 @@ class ShapeBuckets:
 
 @dataclasses.dataclass(frozen=True)
 class Graph:
-    """One compiled graph of explicit mode: what it fixes when it is built. Its other axes are
-    dynamic (None in `Cell.set_inputs`): the context always, the rows where `rows` is 0."""
+    """One compiled graph of explicit mode: what it fixes when it is built. An axis it does
+    not fix is dynamic (None in `Cell.set_inputs`): `rows` or `context` 0."""
 
     part: str  # "embedding", "layers" or "head"
     kind: str = None  # layers: "decode" (groups of one query) or "prefill" (one group)
     layers: int = 0  # layers: consecutive decoder layers
     weight_first: bool = False  # layers: the MLP's form; head: the lm_head's
     # (hardware.CpuMatmulForms: (W @ x.T).T instead of x @ W.T)
-    rows: int = 0  # decode layers: the batch bucket (static); 0: dynamic
+    rows: int = 0  # tokens (embedding, layers) or rows (head); 0: dynamic
+    context: int = 0  # layers: context slots; 0: dynamic
 
 
 class ExplicitGraphs:
-    """Which graph of explicit mode runs each part of a call: one `Graph` per kind of call,
-    layers per graph and matmul form, so that the graphs do not grow in number with max_len.
+    """Which graph of explicit mode runs each part of a call (EngineLimits.graph_shapes).
 
-    Decode steps keep static rows, one graph per batch bucket (and layers per graph): with
-    every axis dynamic, MindSpore's CPU runtime re-infers and resizes each of a layer's ~100
-    kernels at every launch, a cost a decode step feels and a prefill chunk, whose kernels are
-    large, does not (0.5B shape, the same process alternating, means of 3: batch-16 decode
-    247 ms a step with dynamic rows and its smallest layers per graph, 231 ms static; a
-    512-token prefill 181 vs 180 tokens/s). Prefill chunks and the embedding and lm_head (a
-    few kernels) are dynamic in rows; every graph is dynamic in its context."""
+    static: one graph per shape, every axis fixed: a layer stack per call shape, an embedding
+    per token count, an lm_head per row count (81 graphs for the 0.5B shape's defaults, 111
+    at --max-len 32768).
 
-    def __init__(self, buckets, layers_for, mlp_weight_first, head_weight_first):
+    dynamic: one `Graph` per kind of call, layers per graph and matmul form, so that their
+    number does not grow with max_len (15 and 14). Every graph is dynamic in its context;
+    prefill chunks, the embedding and the lm_head also in their rows. Decode steps keep their
+    batch static, one graph per batch bucket: with every axis dynamic, MindSpore's CPU
+    runtime re-infers and resizes each of a layer's ~100 kernels at every launch, which a
+    decode step feels (0.5B shape, one process alternating the two, means of 3: batch-16
+    decode 247 ms a step fully dynamic at its smallest layers per graph, 231 ms with static
+    rows). Even so each call is slower than a static graph's: bench/graph_speed.py measured
+    prefill at 0.74-0.86x and decode steps at 1.11-1.18x the time (docs/engine.md)."""
+
+    def __init__(self, buckets, layers_for, mlp_weight_first, head_weight_first,
+                 dynamic=False):
         """`layers_for(tokens, groups, context)`: layers per graph a call of that shape may
         run (planning/workspace.stack_layers); `mlp_weight_first(rows)`,
         `head_weight_first(rows)`: the CPU matmul forms (hardware.CpuMatmulForms)."""
@@ -94,28 +101,41 @@ class ExplicitGraphs:
         self.layers_for = layers_for
         self.mlp_weight_first = mlp_weight_first
         self.head_weight_first = head_weight_first
+        self.dynamic = dynamic
 
     def layers(self, kind, size, context) -> Graph:
         """The layer stack of a call of `size` tokens (a decode step: its batch bucket) over
-        `context` slots."""
+        `context` slots. A dynamic call's axes may be padded short of their bucket
+        (model_runner.ExplicitRunner.padded_context): its graph is its bucket's."""
         decode = kind == "decode"
+        context = bucket_for(context, self.buckets.context)
+        if not decode:
+            size = bucket_for(size, self.buckets.chunk)
+        static = not self.dynamic
         return Graph("layers", kind, self.layers_for(size, size if decode else 1, context),
-                     self.mlp_weight_first(size), rows=size if decode else 0)
+                     self.mlp_weight_first(size), rows=size if decode or static else 0,
+                     context=context if static else 0)
+
+    def embedding(self, tokens) -> Graph:
+        return Graph("embedding", rows=0 if self.dynamic else tokens)
 
     def head(self, rows) -> Graph:
-        return Graph("head", weight_first=self.head_weight_first(rows))
+        return Graph("head", weight_first=self.head_weight_first(rows),
+                     rows=0 if self.dynamic else rows)
 
     def all(self) -> dict:
-        """{Graph: a call (kind, size, context) that runs it}: the embedding, every call's
-        layer stack, and the lm_head over every row bucket (prefill picks its rows first, so
-        its head is a decode step's: model_runner.py). A layer stack's call is at the
-        smallest context a call of its size has, whatever context picked it (its context is
-        dynamic). Warm-up runs those calls, which compiles every graph once."""
+        """{Graph: a call (kind, size, context) that runs it}: the embeddings, every call's
+        layer stack, and the lm_heads over every row bucket (prefill picks its rows first,
+        so its head is a decode step's: model_runner.py). A dynamic layer stack's call is at
+        the smallest context a call of its size has, whatever context picked it. Warm-up
+        runs those calls, which compiles every graph once."""
         graphs = {}
         for kind, size, context in self.buckets.calls():
-            shortest = min(t for t in self.buckets.context if kind == "decode" or t >= size)
-            graphs.setdefault(Graph("embedding"), (kind, size, shortest))
-            graphs.setdefault(self.layers(kind, size, context), (kind, size, shortest))
+            at = context
+            if self.dynamic:
+                at = min(t for t in self.buckets.context if kind == "decode" or t >= size)
+            graphs.setdefault(self.embedding(size), (kind, size, at))
+            graphs.setdefault(self.layers(kind, size, context), (kind, size, at))
         for rows in self.buckets.rows:
             graphs.setdefault(self.head(rows), ("decode", rows, self.buckets.context[0]))
         return graphs
