@@ -1,15 +1,16 @@
-"""Decode and prefill speed of two source trees of msinfer, alternated on one machine: what a
-change to the compiled graphs (issue 24: graphs of dynamic shape instead of one per call
-shape) does to the speed of the engine, measured side by side so that the machine's drift
-falls on both.
+"""Decode and prefill speed of explicit mode's static graphs against its dynamic ones
+(--graph-shapes), or of two source trees of msinfer, alternated on one machine: what a change
+to the compiled graphs does to the speed of the engine, measured side by side so that the
+machine's drift falls on both.
 
-    python bench/graph_speed.py --before-tree /path/to/checkout-before [--rounds 2]
+    python bench/graph_speed.py [--rounds 2]                  # static vs dynamic, this tree
+    python bench/graph_speed.py --before-tree /path/to/checkout-before --name graph_speed_trees
 
-Each round runs one process per tree (`worker` below, with that tree on PYTHONPATH) on the
+Each round runs one process per side (`worker` below, with its tree on PYTHONPATH) on the
 0.5B shape: a 512-token prompt then 40 greedy tokens alone (b1), 16 prompts of 100 tokens then
 24 tokens each (b16), and a 48-token prompt (p48); each workload once to compile, then twice
 measured (the engine's own timings: prefill tokens/s, decode ms per step; the better of two).
-Writes bench/results/graph_speed.json and .md: per tree the mean over rounds, and the ratio.
+Writes bench/results/graph_speed.json and .md: per side the mean over rounds, and the ratio.
 Prefix caching is off so that a repeated prompt is computed again.
 """
 from __future__ import annotations
@@ -25,13 +26,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKLOADS = (("b1", 1, 512, 40), ("b16", 16, 100, 24), ("p48", 1, 48, 2))
 
 
-def worker(model):
+def worker(model, graph_shapes):
     import numpy as np
 
     from msinfer import LLM
     from msinfer.engine.sampling import SamplingParams
 
-    llm = LLM(model, compile_cache=False, enable_prefix_caching=False)
+    shapes = {"graph_shapes": graph_shapes} if graph_shapes else {}  # a tree before the option
+    llm = LLM(model, compile_cache=False, enable_prefix_caching=False, **shapes)
     rng = np.random.default_rng(0)
     out = {}
     for name, n, length, new in WORKLOADS:
@@ -53,9 +55,10 @@ def worker(model):
     print("RESULT " + json.dumps(out), flush=True)
 
 
-def measure(tree, model):
+def measure(tree, graph_shapes, model):
     env = dict(os.environ, PYTHONPATH=tree, GLOG_v="3")
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", model],
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", model,
+                           "--worker-graph-shapes", graph_shapes or ""],
                           env=env, cwd=tree, capture_output=True, text=True, check=True)
     line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")][-1]
     return json.loads(line[len("RESULT "):])
@@ -63,54 +66,59 @@ def measure(tree, model):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--before-tree", help="a checkout of the earlier commit (required)")
+    p.add_argument("--before-tree", help="compare this checkout (its defaults) with this tree's "
+                                         "instead of static with dynamic graphs")
     p.add_argument("--model", default=os.path.join(ROOT, "models", "qwen2-0.5b-shape"))
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "graph_speed"))
+    p.add_argument("--name", default="graph_speed", help="file name of the results")
     p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--worker-graph-shapes", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        return worker(args.worker)
-    if not args.before_tree:
-        p.error("--before-tree is required")
+        return worker(args.worker, args.worker_graph_shapes)
+    out = os.path.join(ROOT, "bench", "results", args.name)
     sys.path.insert(0, ROOT)
     from msinfer.engine.compile_cache import _processor
 
-    trees = {"before": os.path.abspath(args.before_tree), "after": ROOT}
+    if args.before_tree:  # (tree, graph_shapes) per side
+        sides = {"before": (os.path.abspath(args.before_tree), None), "after": (ROOT, None)}
+    else:
+        sides = {"static": (ROOT, "static"), "dynamic": (ROOT, "dynamic")}
     commits = {k: subprocess.run(["git", "-C", t, "rev-parse", "--short", "HEAD"],
                                  capture_output=True, text=True).stdout.strip()
-               for k, t in trees.items()}
+               for k, (t, _) in sides.items()}
     report = {"model": os.path.relpath(args.model, ROOT), "cpu": f"{_processor()}, "
               f"{os.cpu_count()} cores", "load_at_start": round(os.getloadavg()[0], 2),
-              "commits": commits, "rounds": {k: [] for k in trees}}
+              "commits": commits, "rounds": {k: [] for k in sides}}
     for r in range(args.rounds):
-        for name, tree in trees.items():
-            report["rounds"][name].append(measure(tree, args.model))
+        for name, (tree, graph_shapes) in sides.items():
+            report["rounds"][name].append(measure(tree, graph_shapes, args.model))
             print(f"round {r + 1} {name}: {report['rounds'][name][-1]}", flush=True)
     report["load_at_end"] = round(os.getloadavg()[0], 2)
-    lines = [f"graph speed, before ({commits['before']}) and after ({commits['after']}), "
+    first, second = sides
+    lines = [f"graph speed, {first} ({commits[first]}) and {second} ({commits[second]}), "
              f"{report['model']}, {report['cpu']}, {args.rounds} rounds alternating; "
              f"load average {report['load_at_start']} at the start, "
              f"{report['load_at_end']} at the end", "",
-             "| workload | graphs before / after | prefill tok/s before / after (ratio) "
-             "| decode ms/step before / after (ratio) |", "|---|---|---|---|"]
+             f"| workload | graphs {first} / {second} | prefill tok/s {first} / {second} "
+             f"(ratio) | decode ms/step {first} / {second} (ratio) |", "|---|---|---|---|"]
     mean = {k: {w[0]: {m: statistics.mean(r[w[0]][m] for r in runs)
                        for m in ("prefill_tokens_per_s", "decode_ms_per_step")}
                 for w in WORKLOADS} for k, runs in report["rounds"].items()}
     report["mean"] = mean
     graphs = {k: runs[-1]["graphs"] for k, runs in report["rounds"].items()}
     for name, *_ in WORKLOADS:
-        b, a = mean["before"][name], mean["after"][name]
+        b, a = mean[first][name], mean[second][name]
         lines.append(
-            f"| {name} | {graphs['before']} / {graphs['after']} | "
+            f"| {name} | {graphs[first]} / {graphs[second]} | "
             f"{b['prefill_tokens_per_s']:.1f} / {a['prefill_tokens_per_s']:.1f} "
             f"({a['prefill_tokens_per_s'] / b['prefill_tokens_per_s']:.2f}) | "
             f"{b['decode_ms_per_step']:.1f} / {a['decode_ms_per_step']:.1f} "
             f"({a['decode_ms_per_step'] / b['decode_ms_per_step']:.2f}) |")
     text = "\n".join(lines) + "\n"
-    with open(args.out + ".json", "w") as f:
+    with open(out + ".json", "w") as f:
         json.dump(report, f, indent=1)
-    with open(args.out + ".md", "w") as f:
+    with open(out + ".md", "w") as f:
         f.write(text)
     print(text)
 

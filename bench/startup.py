@@ -5,7 +5,8 @@ decode and prefill speed after each, for one rank and tp2 (issue 24).
     python bench/startup.py                      # the 0.5B shape, defaults, tp1 and tp2
     python bench/startup.py --max-len 32768 --kv-cache-memory 1GiB
     python bench/startup.py --model DIR --jobs tp1
-    python bench/startup.py --before bench/results/startup_static_shapes.json
+    python bench/startup.py --graph-shapes dynamic --name startup_dynamic \
+        --before bench/results/startup_static_shapes.json
 
 Writes bench/results/startup.json, .md (the table, also printed) and .png. Each start gets a
 compile cache directory of its own under --out (removed at the end), so nothing on the machine
@@ -37,7 +38,8 @@ DECODE_TOKENS = 32
 
 def start(args, nproc, strategy, cache, log_path):
     serve = ["serve", "--model", args.model, "--served-model-name", "bench",
-             "--max-len", str(args.max_len), "--compile-cache", cache]
+             "--max-len", str(args.max_len), "--compile-cache", cache,
+             "--graph-shapes", args.graph_shapes]
     if args.kv_cache_memory:
         serve += ["--kv-cache-memory", args.kv_cache_memory]
     if strategy:
@@ -128,6 +130,7 @@ def table(report):
     one graph per call shape) each beside them, with the cold start's ratio to it."""
     before = {r["job"]: r for r in report.get("before", {}).get("runs", [])}
     lines = [f"start-up of `msinfer serve`: {report['model']}, --max-len {report['max_len']}, "
+             f"--graph-shapes {report.get('graph_shapes', 'static')}, "
              f"{report['cpu']}; load average at start {report['load_at_start']}",
              "",
              "| job | graphs/rank | cold: ready (s) | restart: ready (s) "
@@ -179,6 +182,7 @@ def main(argv=None):
                         "`msinfer make-tiny-model --preset qwen2-0.5b-shape` if missing)")
     p.add_argument("--max-len", type=int, default=4096)
     p.add_argument("--kv-cache-memory", default=None)
+    p.add_argument("--graph-shapes", default="static", choices=("static", "dynamic"))
     p.add_argument("--jobs", nargs="+", choices=sorted(JOBS), default=sorted(JOBS))
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
@@ -191,6 +195,7 @@ def main(argv=None):
                         "qwen2-0.5b-shape", args.model], check=True)
     from msinfer.engine.compile_cache import _processor
     report = {"model": os.path.relpath(args.model, ROOT), "max_len": args.max_len,
+              "graph_shapes": args.graph_shapes,
               "cpu": f"{_processor()}, {os.cpu_count()} cores",
               "load_at_start": round(os.getloadavg()[0], 2), "runs": []}
     work = tempfile.mkdtemp(prefix="msinfer-startup-")

@@ -160,15 +160,15 @@ def run_losing_a_rank(cmd, out_dir, env, log_dir=None):
 
 @pytest.fixture(scope="module")
 def tp4_mpirun(models, tmp_path_factory):
-    """tp4 under mpirun on the GQA checkpoint, then on the Qwen3 one in the same job (9 new
-    tokens: fewer decode batches to compile), with graphs of dynamic shape (the tp2 job runs
-    the static ones); after the results, rank 2 is SIGKILLed. (Yarn runs in the dp2 x tp2
-    job: rotary scaling is per head, the same whatever the split.)"""
+    """tp4 under mpirun on the GQA checkpoint, then on the Qwen3 one and on the Qwen2 with
+    yarn in the same job (9 new tokens: fewer decode batches to compile), with graphs of
+    dynamic shape (the tp2 job runs the static ones); after the results, rank 2 is
+    SIGKILLed."""
     out_dir = tmp_path_factory.mktemp("tp4_mpirun")
     cmd = (mpirun_prefix(4) + [sys.executable]
            + worker_args(models["gqa"][0], "qwen2_tp4.yaml", out_dir)
-           + ["--model2", models["qwen3_tied"][0], "--model2-new-tokens", "9",
-              "--graph-shapes", "dynamic"])
+           + ["--model2", models["qwen3_tied"][0], "--model2", models["yarn"][0],
+              "--model2-new-tokens", "9", "--graph-shapes", "dynamic"])
     return run_losing_a_rank(cmd, out_dir, {"MSINFER_TEST_KILL_RANK": "2"})
 
 
@@ -226,6 +226,16 @@ def test_tp4_under_mpirun_runs_qwen3_as_transformers_does(models, tp4_mpirun):
     assert all(int(r["param_bytes"]) < 0.4 * full_bytes for r in ranks)
 
 
+def test_tp4_under_mpirun_runs_qwen2_with_yarn_as_transformers_does(models, tp4_mpirun):
+    """Qwen2 with yarn rope scaling at tp4 (2 KV heads, each on 2 ranks), positions up to 48
+    past its original 32; the same job, third."""
+    job = tp4_mpirun
+    assert job.down_seconds is not None, job.out[-3000:]
+    ranks = check_ranks_against_hf(job.dir, 4, models["yarn"][1], "mpirun-bridge",
+                                   results="model3.npz")
+    assert ranks[0]["tokens"].shape == (len(PROMPTS), 9) and max(map(len, PROMPTS)) + 9 > 32
+
+
 def test_tp2_under_msrun_matches_hf_with_tied_embeddings(models, tp2_msrun):
     """Also with every MLP and lm_head product weight first: the vocabulary-split lm_head
     gathers its transposed blocks."""
@@ -269,8 +279,8 @@ def test_dp2_tp2_every_rank_returns_exactly_what_one_process_returns(models, tmp
     cmd = (mpirun_prefix(4) + [sys.executable]
            + worker_args(model_dir, "qwen2_dp2_tp2.yaml", tmp_path)
            + ["--sampling", json.dumps(sampling)]
-           + ["--model2", models["yarn"][0], "--model2-new-tokens", "9",
-              "--graph-shapes", "dynamic"])
+           + ["--model2", models["yarn"][0], "--model2", models["qwen3_untied"][0],
+              "--model2-new-tokens", "9", "--graph-shapes", "dynamic"])
     code, out, _ = run_job(cmd)
     assert code == 0, out[-3000:]
     assert "2 data replicas" in out
@@ -279,7 +289,10 @@ def test_dp2_tp2_every_rank_returns_exactly_what_one_process_returns(models, tmp
     yarn = check_ranks_against_hf(tmp_path, 4, models["yarn"][1], "mpirun-bridge",
                                   results="model2.npz")
     assert yarn[0]["tokens"].shape == (len(PROMPTS), 9) and max(map(len, PROMPTS)) + 9 > 32
-    # (Qwen3 under tp2 groups: the msrun job; under dp2 x tp2: test_serve's Qwen3 job.)
+    # and its third: the untied Qwen3 (head_dim 32 over hidden 64) under dp2 x tp2
+    qwen3 = check_ranks_against_hf(tmp_path, 4, models["qwen3_untied"][1], "mpirun-bridge",
+                                   results="model3.npz")
+    assert qwen3[0]["tokens"].shape == (len(PROMPTS), 9)
     ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(4)]
     for r, outputs in enumerate(ranks):  # exactly, floats included: nothing lost on the way
         assert outputs == ranks[0], f"rank {r} differs from rank 0"
