@@ -102,6 +102,13 @@ class ExplicitGraphs:
         self.mlp_weight_first = mlp_weight_first
         self.head_weight_first = head_weight_first
         self.dynamic = dynamic
+        # Dynamic graphs run one layers-per-graph for all the contexts (and prefill rows) they
+        # take: the fewest any of those calls may run (the workspace bounds long contexts), so
+        # one graph serves them all instead of one per count.
+        self.fewest = {("decode", b): min(layers_for(b, b, t) for t in buckets.context)
+                       for b in buckets.batch}
+        self.fewest["prefill"] = min(layers_for(c, 1, t) for c in buckets.chunk
+                                     for t in buckets.context if t >= c)
 
     def layers(self, kind, size, context) -> Graph:
         """The layer stack of a call of `size` tokens (a decode step: its batch bucket) over
@@ -112,9 +119,12 @@ class ExplicitGraphs:
         if not decode:
             size = bucket_for(size, self.buckets.chunk)
         static = not self.dynamic
-        return Graph("layers", kind, self.layers_for(size, size if decode else 1, context),
-                     self.mlp_weight_first(size), rows=size if decode or static else 0,
-                     context=context if static else 0)
+        if static:
+            layers = self.layers_for(size, size if decode else 1, context)
+        else:
+            layers = self.fewest[(kind, size) if decode else kind]
+        return Graph("layers", kind, layers, self.mlp_weight_first(size),
+                     rows=size if decode or static else 0, context=context if static else 0)
 
     def embedding(self, tokens) -> Graph:
         return Graph("embedding", rows=0 if self.dynamic else tokens)
