@@ -82,15 +82,17 @@ class ExplicitGraphs:
     per token count, an lm_head per row count (81 graphs for the 0.5B shape's defaults, 111
     at --max-len 32768).
 
-    dynamic: one `Graph` per kind of call, layers per graph and matmul form, so that their
-    number does not grow with max_len (15 and 14). Every graph is dynamic in its context;
+    dynamic: one `Graph` per kind of call (a decode step's batch bucket, or prefill) and
+    matmul form, so that their number does not grow with max_len (9 at both). Every graph is
+    dynamic in its context;
     prefill chunks, the embedding and the lm_head also in their rows. Decode steps keep their
     batch static, one graph per batch bucket: with every axis dynamic, MindSpore's CPU
     runtime re-infers and resizes each of a layer's ~100 kernels at every launch, which a
     decode step feels (0.5B shape, one process alternating the two, means of 3: batch-16
     decode 247 ms a step fully dynamic at its smallest layers per graph, 231 ms with static
     rows). Even so each call is slower than a static graph's: bench/graph_speed.py measured
-    prefill at 0.74-0.86x and decode steps at 1.11-1.18x the time (docs/engine.md)."""
+    prefill at 0.74-0.94x the tokens/s and decode steps at 1.05-1.18x the time
+    (docs/engine.md)."""
 
     def __init__(self, buckets, layers_for, mlp_weight_first, head_weight_first,
                  dynamic=False):
