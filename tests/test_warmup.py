@@ -82,8 +82,9 @@ def test_after_warmup_a_mixed_workload_compiles_nothing(model_dir, mode, max_len
     assert plan.warmup_graphs == compiled
     if mode == "dynamic":  # one graph per kind of call, whatever max_len (2 layers: 1 stack
         # per call kind and batch): embedding, decode at batches 1, 2, 4, prefill, 2 heads
-        assert compiled == 1 + 3 + 1 + 1 + (llm.engine.runner.head_weight_first(4)
-                                            != llm.engine.runner.head_weight_first(1))
+        graph_of = llm.engine.runner.graph_of
+        assert compiled == 1 + 3 + 1 + 1 + (graph_of.head_weight_first(4)
+                                            != graph_of.head_weight_first(1))
     before = llm.compilations
     greedy = {}
     for prompts, max_tokens in WORKLOAD + ([LONG] if mode == "dynamic" else []):

@@ -45,7 +45,7 @@ def add_engine_arguments(parser):
     parser.add_argument("--graph-shapes", choices=GRAPH_SHAPES, default=None,
                         help="explicit mode's compiled graphs: static, one per call shape "
                              "(the fastest calls; the 0.5B shape's defaults compile 81), or "
-                             "dynamic, one per kind of call (9: a start 4x faster, each call "
+                             "dynamic, one per kind of call (9: a cold start ~7x faster, each call "
                              "5-26%% slower on the CPU backend; docs/engine.md, 'Compiled "
                              "graphs') (default: static)")
     # Parsed here, once, for every command (launch parses the rank command with this parser

@@ -270,10 +270,8 @@ class ExplicitRunner(ModelRunner):
         self.layers_per_call = stack_layers(ctx.plan, DTYPE_BYTES[str(ctx.dtype).lower()],
                                             max_model_len, max_prefill_tokens, max_num_seqs,
                                             min_layers_per_graph)
-        self.forms = matmul_forms(ctx)
-        self.dynamic = dynamic
-        self.graph_of = ExplicitGraphs(self.buckets, self.layers_per_call, self.mlp_weight_first,
-                                       self.head_weight_first, dynamic)
+        self.graph_of = ExplicitGraphs(self.buckets, self.layers_per_call, matmul_forms(ctx),
+                                       dynamic)
         self.cells = {}  # Graph -> its Cell, built when a call first needs it
 
     @property
@@ -284,12 +282,6 @@ class ExplicitRunner(ModelRunner):
     def cache_bytes(self) -> int:
         """Bytes of this rank's KV cache tensors."""
         return sum(k.nbytes + v.nbytes for k, v in self.caches)
-
-    def mlp_weight_first(self, rows) -> bool:
-        return self.forms is not None and self.forms.mlp_weight_first_for(rows)
-
-    def head_weight_first(self, rows) -> bool:
-        return self.forms is not None and self.forms.head_weight_first_for(rows)
 
     @property
     def graph_count(self) -> int:
@@ -303,11 +295,13 @@ class ExplicitRunner(ModelRunner):
 
     def padded_context(self, length):
         bucket = super().padded_context(length)
-        return min(round_up(length, self.CONTEXT_STEP), bucket) if self.dynamic else bucket
+        return (min(round_up(length, self.CONTEXT_STEP), bucket) if self.graph_of.dynamic
+                else bucket)
 
     def padded_chunk(self, tokens):
         bucket = super().padded_chunk(tokens)
-        return min(round_up(tokens, self.CHUNK_STEP), bucket) if self.dynamic else bucket
+        return (min(round_up(tokens, self.CHUNK_STEP), bucket) if self.graph_of.dynamic
+                else bucket)
 
     def shapes(self):
         """One call for each layer stack (planning/shapes.py: ExplicitGraphs.all), with the

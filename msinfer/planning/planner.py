@@ -212,10 +212,8 @@ def warmup_graphs(shard_plan, profile, limits, dtype_bytes, mode) -> int:
     layers_for = stack_layers(shard_plan, dtype_bytes, limits.max_len, limits.max_prefill_tokens,
                               limits.max_num_seqs, profile.min_layers_per_graph)
     forms = cpu_matmul_forms() if profile.device_target == "CPU" else None
-    return len(ExplicitGraphs(
-        buckets, layers_for, lambda rows: forms is not None and forms.mlp_weight_first_for(rows),
-        lambda rows: forms is not None and forms.head_weight_first_for(rows),
-        dynamic=limits.graph_shapes == "dynamic").all())
+    return len(ExplicitGraphs(buckets, layers_for, forms,
+                              dynamic=limits.graph_shapes == "dynamic").all())
 
 
 def _workspace_formula(profile, limits):

@@ -84,8 +84,8 @@ class ExplicitGraphs:
 
     dynamic: one `Graph` per kind of call (a decode step's batch bucket, or prefill) and
     matmul form, so that their number does not grow with max_len (9 at both). Every graph is
-    dynamic in its context;
-    prefill chunks, the embedding and the lm_head also in their rows. Decode steps keep their
+    dynamic in its context; prefill chunks, the embedding and the lm_head also in their rows.
+    Decode steps keep their
     batch static, one graph per batch bucket: with every axis dynamic, MindSpore's CPU
     runtime re-infers and resizes each of a layer's ~100 kernels at every launch, which a
     decode step feels (0.5B shape, one process alternating the two, means of 3: batch-16
@@ -94,23 +94,28 @@ class ExplicitGraphs:
     prefill at 0.74-0.94x the tokens/s and decode steps at 1.05-1.18x the time
     (docs/engine.md)."""
 
-    def __init__(self, buckets, layers_for, mlp_weight_first, head_weight_first,
-                 dynamic=False):
+    def __init__(self, buckets, layers_for, forms=None, dynamic=False):
         """`layers_for(tokens, groups, context)`: layers per graph a call of that shape may
-        run (planning/workspace.stack_layers); `mlp_weight_first(rows)`,
-        `head_weight_first(rows)`: the CPU matmul forms (hardware.CpuMatmulForms)."""
+        run (planning/workspace.stack_layers); `forms`: the CPU matmul forms
+        (hardware.CpuMatmulForms), None where the checkpoint's forms hold."""
         self.buckets = buckets
         self.layers_for = layers_for
-        self.mlp_weight_first = mlp_weight_first
-        self.head_weight_first = head_weight_first
+        self.forms = forms
         self.dynamic = dynamic
-        # Dynamic graphs run one layers-per-graph for all the contexts (and prefill rows) they
-        # take: the fewest any of those calls may run (the workspace bounds long contexts), so
-        # one graph serves them all instead of one per count.
-        self.fewest = {("decode", b): min(layers_for(b, b, t) for t in buckets.context)
-                       for b in buckets.batch}
-        self.fewest["prefill"] = min(layers_for(c, 1, t) for c in buckets.chunk
-                                     for t in buckets.context if t >= c)
+        if dynamic:
+            # One layers-per-graph for all the contexts (and prefill rows) a graph takes: the
+            # fewest any of those calls may run (the workspace bounds long contexts), so one
+            # graph serves them all instead of one per count.
+            self.fewest = {("decode", b): min(layers_for(b, b, t) for t in buckets.context)
+                           for b in buckets.batch}
+            self.fewest["prefill"] = min(layers_for(c, 1, t) for c in buckets.chunk
+                                         for t in buckets.context if t >= c)
+
+    def mlp_weight_first(self, rows) -> bool:
+        return self.forms is not None and self.forms.mlp_weight_first_for(rows)
+
+    def head_weight_first(self, rows) -> bool:
+        return self.forms is not None and self.forms.head_weight_first_for(rows)
 
     def layers(self, kind, size, context) -> Graph:
         """The layer stack of a call of `size` tokens (a decode step: its batch bucket) over
