@@ -29,10 +29,69 @@ _frozen_in_module = []
 def pytest_configure(config):
     """Compiled graphs of this session's warm-ups (every server and job it starts) go to a
     directory of its own, removed at the end, not to the user's ~/.cache/msinfer/compile."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        os.environ[UNITS_FILE] = os.path.join(tempfile.mkdtemp(prefix="msinfer-xdist-"),
+                                               "units.json")
+        config.add_cleanup(lambda: shutil.rmtree(os.path.dirname(os.environ.pop(UNITS_FILE)),
+                                                 ignore_errors=True))
     if "MSINFER_COMPILE_CACHE" not in os.environ:
         os.environ["MSINFER_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="msinfer-compile-")
         config.add_cleanup(lambda: shutil.rmtree(os.environ.pop("MSINFER_COMPILE_CACHE"),
                                                  ignore_errors=True))
+
+
+# Under pytest-xdist (setup.cfg's addopts: three workers on two cores, so that one computes
+# while another waits on a process) a test is a unit of work of its own, given to whichever
+# worker is free, except:
+# - the multi-rank jobs, one unit, given out first: one after the other on one worker (two at
+#   once would put 8 ranks on 2 cores, and past the sharded servers' 5 s stall bound);
+# - the tests of the session's one-process server (`tiny_server`), one unit, given out second:
+#   one warm-up for all of them;
+# - the tests of a module that share a module fixture (an engine, a job), one unit: the fixture
+#   made once, the tests in their order.
+# Workers collect the tests, the controller schedules them: the first worker writes each
+# test's unit to a file the controller reads.
+UNITS_FILE = "MSINFER_TEST_UNITS"
+FIRST_UNITS = ("multirank", "server")
+
+
+def unit_of(item):
+    if item.get_closest_marker("multirank"):
+        return "multirank"
+    if item.get_closest_marker("server") or "tiny_server" in item.fixturenames:
+        return "server"
+    fixtures = item._fixtureinfo.name2fixturedefs.values()
+    if any(d.scope in ("module", "class") for defs in fixtures for d in defs):
+        return item.nodeid.split("::", 1)[0]
+    return item.nodeid
+
+
+def pytest_collection_modifyitems(config, items):
+    path = os.environ.get(UNITS_FILE)
+    if path and getattr(config, "workerinput", {}).get("workerid") == "gw0":
+        with open(path + ".tmp", "w") as f:
+            json.dump({item.nodeid: unit_of(item) for item in items}, f)
+        os.replace(path + ".tmp", path)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Units(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            if not hasattr(self, "_units"):
+                with open(os.environ[UNITS_FILE]) as f:
+                    self._units = json.load(f)
+            return self._units[nodeid]
+
+        def _assign_work_unit(self, node):
+            for unit in reversed(FIRST_UNITS):
+                if unit in self.workqueue:
+                    self.workqueue.move_to_end(unit, last=False)
+            super()._assign_work_unit(node)
+
+    return Units(config, log)
 
 
 def pytest_collection_finish(session):
@@ -124,8 +183,9 @@ def _tiny_servers():
 def tiny_server(serve_model, _tiny_servers, tmp_path_factory):
     """The session's one real single-process `msinfer serve` on serve_model with
     servers.SERVE_ARGS, started when first asked for and shared by every test file that needs
-    a real server (one warm-up for all); started again if a test ended it (test_serve's SIGTERM
-    test does)."""
+    a real server (one warm-up for all: under xdist their tests are one unit of work; the
+    multi-rank worker starts its own for test_serve's comparisons); started again if a test
+    ended it (test_serve's SIGTERM test does)."""
     from servers import SERVE_ARGS, ServerProcess
     if not _tiny_servers or not _tiny_servers[-1].alive():
         log = str(tmp_path_factory.mktemp("log") / "serve.log")

@@ -84,7 +84,12 @@ def test_an_entry_a_dead_warmup_left_is_emptied_and_a_process_uses_the_cache_onc
         tmp_path, monkeypatch, said):
     from msinfer.engine import compile_cache
 
+    from mindspore.graph import api
+
     monkeypatch.setattr(compile_cache, "_used_in_process", False)
+    # the entry script MindSpore would read: a file, whatever started this process (an
+    # xdist worker's is `-c`, which turns the cache off)
+    monkeypatch.setattr(api, "entry_script_path", __file__)
     cache = compile_cache.CompileCache(str(tmp_path), {"model": "x"})
     left = tmp_path / cache.key / "rank_0" / "graph_cache" / "compile_cache_0.mindir"
     left.parent.mkdir(parents=True)

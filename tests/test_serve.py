@@ -222,7 +222,10 @@ def test_tp4_under_mpirun_serves_the_same_completions_and_a_stopped_rank_ends_it
                                                "max_tokens": 40}, timeout=120)))
         asker.start()
         status = wait_unhealthy(job, stopped, STALL + 5)
-        assert "rank 2" in status or status == "unreachable", status
+        # the silent rank named (its heartbeats stopped), or the step its group waits for
+        # (whichever bound a loaded machine reaches first)
+        assert ("rank 2" in status or "has not completed in" in status
+                or status == "unreachable"), status
         asker.join(60)
         assert answered and answered[0].status_code in (500, 503), answered
         assert job.process.wait(timeout=60) != 0
