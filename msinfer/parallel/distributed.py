@@ -357,6 +357,26 @@ def tensor_group(info: DistInfo, shard_plan: ShardPlan) -> str | None:
     return name
 
 
+def leave_mpirun_job(code: int) -> None:
+    """End this rank of an mpirun job now with `code`, skipping MindSpore's teardown; every
+    rank of the job must call it.
+
+    mpirun aborts every rank the moment one exits non-zero, and a rank stopped in the middle
+    of MindSpore's teardown can crash (seen in CI: a segfault in a cluster thread that turned
+    the job's exit 1 into 139). So every rank leaves with the same code, together: MPI's
+    finalize is a fence over the job, and nothing of MindSpore runs after it."""
+    import logging
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    MPI = sys.modules.get("mpi4py.MPI")  # the bridge's; importing it here would start MPI
+    if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
+    os._exit(code)
+
+
 def all_gather_rows(rows: np.ndarray) -> np.ndarray:
     """Every rank's (n, width) float32 array stacked in rank order, on every rank."""
     return _over_the_job("AllGather", rows)

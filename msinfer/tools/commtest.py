@@ -13,8 +13,8 @@ follow nccl-tests / hccl_test:
 - algbw = size / time; busbw = algbw x 2(n-1)/n for AllReduce, algbw x (n-1)/n for
   AllGather, n = ranks in the group: the figure to hold against the link's bandwidth;
 - check: every rank compares its last result with the exact expected values
-  ("success"/"failed", as hccl_test prints). Rank 0 prints the report and exits 1 if a check
-  failed; the other ranks exit 0, so that the launcher does not abort rank 0 before it printed.
+  ("success"/"failed", as hccl_test prints). Rank 0 prints the report; once it has, the job
+  exits 1 if a check failed.
 
 Test hook: MSINFER_TEST_CORRUPT_RANK=r makes rank r contribute a wrong value, so every
 measurement it takes part in must read "failed".
@@ -116,7 +116,7 @@ def pair_groups(chips, per_card=2):
 
 def run(args):
     from ..hardware import get_profile
-    from ..parallel.distributed import all_gather_rows, init_distributed
+    from ..parallel.distributed import all_gather_rows, init_distributed, leave_mpirun_job
 
     profile = get_profile(args.hardware)
     min_bytes = parse_size(args.min_bytes)
@@ -179,12 +179,12 @@ def run(args):
         print(text if args.json else format_report(report), flush=True)
         code = 0 if report["ok"] else 1
     elif not report["ok"]:
-        # Rank 0 alone fails the job: a launcher aborts every rank as soon as one exits
-        # non-zero, and rank 0 must have printed the report by then.
         log.get().error("checks failed; rank 0 prints which")
-    # Leave together, once rank 0 has printed: a rank whose peers are gone can crash in
-    # MindSpore's teardown (seen: a segfault that turned exit 1 into 139).
+    # Nobody leaves before rank 0 has printed: a launcher aborts every rank as soon as one
+    # exits non-zero.
     all_gather_rows(np.zeros((1, 1), np.float32))
+    if not report["ok"] and info.launcher.startswith("mpirun"):
+        leave_mpirun_job(1)  # every rank, so that none is aborted mid-teardown
     return code
 
 
