@@ -34,6 +34,12 @@ def pytest_configure(config):
                                                "units.json")
         config.add_cleanup(lambda: shutil.rmtree(os.path.dirname(os.environ.pop(UNITS_FILE)),
                                                  ignore_errors=True))
+    if hasattr(config, "workerinput"):
+        # Three workers (and their jobs' ranks) share two cores: kernels of one thread each.
+        # MindSpore's and torch's pools wait for every thread of a kernel, so a pool of two
+        # on a busy core stalls while its second thread waits to be scheduled.
+        os.environ.setdefault("MSINFER_CPU_THREADS", "1")
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     if "MSINFER_COMPILE_CACHE" not in os.environ:
         os.environ["MSINFER_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="msinfer-compile-")
         config.add_cleanup(lambda: shutil.rmtree(os.environ.pop("MSINFER_COMPILE_CACHE"),

@@ -1,6 +1,6 @@
-"""`msinfer commtest`: the nccl-tests arithmetic, the chip pairs of a 300I Duo, and real 4-rank
-jobs under mpirun on CPU (one healthy start checking table, JSON and checks together; one
-with a rank that contributes a wrong value, which must fail)."""
+"""`msinfer commtest`: the nccl-tests arithmetic, the chip pairs of a 300I Duo, and real jobs
+under mpirun on CPU (a healthy 4-rank start checking table, JSON and checks together; a 2-rank
+one with a rank that contributes a wrong value, which must fail with exit code 1)."""
 import json
 import os
 import signal
@@ -20,6 +20,7 @@ from msinfer.tools.commtest import (bandwidths, contribution, elements, expected
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DP2_TP2 = os.path.join(ROOT, "strategies", "qwen2_dp2_tp2.yaml")
 TP4 = os.path.join(ROOT, "strategies", "qwen2_tp4.yaml")
+TP2 = os.path.join(ROOT, "strategies", "qwen2_tp2.yaml")
 JOB_TIMEOUT = 240
 SMALL = ["--max-bytes", "2K", "--factor", "16", "--iters", "3", "--warmup", "1"]
 # MindSpore's workers retry joining the scheduler every 3-5 s by default: rank 0 starts the
@@ -136,9 +137,9 @@ def run_job(cmd, env=None):
     return proc.returncode, out, err
 
 
-def launch(*rank_args, strategy=DP2_TP2):
-    return [sys.executable, "-m", "msinfer", "launch", "--nproc", "4", "--strategy", strategy,
-            "--timeout", str(JOB_TIMEOUT - 20), "--", "commtest", *rank_args]
+def launch(*rank_args, strategy=DP2_TP2, nproc=4):
+    return [sys.executable, "-m", "msinfer", "launch", "--nproc", str(nproc), "--strategy",
+            strategy, "--timeout", str(JOB_TIMEOUT - 20), "--", "commtest", *rank_args]
 
 
 @pytest.mark.multirank
@@ -186,13 +187,14 @@ def test_four_cpu_ranks_measure_world_tensor_groups_and_pairs_correctly(tmp_path
 
 @pytest.mark.multirank
 def test_a_rank_with_a_wrong_contribution_fails_the_checks_and_the_job(tmp_path):
+    """Two ranks (the fewest that show whose contribution was wrong): rank 1 corrupts."""
     code, out, err = run_job(launch("--max-bytes", "64", "--factor", "8", "--iters", "2",
-                                    "--warmup", "1", "--json", strategy=TP4),
-                             env={"MSINFER_TEST_CORRUPT_RANK": "2"})
+                                    "--warmup", "1", "--json", strategy=TP2, nproc=2),
+                             env={"MSINFER_TEST_CORRUPT_RANK": "1"})
     assert code == 1, (out + err)[-3000:]
     report, _ = json.JSONDecoder().raw_decode(out[out.index("{\n"):])  # rank 0's object
     assert report["ok"] is False
     assert report["results"] and all(r["check"] == "failed" for r in report["results"])
     gathers = [r for r in report["results"] if r["op"] == "AllGather"]
-    assert gathers and all(r["wrong_senders"] == [2] for r in gathers)
-    assert "test hook: rank 2 contributes a wrong value" in err
+    assert gathers and all(r["wrong_senders"] == [1] for r in gathers)
+    assert "test hook: rank 1 contributes a wrong value" in err
