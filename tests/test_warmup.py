@@ -81,9 +81,10 @@ def test_after_warmup_a_mixed_workload_compiles_nothing(model_dir, mode, max_len
                      parallel_mode=llm.parallel_mode)
     assert plan.warmup_graphs == compiled
     if mode == "dynamic":  # one graph per kind of call, whatever max_len (2 layers: 1 stack
-        # per call kind and batch): embedding, decode at batches 1, 2, 4, prefill, 2 heads
+        # per call kind and batch): embedding, decode at batches 1, 2, 4, prefill short of a
+        # full chunk and full, 2 heads
         graph_of = llm.engine.runner.graph_of
-        assert compiled == 1 + 3 + 1 + 1 + (graph_of.head_weight_first(4)
+        assert compiled == 1 + 3 + 2 + 1 + (graph_of.head_weight_first(4)
                                             != graph_of.head_weight_first(1))
     before = llm.compilations
     greedy = {}
@@ -109,10 +110,13 @@ def test_shapes_say_how_many_rows_each_call_computes(model_dir):
     runner = LLM(model_dir, **DYNAMIC).engine.runner
     shapes = runner.shapes()
     # explicit mode warms up one call per graph: every decode batch (static rows), a prefill
-    # chunk (dynamic rows and context), each running the lm_head on its rows
+    # chunk short of the largest (dynamic rows and context) and a full one (static rows),
+    # each running the lm_head on its rows
     assert [s[:4] for s in shapes if s[0] == "decode"] == [("decode", b, 64, b)
                                                            for b in (1, 2, 4)]
-    assert [s[:4] for s in shapes if s[0] == "prefill"] == [("prefill", 16, 64, 1)]
+    assert [s[:4] for s in shapes if s[0] == "prefill"] == [("prefill", 16, 64, 1),
+                                                            ("prefill", 32, 64, 1)]
+    assert [(s[4].rows, s[4].context) for s in shapes if s[0] == "prefill"] == [(0, 0), (32, 0)]
     assert [s[4] for s in shapes] == [g for g in runner.graph_of.all() if g.part == "layers"]
     assert {s[:3] for s in shapes} == set(runner.graph_of.all().values())
     # explicit: any prefill row count is a decode batch's head graph

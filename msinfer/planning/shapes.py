@@ -82,17 +82,15 @@ class ExplicitGraphs:
     per token count, an lm_head per row count (81 graphs for the 0.5B shape's defaults, 111
     at --max-len 32768).
 
-    dynamic: one `Graph` per kind of call (a decode step's batch bucket, or prefill) and
-    matmul form, so that their number does not grow with max_len (9 at both). Every graph is
-    dynamic in its context; prefill chunks, the embedding and the lm_head also in their rows.
-    Decode steps keep their
-    batch static, one graph per batch bucket: with every axis dynamic, MindSpore's CPU
-    runtime re-infers and resizes each of a layer's ~100 kernels at every launch, which a
-    decode step feels (0.5B shape, one process alternating the two, means of 3: batch-16
-    decode 247 ms a step fully dynamic at its smallest layers per graph, 231 ms with static
-    rows). Even so each call is slower than a static graph's: bench/graph_speed.py measured
-    prefill at 0.74-0.94x the tokens/s and decode steps at 1.05-1.18x the time
-    (docs/engine.md)."""
+    dynamic: one `Graph` per kind of call (a decode step's batch bucket, a full prefill
+    chunk, any other prefill chunk) and matmul form, so that their number does not grow with
+    max_len (10 at both). Every graph is dynamic in its context; the embedding, the lm_head
+    and the prefill chunks short of the largest also in their rows. Decode steps and full
+    chunks keep their rows static: with every axis dynamic, MindSpore's CPU runtime
+    re-infers and resizes each of a layer's ~100 kernels at every launch, at a cost that
+    grows with the rows (0.5B shape, one process alternating the two: batch-16 decode 247 ms
+    a step fully dynamic, 231 ms with static rows; 512-token prompts prefilled at 0.86-0.91x
+    static graphs' tokens/s with the chunk's rows dynamic: bench/README.md)."""
 
     def __init__(self, buckets, layers_for, forms=None, dynamic=False):
         """`layers_for(tokens, groups, context)`: layers per graph a call of that shape may
@@ -123,6 +121,7 @@ class ExplicitGraphs:
         (model_runner.ExplicitRunner.padded_context): its graph is its bucket's."""
         decode = kind == "decode"
         context = bucket_for(context, self.buckets.context)
+        full_chunk = not decode and size == self.buckets.chunk[-1]
         if not decode:
             size = bucket_for(size, self.buckets.chunk)
         static = not self.dynamic
@@ -131,7 +130,8 @@ class ExplicitGraphs:
         else:
             layers = self.fewest[(kind, size) if decode else kind]
         return Graph("layers", kind, layers, self.mlp_weight_first(size),
-                     rows=size if decode or static else 0, context=context if static else 0)
+                     rows=size if decode or full_chunk or static else 0,
+                     context=context if static else 0)
 
     def embedding(self, tokens) -> Graph:
         return Graph("embedding", rows=0 if self.dynamic else tokens)
