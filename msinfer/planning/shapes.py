@@ -83,8 +83,8 @@ class ExplicitGraphs:
     at --max-len 32768).
 
     dynamic: one `Graph` per kind of call (a decode step's batch bucket, a full prefill
-    chunk, any other prefill chunk) and matmul form, so that their number does not grow with
-    max_len (10 at both). Every graph is dynamic in its context; the embedding, the lm_head
+    chunk over a short or a long context, any other prefill chunk) and matmul form, so that
+    their number does not grow with max_len (11 at both). Every graph is dynamic in its context; the embedding, the lm_head
     and the prefill chunks short of the largest also in their rows. Decode steps and full
     chunks keep their rows static: with every axis dynamic, MindSpore's CPU runtime
     re-infers and resizes each of a layer's ~100 kernels at every launch, at a cost that
@@ -108,6 +108,12 @@ class ExplicitGraphs:
                            for b in buckets.batch}
             self.fewest["prefill"] = min(layers_for(c, 1, t) for c in buckets.chunk
                                          for t in buckets.context if t >= c)
+            # A full chunk also has a stack of the most layers it may run (at its shortest
+            # contexts): a long prompt's chunks ran at 0.87-0.92x the tokens/s in stacks of 2
+            # layers where static graphs ran 6 (0.5B shape, max_len 4096, bench/README.md).
+            full = buckets.chunk[-1]
+            fits = [layers_for(full, 1, t) for t in buckets.context if t >= full]
+            self.fewest["full"], self.most_full = min(fits), max(fits)
 
     def mlp_weight_first(self, rows) -> bool:
         return self.forms is not None and self.forms.mlp_weight_first_for(rows)
@@ -127,6 +133,9 @@ class ExplicitGraphs:
         static = not self.dynamic
         if static:
             layers = self.layers_for(size, size if decode else 1, context)
+        elif full_chunk:
+            layers = (self.most_full if self.layers_for(size, 1, context) >= self.most_full
+                      else self.fewest["full"])
         else:
             layers = self.fewest[(kind, size) if decode else kind]
         return Graph("layers", kind, layers, self.mlp_weight_first(size),
