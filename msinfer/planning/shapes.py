@@ -83,8 +83,9 @@ class ExplicitGraphs:
     at --max-len 32768).
 
     dynamic: one `Graph` per kind of call (a decode step's batch bucket, a full prefill
-    chunk over a short or a long context, any other prefill chunk) and matmul form, so that
-    their number does not grow with max_len (11 at both). Every graph is dynamic in its context; the embedding, the lm_head
+    chunk, any other prefill chunk; the first two over a short context and over a long one
+    where those differ in the layers that fit) and matmul form, so that their number does not
+    grow with max_len (12 for the 0.5B shape at both). Every graph is dynamic in its context; the embedding, the lm_head
     and the prefill chunks short of the largest also in their rows. Decode steps and full
     chunks keep their rows static: with every axis dynamic, MindSpore's CPU runtime
     re-infers and resizes each of a layer's ~100 kernels at every launch, at a cost that
@@ -108,12 +109,20 @@ class ExplicitGraphs:
                            for b in buckets.batch}
             self.fewest["prefill"] = min(layers_for(c, 1, t) for c in buckets.chunk
                                          for t in buckets.context if t >= c)
-            # A full chunk also has a stack of the most layers it may run (at its shortest
-            # contexts): a long prompt's chunks ran at 0.87-0.92x the tokens/s in stacks of 2
-            # layers where static graphs ran 6 (0.5B shape, max_len 4096, bench/README.md).
+            # A full chunk, and the largest decode batch if its short contexts fit at least
+            # twice the layers its long ones do, also have a stack of the most layers they may
+            # run, for the contexts where that fits: a long prompt's chunks ran at 0.87-0.92x
+            # the tokens/s in stacks of 2 layers where static graphs ran 6 (0.5B shape,
+            # max_len 4096, bench/README.md). One decode batch only: 12 graphs at most.
             full = buckets.chunk[-1]
-            fits = [layers_for(full, 1, t) for t in buckets.context if t >= full]
-            self.fewest["full"], self.most_full = min(fits), max(fits)
+            self.fewest["full"] = min(layers_for(full, 1, t) for t in buckets.context
+                                      if t >= full)
+            self.most = {"full": max(layers_for(full, 1, t) for t in buckets.context
+                                     if t >= full)}
+            for b in buckets.batch[-1:]:
+                most = max(layers_for(b, b, t) for t in buckets.context)
+                if most >= 2 * self.fewest[("decode", b)]:
+                    self.most[("decode", b)] = most
 
     def mlp_weight_first(self, rows) -> bool:
         return self.forms is not None and self.forms.mlp_weight_first_for(rows)
@@ -133,11 +142,12 @@ class ExplicitGraphs:
         static = not self.dynamic
         if static:
             layers = self.layers_for(size, size if decode else 1, context)
-        elif full_chunk:
-            layers = (self.most_full if self.layers_for(size, 1, context) >= self.most_full
-                      else self.fewest["full"])
         else:
-            layers = self.fewest[(kind, size) if decode else kind]
+            key = (kind, size) if decode else "full" if full_chunk else kind
+            layers = self.fewest[key]
+            if key in self.most and self.layers_for(
+                    size, size if decode else 1, context) >= self.most[key]:
+                layers = self.most[key]
         return Graph("layers", kind, layers, self.mlp_weight_first(size),
                      rows=size if decode or full_chunk or static else 0,
                      context=context if static else 0)
