@@ -218,13 +218,18 @@ def test_cli_progress_through_a_pipe_is_a_line_now_and_then_not_a_redraw(tmp_pat
 
 def test_progress_logs_every_few_seconds_and_the_last_step(monkeypatch):
     import logging
+    import threading
 
     from msinfer import log
     clock = iter([0.0] + [0.5 * i for i in range(1, 101)])  # 100 steps over 50 s
-    monkeypatch.setattr(log.time, "monotonic", lambda: next(clock))
+    # `time` is every thread's: under xdist a thread an earlier test left in this worker (a
+    # client's, an engine's) may read the clock and log too, so only this thread's count.
+    this, real = threading.get_ident(), log.time.monotonic
+    monkeypatch.setattr(log.time, "monotonic",
+                        lambda: next(clock) if threading.get_ident() == this else real())
     records = []
     catch = logging.Handler()
-    catch.emit = records.append
+    catch.emit = lambda record: record.thread == this and records.append(record)
     logger, level = log.get(), log.get().level
     logger.addHandler(catch)
     logger.setLevel("INFO")

@@ -83,15 +83,15 @@ class ExplicitGraphs:
     at --max-len 32768).
 
     dynamic: one `Graph` per kind of call (a decode step's batch bucket, a full prefill
-    chunk, any other prefill chunk; the first two over a short context and over a long one
-    where those differ in the layers that fit) and matmul form, so that their number does not
-    grow with max_len (12 for the 0.5B shape at both). Every graph is dynamic in its context; the embedding, the lm_head
-    and the prefill chunks short of the largest also in their rows. Decode steps and full
-    chunks keep their rows static: with every axis dynamic, MindSpore's CPU runtime
-    re-infers and resizes each of a layer's ~100 kernels at every launch, at a cost that
-    grows with the rows (0.5B shape, one process alternating the two: batch-16 decode 247 ms
-    a step fully dynamic, 231 ms with static rows; 512-token prompts prefilled at 0.86-0.91x
-    static graphs' tokens/s with the chunk's rows dynamic: bench/README.md)."""
+    chunk, any other prefill chunk; the full chunk and the largest batch also over a short
+    context, where more layers fit) and matmul form, so that their number does not grow with
+    max_len (12 for the 0.5B shape, 11 for the 72B on 8 chips). Every graph is dynamic in its
+    context; the embedding, the lm_head and the chunks short of the largest also in their
+    rows. Decode steps and full chunks keep their rows static: with every axis dynamic,
+    MindSpore's CPU runtime re-infers and resizes each of a layer's ~100 kernels at every
+    launch, at a cost that grows with the rows (0.5B shape, one process alternating the two:
+    batch-16 decode 247 ms a step fully dynamic, 231 ms with static rows; prompts prefilled
+    at 0.86-0.91x static graphs' tokens/s with the chunk's rows dynamic: bench/README.md)."""
 
     def __init__(self, buckets, layers_for, forms=None, dynamic=False):
         """`layers_for(tokens, groups, context)`: layers per graph a call of that shape may
@@ -113,7 +113,7 @@ class ExplicitGraphs:
             # twice the layers its long ones do, also have a stack of the most layers they may
             # run, for the contexts where that fits: a long prompt's chunks ran at 0.87-0.92x
             # the tokens/s in stacks of 2 layers where static graphs ran 6 (0.5B shape,
-            # max_len 4096, bench/README.md). One decode batch only: 12 graphs at most.
+            # max_len 4096, bench/README.md). One decode batch only, to stay within 12 graphs.
             full = buckets.chunk[-1]
             self.fewest["full"] = min(layers_for(full, 1, t) for t in buckets.context
                                       if t >= full)
