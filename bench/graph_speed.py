@@ -106,8 +106,8 @@ def main():
                for k, (t, _) in sides.items()}
     report = {"model": os.path.relpath(args.model, ROOT), "cpu": f"{_processor()}, "
               f"{os.cpu_count()} cores", "load_at_start": round(os.getloadavg()[0], 2),
-              "commits": commits, "rounds": {k: [] for k in sides}}
-    report["in_process"] = args.in_process
+              "commits": commits, "in_process": args.in_process,
+              "rounds": {k: [] for k in sides}}
     for r in range(args.rounds):
         if args.in_process:  # one process, both sides
             results = measure(ROOT, ",".join(g for _, g in sides.values()), args.model)

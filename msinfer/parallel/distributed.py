@@ -26,6 +26,7 @@ set as each launcher sets them, and `msinfer launch --dry-run` prints it per ran
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import signal
 import socket
@@ -365,9 +366,6 @@ def leave_mpirun_job(code: int) -> None:
     of MindSpore's teardown can crash (seen in CI: a segfault in a cluster thread that turned
     the job's exit 1 into 139). So every rank leaves with the same code, together: MPI's
     finalize is a fence over the job, and nothing of MindSpore runs after it."""
-    import logging
-    import sys
-
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()

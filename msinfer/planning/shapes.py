@@ -115,10 +115,8 @@ class ExplicitGraphs:
             # the tokens/s in stacks of 2 layers where static graphs ran 6 (0.5B shape,
             # max_len 4096, bench/README.md). One decode batch only, to stay within 12 graphs.
             full = buckets.chunk[-1]
-            self.fewest["full"] = min(layers_for(full, 1, t) for t in buckets.context
-                                      if t >= full)
-            self.most = {"full": max(layers_for(full, 1, t) for t in buckets.context
-                                     if t >= full)}
+            fits = [layers_for(full, 1, t) for t in buckets.context if t >= full]
+            self.fewest["full"], self.most = min(fits), {"full": max(fits)}
             for b in buckets.batch[-1:]:
                 most = max(layers_for(b, b, t) for t in buckets.context)
                 if most >= 2 * self.fewest[("decode", b)]:
@@ -139,15 +137,15 @@ class ExplicitGraphs:
         full_chunk = not decode and size == self.buckets.chunk[-1]
         if not decode:
             size = bucket_for(size, self.buckets.chunk)
+        groups = size if decode else 1
         static = not self.dynamic
         if static:
-            layers = self.layers_for(size, size if decode else 1, context)
+            layers = self.layers_for(size, groups, context)
         else:
             key = (kind, size) if decode else "full" if full_chunk else kind
-            layers = self.fewest[key]
-            if key in self.most and self.layers_for(
-                    size, size if decode else 1, context) >= self.most[key]:
-                layers = self.most[key]
+            layers, most = self.fewest[key], self.most.get(key)
+            if most is not None and self.layers_for(size, groups, context) >= most:
+                layers = most
         return Graph("layers", kind, layers, self.mlp_weight_first(size),
                      rows=size if decode or full_chunk or static else 0,
                      context=context if static else 0)
