@@ -5,8 +5,7 @@ decode and prefill speed after each, for one rank and tp2 (issue 24).
     python bench/startup.py                      # the 0.5B shape, defaults, tp1 and tp2
     python bench/startup.py --max-len 32768 --kv-cache-memory 1GiB
     python bench/startup.py --model DIR --jobs tp1
-    python bench/startup.py --graph-shapes dynamic --name startup_dynamic \
-        --before bench/results/startup_static_shapes.json
+    python bench/startup.py --graph-shapes static --name startup_static_shapes
 
 Writes bench/results/startup.json, .md (the table, also printed) and .png. Each start gets a
 compile cache directory of its own under --out (removed at the end), so nothing on the machine
@@ -29,6 +28,7 @@ import httpx2 as httpx
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from msinfer.parallel.distributed import free_port  # noqa: E402
+from msinfer.planning.memory import GRAPH_SHAPES  # noqa: E402
 from serve import stop_server  # noqa: E402  (bench/serve.py)
 
 JOBS = {"tp1": (1, None), "tp2": (2, "qwen2_tp2.yaml")}
@@ -182,7 +182,7 @@ def main(argv=None):
                         "`msinfer make-tiny-model --preset qwen2-0.5b-shape` if missing)")
     p.add_argument("--max-len", type=int, default=4096)
     p.add_argument("--kv-cache-memory", default=None)
-    p.add_argument("--graph-shapes", default="static", choices=("static", "dynamic"))
+    p.add_argument("--graph-shapes", default=GRAPH_SHAPES[0], choices=GRAPH_SHAPES)
     p.add_argument("--jobs", nargs="+", choices=sorted(JOBS), default=sorted(JOBS))
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))

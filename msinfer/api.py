@@ -44,9 +44,9 @@ class LLM:
     enable_prefix_caching: reuse the KV blocks of prompt prefixes computed before (on by
         default, as vLLM's; engine/block_manager.py).
     dtype: compute dtype override (the hardware's policy decides otherwise).
-    graph_shapes: explicit mode's compiled graphs, "static" (the default: one per call shape,
-        the fastest calls) or "dynamic" (a few, whatever max_len: a faster start, slower calls;
-        docs/engine.md, "Compiled graphs").
+    graph_shapes: explicit mode's compiled graphs, "dynamic" (the default: a few, as many at
+        any max_len) or "static" (one per call shape: 7x as many for the 0.5B shape's defaults,
+        a slower start, calls as fast; docs/engine.md, "Compiled graphs").
     compile_cache: where `warmup()` keeps compiled graphs for the next start of the same
         configuration (engine/compile_cache.py): a directory; None (the default):
         $MSINFER_COMPILE_CACHE, else ~/.cache/msinfer/compile; False: none.

@@ -48,7 +48,7 @@ def main():
                    help="another checkpoint to run, after the first, in the job (repeatable: "
                         "the n-th writes rank_R.model{n+1}.npz)")
     p.add_argument("--model2-new-tokens", type=int, help="default: --new-tokens")
-    p.add_argument("--graph-shapes", default="static", help="EngineLimits.graph_shapes")
+    p.add_argument("--graph-shapes", help="EngineLimits.graph_shapes (default: the engine's)")
     args = p.parse_args()
     os.environ.setdefault("GLOG_v", "3")
     if args.weight_first:

@@ -19,10 +19,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAME = "tiny"
 MAX_LEN = 128
 # The same engine settings for the one-process server and the sharded jobs (their completions
-# are compared); a 32-token prefill chunk and graphs of dynamic shape keep warm-up short (the
-# static graphs, the default, are the LLM tests'; a server runs either alike).
+# are compared); a 32-token prefill chunk keeps warm-up short.
 SERVE_ARGS = ["--served-model-name", NAME, "--max-len", str(MAX_LEN), "--max-num-seqs", "4",
-              "--max-prefill-tokens", "32", "--graph-shapes", "dynamic"]
+              "--max-prefill-tokens", "32"]
 TINY_SERVE_MODEL = dict(layers=2, hidden=128, heads=4, kv_heads=2, vocab=512)
 
 

@@ -162,13 +162,13 @@ def run_losing_a_rank(cmd, out_dir, env, log_dir=None):
 def tp4_mpirun(models, tmp_path_factory):
     """tp4 under mpirun on the GQA checkpoint, then on the Qwen3 one and on the Qwen2 with
     yarn in the same job (9 new tokens: fewer decode batches to compile), with graphs of
-    dynamic shape (the tp2 job runs the static ones); after the results, rank 2 is
-    SIGKILLed."""
+    dynamic shape, the default (the tp2 job runs the static ones); after the results, rank 2
+    is SIGKILLed."""
     out_dir = tmp_path_factory.mktemp("tp4_mpirun")
     cmd = (mpirun_prefix(4) + [sys.executable]
            + worker_args(models["gqa"][0], "qwen2_tp4.yaml", out_dir)
            + ["--model2", models["qwen3_tied"][0], "--model2", models["yarn"][0],
-              "--model2-new-tokens", "9", "--graph-shapes", "dynamic"])
+              "--model2-new-tokens", "9"])
     return run_losing_a_rank(cmd, out_dir, {"MSINFER_TEST_KILL_RANK": "2"})
 
 
@@ -176,11 +176,13 @@ def tp4_mpirun(models, tmp_path_factory):
 def tp2_msrun(models, tmp_path_factory):
     """tp2 under msrun on the tied checkpoint, with every MLP and lm_head product weight first
     (the vocabulary-split lm_head gathers its transposed blocks), then on the untied Qwen3 in
-    the same job (9 new tokens); after the results, rank 1 fails with a user error."""
+    the same job (9 new tokens), with graphs of static shape (one per call shape); after the
+    results, rank 1 fails with a user error."""
     out_dir = tmp_path_factory.mktemp("tp2_msrun")
     cmd = (msrun_prefix(2, out_dir / "logs")
            + worker_args(models["tied"][0], "qwen2_tp2.yaml", out_dir) + ["--weight-first"]
-           + ["--model2", models["qwen3_untied"][0], "--model2-new-tokens", "9"])
+           + ["--model2", models["qwen3_untied"][0], "--model2-new-tokens", "9",
+              "--graph-shapes", "static"])
     # msrun ends once MindSpore's scheduler does, which declares the worker msrun killed lost
     # after MS_NODE_TIMEOUT seconds without a heartbeat: 30 by default, 10 here.
     env = {"MSINFER_TEST_FAIL_RANK": "1", "MS_NODE_TIMEOUT": "10"}
@@ -280,7 +282,7 @@ def test_dp2_tp2_every_rank_returns_exactly_what_one_process_returns(models, tmp
            + worker_args(model_dir, "qwen2_dp2_tp2.yaml", tmp_path)
            + ["--sampling", json.dumps(sampling)]
            + ["--model2", models["yarn"][0], "--model2", models["qwen3_untied"][0],
-              "--model2-new-tokens", "9", "--graph-shapes", "dynamic"])
+              "--model2-new-tokens", "9"])
     code, out, _ = run_job(cmd)
     assert code == 0, out[-3000:]
     assert "2 data replicas" in out

@@ -37,6 +37,9 @@ CASES = {
     # A bfloat16 checkpoint, converted to float32 on load (CPU policy).
     "bfloat16_checkpoint": dict(heads=8, kv_heads=2, tie=False, dtype="bfloat16", layers=3),
 }
+# The engine's graphs per case: of dynamic shape (the default) but for one case run on graphs
+# of static shape, one per call shape (--graph-shapes static)
+GRAPH_SHAPES = {"tied_config5_two_shards": "static"}
 
 
 def case_spec(name):
@@ -80,7 +83,9 @@ def assert_matches_hf(hf, prompt, out, vocab, name=""):
 @pytest.fixture(scope="module", params=sorted(CASES))
 def case(request, tiny_checkpoint, hf_model):
     model_dir, config = tiny_checkpoint(**case_spec(request.param))
-    return request.param, config, LLM(model_dir, **ENGINE), hf_model(model_dir)
+    llm = LLM(model_dir, **ENGINE, graph_shapes=GRAPH_SHAPES.get(request.param))
+    assert llm.engine.runner.graph_of.dynamic == (request.param not in GRAPH_SHAPES)
+    return request.param, config, llm, hf_model(model_dir)
 
 
 def test_logprobs_and_32_greedy_tokens_match_transformers(case):
@@ -145,10 +150,11 @@ def test_prompts_of_other_lengths_in_the_same_buckets_compile_no_new_graph(case)
 def test_layers_run_in_stacks_of_any_size_give_the_same_tokens(tiny_checkpoint, hf_model):
     """A graph runs k consecutive layers, k set by the workspace and the calls a pass may
     take (planning/workspace.py): one, two or all four layers per graph must all be Qwen2
-    (each layer's own weights and own cache)."""
+    (each layer's own weights and own cache). Static graphs, which ask `layers_for` at
+    every call (dynamic ones ask once, for their fewest and most)."""
     model_dir, config = tiny_checkpoint(layers=4, hidden=64, heads=8, kv_heads=2, vocab=384,
                                         seed=4)
-    llm = LLM(model_dir, **ENGINE)
+    llm = LLM(model_dir, **ENGINE, graph_shapes="static")
     runner = llm.engine.runner
     hf = hf_model(model_dir)
     prompts = prompts_for(config.vocab_size, seed=5, lengths=(23, 6))

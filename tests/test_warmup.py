@@ -19,18 +19,18 @@ BLOCK = 4
 BYTES_PER_BLOCK = 2 * 2 * 16 * BLOCK * 2 * 4
 ENGINE = dict(max_len=128, max_num_seqs=4, max_prefill_tokens=32, block_size=BLOCK,
               kv_cache_memory=33 * BYTES_PER_BLOCK)  # 32 usable blocks: 128 tokens
-# Static graphs (semi_auto, and explicit mode's default) are one per call shape: the
-# workload's longest context is 46 tokens (a 40-token prompt and 6 more) in one context
-# bucket, 64, so max_len 64 (5 shapes, not 10). Explicit mode's dynamic graphs: the default
-# max_len (4096) and a large one, and a 100-token prompt whose contexts span the buckets 64
-# and 128.
+# Static graphs (semi_auto, and explicit mode's --graph-shapes static) are one per call
+# shape: the workload's longest context is 46 tokens (a 40-token prompt and 6 more) in one
+# context bucket, 64, so max_len 64 (5 shapes, not 10). Explicit mode's dynamic graphs (the
+# default): the default max_len (4096) and a large one, and a 100-token prompt whose contexts
+# span the buckets 64 and 128.
 # The pool holds one sequence of max_len (the planner's floor): preemption only at 64.
-DYNAMIC = dict(ENGINE, graph_shapes="dynamic")
+STATIC = dict(ENGINE, graph_shapes="static")
 WORKLOADS = {("semi_auto", 64): dict(ENGINE, max_len=64),
-             ("explicit", 64): dict(ENGINE, max_len=64),
-             ("dynamic", 4096): dict(DYNAMIC, max_len=4096,
+             ("static", 64): dict(STATIC, max_len=64),
+             ("dynamic", 4096): dict(ENGINE, max_len=4096,
                                      kv_cache_memory=(4096 // BLOCK + 1) * BYTES_PER_BLOCK),
-             ("dynamic", 32768): dict(DYNAMIC, max_len=32768,
+             ("dynamic", 32768): dict(ENGINE, max_len=32768,
                                       kv_cache_memory=(32768 // BLOCK + 1) * BYTES_PER_BLOCK)}
 
 
@@ -107,7 +107,8 @@ def test_after_warmup_a_mixed_workload_compiles_nothing(model_dir, mode, max_len
 def test_shapes_say_how_many_rows_each_call_computes(model_dir):
     from msinfer import LLM
 
-    runner = LLM(model_dir, **DYNAMIC).engine.runner
+    runner = LLM(model_dir, **ENGINE).engine.runner
+    assert runner.graph_of.dynamic  # the default
     shapes = runner.shapes()
     # explicit mode warms up one call per graph: every decode batch (static rows), a prefill
     # chunk short of the largest (dynamic rows and context) and a full one (static rows),
@@ -127,6 +128,6 @@ def test_shapes_say_how_many_rows_each_call_computes(model_dir):
     assert len(semi_auto) == 3 * 2 + 2 * 2  # batches 1, 2, 4 and chunks 16, 32 over 64, 128
     # explicit mode's static graphs: a call per shape too, which compiles its embedding (per
     # token count) and lm_head (per row count) on the way
-    static = LLM(model_dir, **ENGINE).engine.runner
+    static = LLM(model_dir, **STATIC).engine.runner
     assert [s[:3] for s in static.shapes()] == [s[:3] for s in semi_auto]
     assert static.graph_count == len(semi_auto) + len({1, 2, 4, 16, 32}) + len({1, 2, 4})

@@ -43,11 +43,11 @@ def add_engine_arguments(parser):
                         help="compute every prompt in full instead of reusing the KV blocks of "
                              "a prefix computed before (docs/engine.md, 'Prefix caching')")
     parser.add_argument("--graph-shapes", choices=GRAPH_SHAPES, default=None,
-                        help="explicit mode's compiled graphs: static, one per call shape "
-                             "(the fastest calls; the 0.5B shape's defaults compile 81), or "
-                             "dynamic, one per kind of call (9: a cold start ~7x faster, each call "
-                             "5-26%% slower on the CPU backend; docs/engine.md, 'Compiled "
-                             "graphs') (default: static)")
+                        help="explicit mode's compiled graphs: dynamic, a few of dynamic "
+                             "shape (12 for the 0.5B shape at any max_len), or static, one per "
+                             "call shape (81 at the default max_len, 111 at 32768: a cold start "
+                             "about 5x longer, calls as fast; docs/engine.md, 'Compiled "
+                             "graphs') (default: dynamic)")
     # Parsed here, once, for every command (launch parses the rank command with this parser
     # too): the value the engine and the planner get is an int of bytes.
     parser.add_argument("--kv-cache-memory", type=kv_cache_bytes, default=None, metavar="BYTES",

@@ -29,7 +29,7 @@ DEFAULT_MAX_PREFILL_TOKENS = 256
 KV_CACHE_UTILIZATION = 0.9
 
 
-GRAPH_SHAPES = ("static", "dynamic")  # EngineLimits.graph_shapes, the default first
+GRAPH_SHAPES = ("dynamic", "static")  # EngineLimits.graph_shapes, the default first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,9 +43,9 @@ class EngineLimits:
     max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     kv_cache_memory: int = None
-    # Explicit mode's graphs (planning/shapes.py): "static", one per call shape, or "dynamic",
-    # a few of dynamic shape: far fewer to compile, each call slower on MindSpore's CPU backend
-    graph_shapes: str = "static"
+    # Explicit mode's graphs (planning/shapes.py): "dynamic", a few of dynamic shape whatever
+    # max_len, or "static", one per call shape: many more to compile, calls as fast (bench/)
+    graph_shapes: str = GRAPH_SHAPES[0]
 
     def __post_init__(self):
         for field in ("max_len", "block_size", "max_prefill_tokens", "max_num_seqs"):

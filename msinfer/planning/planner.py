@@ -390,9 +390,12 @@ def format_plan(report: PlanReport) -> str:
     if report.dtype:
         lines.append(_wrap("  dtype      ", f"{report.dtype}: {report.dtype_reason}"))
     if report.warmup_graphs:
-        shapes = ("of dynamic shape, whatever the lengths: --graph-shapes dynamic"
-                  if report.parallel_mode == "explicit" and report.graph_shapes == "dynamic"
-                  else "one per call shape")
+        if report.parallel_mode != "explicit":
+            shapes = "one per call shape: semi_auto lays out each graph for its shapes"
+        elif report.graph_shapes == "dynamic":
+            shapes = "of dynamic shape: as many at any max_len"
+        else:
+            shapes = "one per call shape: --graph-shapes static"
         lines.append(_wrap("  warm-up    ", (
             f"{report.warmup_graphs} graphs per rank ({shapes}), compiled before serving (kept "
             f"by the compile cache for the next start)")))
