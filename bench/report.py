@@ -90,7 +90,8 @@ def bars(results):
         _bar("512-token prefill tokens/s, msinfer / HF", ratios.get("prefill_512"), 1.0),
         {"bar": "no recompilation inside a bucket", "target": 0, "value": recompiled,
          "met": recompiled == 0,
-         "detail": f"{recompiled} graphs compiled beyond one per bucket "
+         "detail": f"{recompiled} graphs compiled beyond one per "
+                   f"{'graph' if comp.get('dynamic') else 'bucket'} "
                    f"({comp['graphs_compiled']} graphs for 20 lengths, "
                    f"{comp['compile_seconds_per_graph']:.1f} s each)"},
         _bar("msinfer peak RSS / (weights + KV pool)",

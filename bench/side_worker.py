@@ -107,7 +107,8 @@ class MsinferSide:
         self.buckets = {"batch": list(runner.batch_buckets),
                         "chunk": list(runner.chunk_buckets),
                         "context": list(runner.context_buckets),
-                        "max_prefill_tokens": self.llm.limits.max_prefill_tokens}
+                        "max_prefill_tokens": self.llm.limits.max_prefill_tokens,
+                        "graph_shapes": getattr(self.llm.limits, "graph_shapes", "static")}
         memory = self.llm.memory
         # What the engine allocates: the yardstick of the peak-RSS bar.
         self.allocations = {"weights_bytes": memory.weights_bytes,
@@ -127,7 +128,9 @@ class MsinferSide:
         stats = {k: v - before[k] for k, v in timings.items()}
         return {"seconds": seconds, "token_ids": [o.token_ids for o in outputs],
                 "engine_stats": stats, "new_compilations": self.llm.compilations - compiled,
-                "compilations": self.llm.compilations}
+                "compilations": self.llm.compilations,
+                # distinct graphs built (an older tree's runner may not list them)
+                "graphs": len(getattr(self.llm.engine.runner, "graphs", ()))}
 
     def profile(self, prompts, max_tokens):
         """Where a decode step goes (run.py --profile): one generate with each graph call of
