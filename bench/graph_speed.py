@@ -9,7 +9,8 @@ machine's drift falls on both.
 
 Each round runs one process per side (`worker` below, with its tree on PYTHONPATH) on the
 0.5B shape: a 512-token prompt then 40 greedy tokens alone (b1), 16 prompts of 100 tokens then
-24 tokens each (b16), and a 48-token prompt (p48); each workload once to compile, then twice
+24 tokens each (b16), and prompts of 20, 48 and 100 tokens alone (p20, p48, p100: a chat
+turn's first token, one chunk short of a full one); each workload once to compile, then twice
 measured (the engine's own timings: prefill tokens/s, decode ms per step; the better of two).
 With --in-process each round is one process holding both LLMs, their runs alternating, so
 that what differs from one process to the next falls on both sides too.
@@ -26,7 +27,8 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKLOADS = (("b1", 1, 512, 40), ("b16", 16, 100, 24), ("p48", 1, 48, 2))
+WORKLOADS = (("b1", 1, 512, 40), ("b16", 16, 100, 24), ("p20", 1, 20, 2), ("p48", 1, 48, 2),
+             ("p100", 1, 100, 2))
 
 
 def worker(model, graph_shapes):
