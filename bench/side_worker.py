@@ -101,8 +101,10 @@ def serve(side, reply_fd, hello, rss_before_load):
 
 class MsinferSide:
     def __init__(self, model_dir, max_batch, max_len):
+        # Prefix caching off: each case repeats its prompts, which the cache would skip, and
+        # transformers computes them every time.
         self.llm, self.load_seconds, self.versions = load_llm(
-            model_dir, max_num_seqs=max_batch, max_len=max_len)
+            model_dir, max_num_seqs=max_batch, max_len=max_len, enable_prefix_caching=False)
         runner = self.llm.engine.runner
         self.buckets = {"batch": list(runner.batch_buckets),
                         "chunk": list(runner.chunk_buckets),
