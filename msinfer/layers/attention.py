@@ -61,14 +61,6 @@ class PagedAttention(nn.Cell):
         # Whether a call has several queries per group (a prefill chunk): a graph of dynamic
         # shape is built for one kind; a static one reads it from the mask's shape.
         self.kind = ctx.graph.kind if ctx.graph is not None else None
-        # A graph of static rows and a dynamic context (a decode step, a full prefill chunk)
-        # knows its (groups, queries) when it compiles: its reshapes then name the context -1
-        # instead of reading it from the mask's shape, each `x.shape` and shape tuple being a
-        # kernel launch (Shape, RealMakeTuple, RealTupleGetItem) in a graph of dynamic shape.
-        graph = ctx.graph
-        self.known = None
-        if graph is not None and graph.rows and not graph.context:
-            self.known = (graph.rows, 1) if graph.kind == "decode" else (1, graph.rows)
         # Prefill chunks in explicit mode: keep one sequence's non-finite K/V from the others'
         # rows (_finite_context). Primitives only explicit mode uses: no semi_auto layout.
         self.isolate_sequences = ctx.mode == "explicit"
@@ -113,7 +105,7 @@ class PagedAttention(nn.Cell):
         after attending, as attending to them would have made them, so that sequence still
         fails (LLMEngine: finish reason "error") and no other does. Decode steps need none of
         it: each group reads only its own positions and the zero slot (model_runner.py)."""
-        groups, queries, context = self._shape(mask)
+        groups, queries, context = mask.shape
         bad_keys = self.logical_not(self.is_finite(keys))
         bad_values = self.logical_not(self.is_finite(values))
         keys = self.fill(keys, bad_keys, self.zero)
@@ -125,15 +117,8 @@ class PagedAttention(nn.Cell):
                                                           ms.float32))
         return keys, values, self.any_seen(seen, 0.0)  # (G, Q, 1)
 
-    def _shape(self, mask):
-        """(groups, queries, context) of the mask; the context -1 where the graph knows the
-        rest (a reshape infers it)."""
-        if self.known is not None:
-            return self.known + (-1,)
-        return mask.shape
-
     def _attend(self, q, keys, values, mask):
-        groups, queries, context = self._shape(mask)
+        groups, queries, context = mask.shape
         d, kv = self.head_dim, self.kv_heads
         if self.rows_by_head:
             keys = keys.reshape(groups, kv, context, d)
@@ -156,9 +141,8 @@ class PagedAttention(nn.Cell):
         if scores.dtype != ms.float32:
             scores = self.scores_to_float(scores, ms.float32)
         scores = scores.reshape(groups, kv, self.groups, queries, context)
-        # the shape to broadcast to: -1 keeps the mask's context (BroadcastTo)
         scores = self.add_mask(scores, self.expand(mask.reshape(groups, 1, 1, queries, context),
-                                                   (groups, kv, self.groups, queries, context)))
+                                                   scores.shape))
         probs = self.softmax(scores.reshape(groups, kv, self.groups * queries, context))
         if probs.dtype != values.dtype:
             probs = self.probs_to_dtype(probs, values.dtype)
@@ -166,7 +150,7 @@ class PagedAttention(nn.Cell):
         out = out.reshape(groups, kv, self.groups, queries, d)
         if poisoned is not None:  # what a query saw of a non-finite K/V, it gets back
             out = self.fill(out, self.expand(poisoned.reshape(groups, 1, 1, queries, 1),
-                                             (groups, kv, self.groups, queries, d)), self.nan)
+                                             out.shape), self.nan)
         if many:
             out = self.tokens_first(out, (0, 3, 1, 2, 4))
         return out.reshape(groups * queries, self.heads * d)
