@@ -44,7 +44,8 @@ class EngineLimits:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     kv_cache_memory: int = None
     # Explicit mode's graphs (planning/shapes.py): "dynamic", a few of dynamic shape whatever
-    # max_len, or "static", one per call shape: many more to compile, calls as fast (bench/)
+    # max_len, or "static", one per call shape: many more to compile, calls a little faster
+    # on the CPU backend (docs/engine.md, "Compiled graphs")
     graph_shapes: str = GRAPH_SHAPES[0]
 
     def __post_init__(self):
