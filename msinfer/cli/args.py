@@ -47,7 +47,7 @@ def add_engine_arguments(parser):
                              "shape (12 for the 0.5B shape at any max_len), or static, one per "
                              "call shape (81 at the default max_len, 111 at 32768: a cold start "
                              "about 5x longer; on the CPU backend batch-1 decode ~5%% and a "
-                             "single short prompt's prefill 6-23%% faster; docs/engine.md, "
+                             "single short prompt's prefill 6-30%% faster; docs/engine.md, "
                              "'Compiled graphs') (default: dynamic)")
     # Parsed here, once, for every command (launch parses the rank command with this parser
     # too): the value the engine and the planner get is an int of bytes.
