@@ -294,22 +294,20 @@ def compile_pass(side, lengths, vocab, rng, log):
             seen |= keys
             graphs = out["graphs"]
         passes.append(calls)
-    if dynamic:
-        seen = range(graphs)
     first, second = (sum(c["seconds"] for c in calls) for calls in passes)
     compiled = sum(c["new_compilations"] for c in passes[0])
     unexpected = sum(max(0, c["new_compilations"] - c["expected_new"])
                      for calls in passes for c in calls)
     figures = {"prompt_lengths": list(lengths), "dynamic": dynamic, "graphs_compiled": compiled,
-               "graphs_expected": len(seen), "recompilations_second_pass":
-                   sum(c["new_compilations"] for c in passes[1]),
+               "graphs_expected": graphs if dynamic else len(seen),
+               "recompilations_second_pass": sum(c["new_compilations"] for c in passes[1]),
                "unexpected_compilations": unexpected,
                "first_pass_seconds": first, "second_pass_seconds": second,
                "compile_seconds": first - second,
                "compile_seconds_per_graph": (first - second) / max(compiled, 1),
                "calls": passes}
-    log(f"  {compiled} graphs for {len(lengths)} lengths (expected {len(seen)}), compile "
-        f"{first - second:.1f}s, second pass recompiled "
+    log(f"  {compiled} graphs for {len(lengths)} lengths (expected "
+        f"{figures['graphs_expected']}), compile {first - second:.1f}s, second pass recompiled "
         f"{figures['recompilations_second_pass']}")
     return figures
 

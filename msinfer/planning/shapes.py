@@ -117,10 +117,10 @@ class ExplicitGraphs:
             full = buckets.chunk[-1]
             fits = [layers_for(full, 1, t) for t in buckets.context if t >= full]
             self.fewest["full"], self.most = min(fits), {"full": max(fits)}
-            for b in buckets.batch[-1:]:
-                most = max(layers_for(b, b, t) for t in buckets.context)
-                if most >= 2 * self.fewest[("decode", b)]:
-                    self.most[("decode", b)] = most
+            largest = buckets.batch[-1]
+            most = max(layers_for(largest, largest, t) for t in buckets.context)
+            if most >= 2 * self.fewest[("decode", largest)]:
+                self.most[("decode", largest)] = most
 
     def mlp_weight_first(self, rows) -> bool:
         return self.forms is not None and self.forms.mlp_weight_first_for(rows)
