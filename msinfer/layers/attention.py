@@ -58,13 +58,15 @@ class PagedAttention(nn.Cell):
         self.weighted_values = shard(ctx, ops.BatchMatMul(), per_head(4), per_head(4))
         self.tokens_first = shard(ctx, ops.Transpose(), per_head(5, 1))
         self.expand = Expand(ctx, grows_with_context=True)  # the mask (G, Q, T) to the scores
-        # Whether a call has several queries per group (a prefill chunk): a graph of dynamic
-        # shape is built for one kind; a static one reads it from the mask's shape.
+        # Explicit mode's graphs are each built for one kind of call; its prefill chunks
+        # attend by _attend_chunk. semi_auto's (kind None) tell by the mask's shape.
         self.kind = ctx.graph.kind if ctx.graph is not None else None
-        # Prefill chunks in explicit mode: keep one sequence's non-finite K/V from the others'
-        # rows (_finite_context). Primitives only explicit mode uses: no semi_auto layout.
-        self.isolate_sequences = ctx.mode == "explicit"
         dtype = ctx.dtype or ms.float32
+        # Explicit mode's prefill chunks in float16 only (no semi_auto layout): a K/V that
+        # overflows float16 is what _finite_context keeps to its own sequence; float32 and
+        # bfloat16 (float32's range) do not overflow, and the check is ~15 of a layer's
+        # ~90 kernel launches.
+        self.isolate_sequences = dtype == ms.float16
         self.is_finite = ops.IsFinite()
         self.logical_not = ops.LogicalNot()
         self.logical_or = ops.LogicalOr()
@@ -83,15 +85,16 @@ class PagedAttention(nn.Cell):
         each group, (G*T,); in explicit mode, whose caches are (slots x kv, head_dim), the rows
         of those (CacheLayout.head_rows, N*kv; rows_by_head, G*kv*T); mask: (G, Q, T), 0 where
         a query may look and a large negative number elsewhere. Returns (N, heads*head_dim)."""
-        tokens = q.shape[0]
         # Write this call's K/V, then read the context (which includes them) after the writes.
         if self.rows_by_head:  # the caches are rows of one head's vector (kv_layout.py)
-            k = k.reshape(tokens * self.kv_heads, self.head_dim)
-            v = v.reshape(tokens * self.kv_heads, self.head_dim)
+            k = k.reshape(-1, self.head_dim)
+            v = v.reshape(-1, self.head_dim)
         k_written = self.write_rows(k_cache, write_rows, k)
         v_written = self.write_rows(v_cache, write_rows, v)
         keys = self.read_rows(ops.depend(k_cache, k_written), context_rows, 0)
         values = self.read_rows(ops.depend(v_cache, v_written), context_rows, 0)
+        if self.kind == "prefill":
+            return self._attend_chunk(q, keys, values, mask)
         return self._attend(q, keys, values, mask)
 
     def _finite_context(self, keys, values, mask):
@@ -105,7 +108,6 @@ class PagedAttention(nn.Cell):
         after attending, as attending to them would have made them, so that sequence still
         fails (LLMEngine: finish reason "error") and no other does. Decode steps need none of
         it: each group reads only its own positions and the zero slot (model_runner.py)."""
-        groups, queries, context = mask.shape
         bad_keys = self.logical_not(self.is_finite(keys))
         bad_values = self.logical_not(self.is_finite(values))
         keys = self.fill(keys, bad_keys, self.zero)
@@ -113,9 +115,37 @@ class PagedAttention(nn.Cell):
         bad = self.logical_or(self.any_over(bad_keys, (1, 3)),
                               self.any_over(bad_values, (1, 3)))  # (G, 1, T, 1)
         visible = self.bad_to_float(self.visible_of(mask, -1.0), ms.float32)  # (G, Q, T)
-        seen = self.count_seen(visible, self.bad_to_float(bad.reshape(groups, context, 1),
-                                                          ms.float32))
+        seen = self.count_seen(visible, self.bad_to_float(bad.reshape(1, -1, 1), ms.float32))
         return keys, values, self.any_seen(seen, 0.0)  # (G, Q, 1)
+
+    def _attend_chunk(self, q, keys, values, mask):
+        """`_attend` for a prefill chunk in explicit mode: one group (G=1) of Q queries over
+        T context slots, with no shape arithmetic. In a graph of dynamic shape every shape
+        built from mask.shape is kernels launched at every call (a Shape, a RealTupleGetItem
+        per axis used, a RealMakeTuple per shape built): ~25 of a layer's ~125 launches."""
+        d, kv, groups = self.head_dim, self.kv_heads, self.groups
+        keys, values = keys.reshape(1, kv, -1, d), values.reshape(1, kv, -1, d)
+        poisoned = None
+        if self.isolate_sequences:
+            keys, values, poisoned = self._finite_context(keys, values, mask)
+        # Each KV head's queries in one row block: (1, kv, groups x Q, d).
+        q = self.queries_by_head(q.reshape(1, -1, kv, groups, d), (0, 2, 3, 1, 4))
+        scores = self.scores(self.scale_queries(q.reshape(1, kv, -1, d), self.scale), keys)
+        if scores.dtype != ms.float32:
+            scores = self.scores_to_float(scores, ms.float32)
+        # The mask (1, Q, T) tiled to every row block: a dense operand (Expand's reason),
+        # of a shape fixed by constants.
+        scores = self.add_mask(scores, ops.tile(ops.expand_dims(mask, 1), (1, kv, groups, 1)))
+        probs = self.softmax(scores)
+        if probs.dtype != values.dtype:
+            probs = self.probs_to_dtype(probs, values.dtype)
+        out = self.weighted_values(probs, values).reshape(1, kv, groups, -1, d)
+        out = self.tokens_first(out, (0, 3, 1, 2, 4)).reshape(-1, self.heads * d)
+        if poisoned is None:
+            return out
+        # What a query saw of a non-finite K/V, it gets back.
+        return self.fill(out, ops.broadcast_to(poisoned.reshape(-1, 1), (-1, self.heads * d)),
+                         self.nan)
 
     def _attend(self, q, keys, values, mask):
         groups, queries, context = mask.shape
@@ -126,10 +156,7 @@ class PagedAttention(nn.Cell):
         else:
             keys = self.keys_by_head(keys.reshape(groups, context, kv, d), (0, 2, 1, 3))
             values = self.keys_by_head(values.reshape(groups, context, kv, d), (0, 2, 1, 3))
-        many = self.kind == "prefill" if self.kind is not None else queries > 1
-        poisoned = None
-        if many and self.isolate_sequences:
-            keys, values, poisoned = self._finite_context(keys, values, mask)
+        many = queries > 1  # semi_auto's prefill (explicit mode's: _attend_chunk)
         # Query head j uses KV head j // groups: put each KV head's queries in one row block
         # (with one query per group, as in decode, that is a reshape: no Transpose to launch).
         q = q.reshape(groups, queries, kv, self.groups, d)
@@ -148,9 +175,6 @@ class PagedAttention(nn.Cell):
             probs = self.probs_to_dtype(probs, values.dtype)
         out = self.weighted_values(probs, values)  # (G, kv, groups*Q, d)
         out = out.reshape(groups, kv, self.groups, queries, d)
-        if poisoned is not None:  # what a query saw of a non-finite K/V, it gets back
-            out = self.fill(out, self.expand(poisoned.reshape(groups, 1, 1, queries, 1),
-                                             out.shape), self.nan)
         if many:
             out = self.tokens_first(out, (0, 3, 1, 2, 4))
         return out.reshape(groups * queries, self.heads * d)

@@ -29,8 +29,9 @@ class RMSNorm(nn.Cell):
         self.expand = Expand(ctx)
 
     def construct(self, x, weight):
+        shape = x.shape  # once: in a graph of dynamic shape each use is a kernel
         xf = self.to_float(x, ms.float32)
         variance = self.mean(self.square(xf, xf), -1)
-        inverse = self.expand(self.rsqrt(self.add_eps(variance, self.eps)), xf.shape)
+        inverse = self.expand(self.rsqrt(self.add_eps(variance, self.eps)), shape)
         y = self.normalize(xf, inverse)
-        return self.scale(self.expand(weight, x.shape), self.to_dtype(y, x.dtype))
+        return self.scale(self.expand(weight, shape), self.to_dtype(y, x.dtype))

@@ -87,12 +87,19 @@ class Rotary(nn.Cell):
         self.mul_sin = shard(ctx, ops.Mul(), heads, whole)
         self.add = shard(ctx, ops.Add(), heads, heads)
         self.expand = Expand(ctx)
+        # Explicit mode halves by Split: StridedSlice ends built from x.shape are three
+        # kernels each at every call of a graph of dynamic shape.
+        self.halves = ops.Split(-1, 2) if ctx.mode == "explicit" else None
 
     def construct(self, x, cos, sin):
-        tokens, heads, dim = x.shape
-        half = dim // 2
-        first = self.slice(x, (0, 0, 0), (tokens, heads, half), (1, 1, 1))
-        second = self.slice(x, (0, 0, half), (tokens, heads, dim), (1, 1, 1))
+        shape = x.shape
+        if self.halves is not None:
+            first, second = self.halves(x)
+        else:
+            tokens, heads, dim = shape
+            half = dim // 2
+            first = self.slice(x, (0, 0, 0), (tokens, heads, half), (1, 1, 1))
+            second = self.slice(x, (0, 0, half), (tokens, heads, dim), (1, 1, 1))
         rotated = self.concat((self.neg(second), first))
-        return self.add(self.mul_cos(x, self.expand(cos, x.shape)),
-                        self.mul_sin(rotated, self.expand(sin, x.shape)))
+        return self.add(self.mul_cos(x, self.expand(cos, shape)),
+                        self.mul_sin(rotated, self.expand(sin, shape)))

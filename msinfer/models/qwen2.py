@@ -96,7 +96,8 @@ class DecoderLayer(nn.Cell):
         self.down_proj = ParallelLinear(ctx, p + "mlp.down_proj", **mlp)
         self.rotary = Rotary(ctx)
         self.head_dim = config.head_dim
-        if ctx.mode == "explicit":  # this rank's slices: one block of each fused output
+        self.explicit = ctx.mode == "explicit"
+        if self.explicit:  # this rank's slices: one block of each fused output
             self.heads, self.kv_heads = plan.local_heads, plan.local_kv_heads
             self.intermediate = plan.local_shape(p + "mlp.down_proj.weight")[1]
             self.qkv_blocks = self.mlp_blocks = 1
@@ -126,6 +127,12 @@ class DecoderLayer(nn.Cell):
         self.silu = shard(ctx, SiLU(), mlp)
         self.gate = shard(ctx, ops.Mul(), mlp, mlp)
         self.mlp_out = ops.Transpose()  # explicit mode only (_mlp's weight-first chain)
+        # Explicit mode cuts its one block of the fused outputs with constant begins and
+        # ends (all rows: the mask bit of axis 0): in a graph of dynamic shape an end built
+        # from x.shape is a Shape, a RealTupleGetItem and a RealMakeTuple kernel each call.
+        self.columns = ops.StridedSlice(begin_mask=1, end_mask=1)
+        self.halves_of_rows = ops.Split(0, 2)
+        self.halves_of_columns = ops.Split(-1, 2)
 
     def construct(self, x, cos, sin, k_cache, v_cache, write_rows, context_rows, mask,
                   ln1, w_qkv, b_qkv, w_o, ln2, w_gate_up, w_down):
@@ -141,8 +148,16 @@ class DecoderLayer(nn.Cell):
     def _qkv(self, x, ln1, w_qkv, b_qkv):
         """q (tokens, heads, head_dim), k and v (tokens, kv_heads, head_dim) of the normed x
         (b_qkv None: no bias)."""
-        tokens = x.shape[0]
         qkv = self.qkv_proj(self.input_norm(x, ln1), w_qkv, b_qkv)
+        d = self.head_dim
+        if self.explicit:  # this rank's one block, cut by columns over all rows
+            q_end, k_end = self.q_block, self.q_block + self.kv_block
+            q = self.columns(qkv, (0, 0), (1, q_end), (1, 1))
+            k = self.columns(qkv, (0, q_end), (1, k_end), (1, 1))
+            v = self.columns(qkv, (0, k_end), (1, k_end + self.kv_block), (1, 1))
+            return (q.reshape(-1, self.heads, d), k.reshape(-1, self.kv_heads, d),
+                    v.reshape(-1, self.kv_heads, d))
+        tokens = x.shape[0]
         qkv = qkv.reshape(tokens, self.qkv_blocks, -1)
         q = self._block_part(qkv, 0, self.q_block).reshape(tokens, self.heads, self.head_dim)
         k = self._block_part(qkv, self.q_block, self.kv_block)
@@ -162,18 +177,20 @@ class DecoderLayer(nn.Cell):
         return self.residual(x, self._mlp(self.post_attention_norm(x, ln2), w_gate_up, w_down))
 
     def _mlp(self, x, w_gate_up, w_down):
-        tokens = x.shape[0]
-        weight_first = (self.weight_first if self.weight_first is not None
-                        else self.gate_up_proj.weight_first_for(tokens))
+        weight_first = self.weight_first
+        if weight_first is None:  # a graph of static shape: by its rows
+            weight_first = self.gate_up_proj.weight_first_for(x.shape[0])
         if weight_first:  # explicit mode on CPU: one block
             # Transposed from gate/up to down, so one Transpose (of the output) for the MLP.
             gate_up = self.gate_up_proj.transposed(x, w_gate_up)  # (2 x intermediate, tokens)
-            width = self.mlp_block
-            act = self.gate(self.silu(self.split_gate_up(gate_up, (0, 0), (width, tokens),
-                                                         (1, 1))),
-                            self.split_gate_up(gate_up, (width, 0), (2 * width, tokens), (1, 1)))
+            gate, up = self.halves_of_rows(gate_up)
+            act = self.gate(self.silu(gate), up)
             return self.mlp_out(self.down_proj.transposed(act, w_down, x_transposed=True),
                                 (1, 0))
+        if self.explicit:  # one block
+            gate, up = self.halves_of_columns(self.gate_up_proj(x, w_gate_up))
+            return self.down_proj(self.gate(self.silu(gate), up), w_down)
+        tokens = x.shape[0]
         gate_up = self.gate_up_proj(x, w_gate_up).reshape(tokens, self.mlp_blocks, -1)
         act = self.gate(self.silu(self._mlp_part(gate_up, 0)),
                         self._mlp_part(gate_up, self.mlp_block))
