@@ -15,9 +15,9 @@ layers (each layer's weights and KV cache passed in; k the fewest for a pass in 
 within the planner's workspace for that shape: planning/workspace.py), and one lm_head call
 (none for a prefill call that completes no prompt). Those graphs are of dynamic shape, so
 their number does not grow with max_len (planning/shapes.ExplicitGraphs: dynamic in the
-context, and in the rows of all but decode steps), and a call pads its dynamic axes only to
-a multiple of 64 slots (context) and 16 tokens (a prefill chunk). semi_auto runs one
-whole-model graph per call shape.
+context, and in the rows of all but decode steps), and a call pads its context only to a
+multiple of 64 slots and a prefill chunk not at all (one within 16 tokens of a full chunk
+takes the full chunk's graph). semi_auto runs one whole-model graph per call shape.
 """
 from __future__ import annotations
 
@@ -287,11 +287,14 @@ class ExplicitRunner(ModelRunner):
     def graph_count(self) -> int:
         return len(self.graph_of.all())
 
-    # Axes a graph takes whatever their size (ExplicitGraphs): a call pads them to a multiple
-    # of these, not to their next power of two: a decode step over 1,100 tokens of context
-    # reads 1,152 slots, not 2,048, and a 100-token chunk runs 112 rows, not 128.
+    # Axes a graph takes whatever their size (ExplicitGraphs) are not padded to their bucket:
+    # a decode step over 1,100 tokens of context reads 1,152 slots (a multiple of
+    # CONTEXT_STEP), not 2,048; a prefill chunk runs its own tokens, as rows cost their
+    # compute (a 20-token prompt prefilled 1.12x as fast as 20 rows as padded to 32,
+    # bench/README.md), except one within FULL_CHUNK_REACH tokens of a full chunk, which
+    # takes the full chunk's graph of static rows (faster than dynamic rows by more).
     CONTEXT_STEP = 64
-    CHUNK_STEP = 16
+    FULL_CHUNK_REACH = 16
 
     def padded_context(self, length):
         bucket = super().padded_context(length)
@@ -299,9 +302,10 @@ class ExplicitRunner(ModelRunner):
                 else bucket)
 
     def padded_chunk(self, tokens):
-        bucket = super().padded_chunk(tokens)
-        return (min(round_up(tokens, self.CHUNK_STEP), bucket) if self.graph_of.dynamic
-                else bucket)
+        if not self.graph_of.dynamic:
+            return super().padded_chunk(tokens)
+        full = self.chunk_buckets[-1]
+        return full if tokens > full - self.FULL_CHUNK_REACH else tokens
 
     def shapes(self):
         """One call for each layer stack (planning/shapes.py: ExplicitGraphs.all), with the
