@@ -6,76 +6,90 @@ machine's drift falls on both.
     python bench/graph_speed.py [--rounds 2]                  # static vs dynamic, this tree
     python bench/graph_speed.py --before-tree /path/to/checkout-before --name graph_speed_trees
     python bench/graph_speed.py --in-process --name graph_speed_in_process
+    python bench/graph_speed.py --in-process --before-tree /path/to/checkout-before \
+        --before-graph-shapes static --name graph_speed_vs_static   # one process, two trees
 
 Each round runs one process per side (`worker` below, with its tree on PYTHONPATH) on the
 0.5B shape: a 512-token prompt then 40 greedy tokens alone (b1), 16 prompts of 100 tokens then
 24 tokens each (b16), and prompts of 20, 48 and 100 tokens alone (p20, p48, p100: a chat
-turn's first token, one chunk short of a full one); each workload once to compile, then twice
-measured (the engine's own timings: prefill tokens/s, decode ms per step; the better of two).
-With --in-process each round is one process holding both LLMs, their runs alternating, so
-that what differs from one process to the next falls on both sides too.
-Writes bench/results/graph_speed.json and .md: per side the mean over rounds, and the ratio.
-Prefix caching is off so that a repeated prompt is computed again.
+turn's first token, one chunk short of a full one); each workload once to compile, then
+`--runs` times measured (the engine's own timings: prefill tokens/s, decode ms per step; the
+median). With --in-process each round is one process holding both LLMs, their runs
+alternating, so that what differs from one process to the next falls on both sides too; a
+before-tree's package is then imported under another name (msinfer_before: msinfer's imports
+are relative). Writes bench/results/graph_speed.json and .md: per side the mean over rounds,
+and the ratio. Prefix caching is off so that a repeated prompt is computed again.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKLOADS = (("b1", 1, 512, 40), ("b16", 16, 100, 24), ("p20", 1, 20, 2), ("p48", 1, 48, 2),
              ("p100", 1, 100, 2))
 
 
-def worker(model, graph_shapes):
-    """One LLM per comma-separated graph_shapes ("": the tree's default), in this process;
-    each workload's runs alternate between them. Prints one result per LLM."""
+def worker(model, sides, runs):
+    """One LLM per comma-separated side, "package:graph_shapes" (graph_shapes "": the tree's
+    default), in this process; each workload's runs alternate between them. Prints one
+    result per side."""
+    import importlib
+
     import numpy as np
 
-    from msinfer import LLM
-    from msinfer.engine.sampling import SamplingParams
-
-    llms = [LLM(model, compile_cache=False, enable_prefix_caching=False,
-                **({"graph_shapes": shapes} if shapes else {}))  # a tree before the option
-            for shapes in graph_shapes.split(",")]
+    llms = []
+    for side in sides.split(","):
+        package, shapes = side.split(":")
+        LLM = importlib.import_module(package).LLM
+        sampling = importlib.import_module(package + ".engine.sampling")
+        llms.append((LLM(model, compile_cache=False, enable_prefix_caching=False,
+                         **({"graph_shapes": shapes} if shapes else {})),  # a tree before it
+                     sampling.SamplingParams))
     rng = np.random.default_rng(0)
     out = [{} for _ in llms]
     for name, n, length, new in WORKLOADS:
-        params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+        prompts = [rng.integers(100, 100000, length).tolist() for _ in range(n)]
 
-        def run(llm):
+        def run(llm, params):
             before = dict(llm.engine.runner.timings)
-            llm.generate([rng.integers(100, 100000, length).tolist() for _ in range(n)],
-                         params)
+            tokens = [o.token_ids for o in llm.generate(
+                prompts, params(max_tokens=new, temperature=0, ignore_eos=True))]
             t = {k: v - before[k] for k, v in llm.engine.runner.timings.items()}
             return (t["prefill_tokens"] / t["prefill_s"],
-                    1000 * t["decode_s"] / max(1, t["decode_steps"]))
+                    1000 * t["decode_s"] / max(1, t["decode_steps"]), tokens)
 
-        for llm in llms:
-            run(llm)  # compiles what this workload needs
-        runs = [[] for _ in llms]
-        for _ in range(2):
-            for i, llm in enumerate(llms):
-                runs[i].append(run(llm))
-        for i, side in enumerate(runs):
-            out[i][name] = {"prefill_tokens_per_s": max(r[0] for r in side),
-                            "decode_ms_per_step": min(r[1] for r in side)}
-    for i, llm in enumerate(llms):
+        tokens = [run(*side)[2] for side in llms]  # compiles what this workload needs
+        if any(t != tokens[0] for t in tokens):
+            raise SystemExit(f"{name}: the sides generated different tokens")
+        timed = [[] for _ in llms]
+        for _ in range(runs):
+            for i, side in enumerate(llms):
+                timed[i].append(run(*side))
+        for i, side in enumerate(timed):
+            out[i][name] = {"prefill_tokens_per_s": statistics.median(r[0] for r in side),
+                            "decode_ms_per_step": statistics.median(r[1] for r in side)}
+    for i, (llm, _) in enumerate(llms):
         out[i]["graphs"] = llm.compilations
     print("RESULT " + json.dumps(out), flush=True)
 
 
-def measure(tree, graph_shapes, model):
-    env = dict(os.environ, PYTHONPATH=tree, GLOG_v="3")
+def measure(path, sides, model, runs):
+    """The worker's results, run with `path` (a tree, or its parent) on PYTHONPATH."""
+    env = dict(os.environ, PYTHONPATH=path, GLOG_v="3")
     done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", model,
-                           "--worker-graph-shapes", graph_shapes or ""],
-                          env=env, cwd=tree, capture_output=True, text=True, check=True)
+                           "--worker-sides", sides, "--runs", str(runs)],
+                          env=env, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"worker failed ({done.returncode}):\n{done.stderr[-3000:]}")
     line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])  # one result per side of graph_shapes
+    return json.loads(line[len("RESULT "):])  # one result per side
 
 
 def main():
@@ -83,24 +97,28 @@ def main():
     p.add_argument("--before-tree", help="compare this checkout (its defaults) with this tree's "
                                          "instead of static with dynamic graphs")
     p.add_argument("--model", default=os.path.join(ROOT, "models", "qwen2-0.5b-shape"))
+    p.add_argument("--before-graph-shapes", default="",
+                   help="the before-tree's graph_shapes (default: its default)")
+    p.add_argument("--graph-shapes", default="",
+                   help="this tree's graph_shapes against a before-tree (default: its default)")
     p.add_argument("--in-process", action="store_true",
-                   help="static and dynamic in one process, their runs alternating (no "
-                        "process-to-process drift; this tree only)")
+                   help="both sides in one process, their runs alternating (no "
+                        "process-to-process drift)")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--runs", type=int, default=2, help="measured runs of each workload")
     p.add_argument("--name", default="graph_speed", help="file name of the results")
     p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--worker-graph-shapes", help=argparse.SUPPRESS)
+    p.add_argument("--worker-sides", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        return worker(args.worker, args.worker_graph_shapes)
+        return worker(args.worker, args.worker_sides, args.runs)
     out = os.path.join(ROOT, "bench", "results", args.name)
     sys.path.insert(0, ROOT)
     from msinfer.engine.compile_cache import _processor
 
-    if args.before_tree and args.in_process:
-        p.error("--in-process compares static and dynamic graphs of this tree only")
     if args.before_tree:  # (tree, graph_shapes) per side
-        sides = {"before": (os.path.abspath(args.before_tree), None), "after": (ROOT, None)}
+        sides = {"before": (os.path.abspath(args.before_tree), args.before_graph_shapes),
+                 "after": (ROOT, args.graph_shapes)}
     else:
         sides = {"static": (ROOT, "static"), "dynamic": (ROOT, "dynamic")}
     commits = {k: subprocess.run(["git", "-C", t, "rev-parse", "--short", "HEAD"],
@@ -108,20 +126,38 @@ def main():
                for k, (t, _) in sides.items()}
     report = {"model": os.path.relpath(args.model, ROOT), "cpu": f"{_processor()}, "
               f"{os.cpu_count()} cores", "load_at_start": round(os.getloadavg()[0], 2),
-              "commits": commits, "in_process": args.in_process,
+              "commits": commits, "in_process": args.in_process, "runs": args.runs,
+              "graph_shapes": {k: g or "default" for k, (_, g) in sides.items()},
               "rounds": {k: [] for k in sides}}
-    for r in range(args.rounds):
-        if args.in_process:  # one process, both sides
-            results = measure(ROOT, ",".join(g for _, g in sides.values()), args.model)
-        else:
-            results = [measure(tree, g, args.model)[0] for tree, g in sides.values()]
+    with tempfile.TemporaryDirectory() as before_package:
+        path = ROOT
+        if args.in_process and args.before_tree:  # its msinfer as msinfer_before
+            shutil.copytree(os.path.join(sides["before"][0], "msinfer"),
+                            os.path.join(before_package, "msinfer_before"))
+            path = os.pathsep.join([ROOT, before_package])
+        for r in range(args.rounds):
+            if args.in_process:  # one process, both sides
+                packages = ["msinfer_before" if tree != ROOT else "msinfer"
+                            for tree, _ in sides.values()]
+                results = measure(path, ",".join(f"{package}:{g}" for package, (_, g)
+                                                 in zip(packages, sides.values())),
+                                  args.model, args.runs)
+            else:
+                results = [measure(tree, f"msinfer:{g}", args.model, args.runs)[0]
+                           for tree, g in sides.values()]
+            for name, result in zip(sides, results):
+                report["rounds"][name].append(result)
+                print(f"round {r + 1} {name}: {result}", flush=True)
         for name, result in zip(sides, results):
             report["rounds"][name].append(result)
             print(f"round {r + 1} {name}: {result}", flush=True)
     report["load_at_end"] = round(os.getloadavg()[0], 2)
     first, second = sides
-    lines = [f"graph speed, {first} ({commits[first]}) and {second} ({commits[second]}), "
-             f"{report['model']}, {report['cpu']}, {args.rounds} rounds alternating"
+    shapes = report["graph_shapes"]
+    lines = [f"graph speed, {first} ({commits[first]}, {shapes[first]} graphs) and {second} "
+             f"({commits[second]}, {shapes[second]} graphs), "
+             f"{report['model']}, {report['cpu']}, {args.rounds} rounds alternating, median of "
+             f"{args.runs} runs"
              f"{' in one process' if args.in_process else ''}; "
              f"load average {report['load_at_start']} at the start, "
              f"{report['load_at_end']} at the end", "",
