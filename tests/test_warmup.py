@@ -122,6 +122,10 @@ def test_shapes_say_how_many_rows_each_call_computes(model_dir):
     assert {s[:3] for s in shapes} == set(runner.graph_of.all().values())
     # explicit: any prefill row count is a decode batch's head graph
     assert [runner.prefill_rows(n, 32) for n in (1, 2, 3, 4)] == [1, 2, 4, 4]
+    # a chunk of dynamic rows runs its own tokens; one within 16 of a full chunk (32) takes
+    # the full chunk's static rows; a context pads to a multiple of 64 slots within its bucket
+    assert [runner.padded_chunk(n) for n in (1, 5, 16, 17, 32)] == [1, 5, 16, 32, 32]
+    assert [runner.padded_context(n) for n in (1, 64, 65, 128)] == [64, 64, 128, 128]
     semi_auto = LLM(model_dir, parallel_mode="semi_auto", **ENGINE).engine.runner.shapes()
     assert ("decode", 4, 128, 4) in semi_auto and ("prefill", 32, 64, 4) in semi_auto
     assert ("prefill", 32, 32, 4) not in semi_auto  # a context holds at least its chunk
@@ -129,5 +133,6 @@ def test_shapes_say_how_many_rows_each_call_computes(model_dir):
     # explicit mode's static graphs: a call per shape too, which compiles its embedding (per
     # token count) and lm_head (per row count) on the way
     static = LLM(model_dir, **STATIC).engine.runner
+    assert [static.padded_chunk(n) for n in (1, 5, 17)] == [16, 16, 32]  # its bucket
     assert [s[:3] for s in static.shapes()] == [s[:3] for s in semi_auto]
     assert static.graph_count == len(semi_auto) + len({1, 2, 4, 16, 32}) + len({1, 2, 4})
