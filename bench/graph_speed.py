@@ -148,9 +148,6 @@ def main():
             for name, result in zip(sides, results):
                 report["rounds"][name].append(result)
                 print(f"round {r + 1} {name}: {result}", flush=True)
-        for name, result in zip(sides, results):
-            report["rounds"][name].append(result)
-            print(f"round {r + 1} {name}: {result}", flush=True)
     report["load_at_end"] = round(os.getloadavg()[0], 2)
     first, second = sides
     shapes = report["graph_shapes"]
