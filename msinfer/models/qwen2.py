@@ -149,8 +149,8 @@ class DecoderLayer(nn.Cell):
         """q (tokens, heads, head_dim), k and v (tokens, kv_heads, head_dim) of the normed x
         (b_qkv None: no bias)."""
         qkv = self.qkv_proj(self.input_norm(x, ln1), w_qkv, b_qkv)
-        d = self.head_dim
         if self.explicit:  # this rank's one block, cut by columns over all rows
+            d = self.head_dim
             q_end, k_end = self.q_block, self.q_block + self.kv_block
             q = self.columns(qkv, (0, 0), (1, q_end), (1, 1))
             k = self.columns(qkv, (0, q_end), (1, k_end), (1, 1))
