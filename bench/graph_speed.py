@@ -10,11 +10,11 @@ machine's drift falls on both.
         --before-graph-shapes static --name graph_speed_vs_static   # one process, two trees
 
 Each round runs one process per side (`worker` below, with its tree on PYTHONPATH) on the
-0.5B shape: a 512-token prompt then 40 greedy tokens alone (b1), 16 prompts of 100 tokens then
-24 tokens each (b16), and prompts of 20, 48 and 100 tokens alone (p20, p48, p100: a chat
-turn's first token, one chunk short of a full one); each workload once to compile, then
-`--runs` times measured (the engine's own timings: prefill tokens/s, decode ms per step; the
-median). With --in-process each round is one process holding both LLMs, their runs
+0.5B shape: a 512-token prompt then 40 greedy tokens alone (b1; b1s: after 20 tokens), 16 prompts of 100 tokens then
+24 tokens each (b16), and prompts of 8, 20, 48 and 100 tokens alone (p8 ... p100: a chat
+turn's first token, one chunk short of a full one; --workloads picks some); each workload
+once to compile, then `--runs` times measured (the engine's own timings: prefill tokens/s,
+decode ms per step; the median). With --in-process each round is one process holding both LLMs, their runs
 alternating, so that what differs from one process to the next falls on both sides too; a
 before-tree's package is then imported under another name (msinfer_before: msinfer's imports
 are relative). Writes bench/results/graph_speed.json and .md: per side the mean over rounds,
@@ -32,11 +32,11 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKLOADS = (("b1", 1, 512, 40), ("b16", 16, 100, 24), ("p20", 1, 20, 2), ("p48", 1, 48, 2),
-             ("p100", 1, 100, 2))
+WORKLOADS = (("b1", 1, 512, 40), ("b1s", 1, 20, 40), ("b16", 16, 100, 24), ("p8", 1, 8, 2),
+             ("p20", 1, 20, 2), ("p48", 1, 48, 2), ("p100", 1, 100, 2))
 
 
-def worker(model, sides, runs):
+def worker(model, sides, runs, names):
     """One LLM per comma-separated side, "package:graph_shapes" (graph_shapes "": the tree's
     default), in this process; each workload's runs alternate between them. Prints one
     result per side."""
@@ -55,6 +55,8 @@ def worker(model, sides, runs):
     rng = np.random.default_rng(0)
     out = [{} for _ in llms]
     for name, n, length, new in WORKLOADS:
+        if name not in names:
+            continue
         prompts = [rng.integers(100, 100000, length).tolist() for _ in range(n)]
 
         def run(llm, params):
@@ -80,11 +82,12 @@ def worker(model, sides, runs):
     print("RESULT " + json.dumps(out), flush=True)
 
 
-def measure(path, sides, model, runs):
+def measure(path, sides, model, runs, names):
     """The worker's results, run with `path` (a tree, or its parent) on PYTHONPATH."""
     env = dict(os.environ, PYTHONPATH=path, GLOG_v="3")
     done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", model,
-                           "--worker-sides", sides, "--runs", str(runs)],
+                           "--worker-sides", sides, "--runs", str(runs),
+                           "--workloads", ",".join(names)],
                           env=env, cwd=ROOT, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"worker failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -106,12 +109,20 @@ def main():
                         "process-to-process drift)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--runs", type=int, default=2, help="measured runs of each workload")
+    p.add_argument("--workloads", default=",".join(w[0] for w in WORKLOADS),
+                   help="comma-separated workloads to run (default: all)")
     p.add_argument("--name", default="graph_speed", help="file name of the results")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--worker-sides", help=argparse.SUPPRESS)
     args = p.parse_args()
+    names = args.workloads.split(",")
+    unknown = set(names) - {w[0] for w in WORKLOADS}
+    if unknown:
+        p.error(f"unknown workloads {', '.join(sorted(unknown))}; known: "
+                f"{', '.join(w[0] for w in WORKLOADS)}")
+    workloads = [w for w in WORKLOADS if w[0] in names]
     if args.worker:
-        return worker(args.worker, args.worker_sides, args.runs)
+        return worker(args.worker, args.worker_sides, args.runs, names)
     out = os.path.join(ROOT, "bench", "results", args.name)
     sys.path.insert(0, ROOT)
     from msinfer.engine.compile_cache import _processor
@@ -141,9 +152,9 @@ def main():
                             for tree, _ in sides.values()]
                 results = measure(path, ",".join(f"{package}:{g}" for package, (_, g)
                                                  in zip(packages, sides.values())),
-                                  args.model, args.runs)
+                                  args.model, args.runs, names)
             else:
-                results = [measure(tree, f"msinfer:{g}", args.model, args.runs)[0]
+                results = [measure(tree, f"msinfer:{g}", args.model, args.runs, names)[0]
                            for tree, g in sides.values()]
             for name, result in zip(sides, results):
                 report["rounds"][name].append(result)
@@ -162,10 +173,10 @@ def main():
              f"(ratio) | decode ms/step {first} / {second} (ratio) |", "|---|---|---|---|"]
     mean = {k: {w[0]: {m: statistics.mean(r[w[0]][m] for r in runs)
                        for m in ("prefill_tokens_per_s", "decode_ms_per_step")}
-                for w in WORKLOADS} for k, runs in report["rounds"].items()}
+                for w in workloads} for k, runs in report["rounds"].items()}
     report["mean"] = mean
     graphs = {k: runs[-1]["graphs"] for k, runs in report["rounds"].items()}
-    for name, *_ in WORKLOADS:
+    for name, *_ in workloads:
         b, a = mean[first][name], mean[second][name]
         lines.append(
             f"| {name} | {graphs[first]} / {graphs[second]} | "

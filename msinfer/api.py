@@ -105,7 +105,7 @@ class LLM:
                                     self.tensor_rank)
         _log_start(self, report)
         runner = build_runner(model_dir, ctx, self.memory.layout, self.limits,
-                              self.dist.world_size, self.profile.min_layers_per_graph)
+                              self.dist.world_size, self.profile)
         self._tokenizer = None
         self.engine = LLMEngine(
             runner, self.memory.layout, vocab_size=self.config.vocab_size,

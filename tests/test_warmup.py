@@ -22,15 +22,17 @@ ENGINE = dict(max_len=128, max_num_seqs=4, max_prefill_tokens=32, block_size=BLO
 # Static graphs (semi_auto, and explicit mode's --graph-shapes static) are one per call
 # shape: the workload's longest context is 46 tokens (a 40-token prompt and 6 more) in one
 # context bucket, 64, so max_len 64 (5 shapes, not 10). Explicit mode's dynamic graphs (the
-# default): the default max_len (4096) and a large one, and a 100-token prompt whose contexts
-# span the buckets 64 and 128.
+# default): the default max_len (4096) and a large one, chunks of up to 128 tokens (static
+# rows at 16, 32 and 128, dynamic between: each kind of chunk graph), and a 150-token prompt
+# over two chunks whose contexts span the buckets 128 and 256.
 # The pool holds one sequence of max_len (the planner's floor): preemption only at 64.
 STATIC = dict(ENGINE, graph_shapes="static")
+DYNAMIC = dict(ENGINE, max_prefill_tokens=128)
 WORKLOADS = {("semi_auto", 64): dict(ENGINE, max_len=64),
              ("static", 64): dict(STATIC, max_len=64),
-             ("dynamic", 4096): dict(ENGINE, max_len=4096,
+             ("dynamic", 4096): dict(DYNAMIC, max_len=4096,
                                      kv_cache_memory=(4096 // BLOCK + 1) * BYTES_PER_BLOCK),
-             ("dynamic", 32768): dict(ENGINE, max_len=32768,
+             ("dynamic", 32768): dict(DYNAMIC, max_len=32768,
                                       kv_cache_memory=(32768 // BLOCK + 1) * BYTES_PER_BLOCK)}
 
 
@@ -56,7 +58,7 @@ WORKLOAD = [
 ]
 
 
-LONG = ([prompt(100, 11)], 20)  # contexts 100-119: buckets 64 and 128 (explicit mode only)
+LONG = ([prompt(150, 11)], 20)  # chunks of 128 and 22; contexts 128-169 (dynamic graphs)
 
 
 @pytest.mark.parametrize("mode,max_len", list(WORKLOADS))
@@ -81,10 +83,11 @@ def test_after_warmup_a_mixed_workload_compiles_nothing(model_dir, mode, max_len
                      parallel_mode=llm.parallel_mode)
     assert plan.warmup_graphs == compiled
     if mode == "dynamic":  # one graph per kind of call, whatever max_len (2 layers: 1 stack
-        # per call kind and batch): embedding, decode at batches 1, 2, 4, prefill short of a
-        # full chunk and full, 2 heads
+        # per call kind and batch): embedding, decode at batches 1, 2, 4, prefill chunks of 16
+        # and 32 rows, of dynamic rows and full, 2 heads
         graph_of = llm.engine.runner.graph_of
-        assert compiled == 1 + 3 + 2 + 1 + (graph_of.head_weight_first(4)
+        assert graph_of.short_chunks() == (16, 32)
+        assert compiled == 1 + 3 + 4 + 1 + (graph_of.head_weight_first(4)
                                             != graph_of.head_weight_first(1))
     before = llm.compilations
     greedy = {}
@@ -110,22 +113,29 @@ def test_shapes_say_how_many_rows_each_call_computes(model_dir):
     runner = LLM(model_dir, **ENGINE).engine.runner
     assert runner.graph_of.dynamic  # the default
     shapes = runner.shapes()
-    # explicit mode warms up one call per graph: every decode batch (static rows), a prefill
-    # chunk short of the largest (dynamic rows and context) and a full one (static rows),
-    # each running the lm_head on its rows
+    # explicit mode warms up one call per graph: every decode batch (static rows), a short
+    # prefill chunk and a full one (static rows, dynamic context), each running the lm_head on
+    # its rows
     assert [s[:4] for s in shapes if s[0] == "decode"] == [("decode", b, 64, b)
                                                            for b in (1, 2, 4)]
     assert [s[:4] for s in shapes if s[0] == "prefill"] == [("prefill", 16, 64, 1),
                                                             ("prefill", 32, 64, 1)]
-    assert [(s[4].rows, s[4].context) for s in shapes if s[0] == "prefill"] == [(0, 0), (32, 0)]
+    assert [(s[4].rows, s[4].context) for s in shapes if s[0] == "prefill"] == [(16, 0), (32, 0)]
     assert [s[4] for s in shapes] == [g for g in runner.graph_of.all() if g.part == "layers"]
     assert {s[:3] for s in shapes} == set(runner.graph_of.all().values())
     # explicit: any prefill row count is a decode batch's head graph
     assert [runner.prefill_rows(n, 32) for n in (1, 2, 3, 4)] == [1, 2, 4, 4]
-    # a chunk of dynamic rows runs its own tokens; one within 16 of a full chunk (32) takes
-    # the full chunk's static rows; a context pads to a multiple of 64 slots within its bucket
-    assert [runner.padded_chunk(n) for n in (1, 5, 16, 17, 32)] == [1, 5, 16, 32, 32]
+    # a short chunk (up to 32 tokens) takes its bucket's static rows, here the full chunk's
+    # (32); a context pads to a multiple of 64 slots within its bucket
+    assert [runner.padded_chunk(n) for n in (1, 5, 16, 17, 32)] == [16, 16, 16, 32, 32]
     assert [runner.padded_context(n) for n in (1, 64, 65, 128)] == [64, 64, 128, 128]
+    # chunks of up to 128: static rows up to 32, dynamic rows (their own tokens) above, and
+    # the full chunk's static rows within 16 of it
+    wide = LLM(model_dir, **DYNAMIC).engine.runner
+    assert [wide.padded_chunk(n) for n in (3, 20, 33, 60, 112, 113)] == [16, 32, 33, 60, 112,
+                                                                         128]
+    assert [wide.graph_of.layers("prefill", n, 64).rows for n in (16, 32, 33, 112, 128)] == [
+        16, 32, 0, 0, 128]
     semi_auto = LLM(model_dir, parallel_mode="semi_auto", **ENGINE).engine.runner.shapes()
     assert ("decode", 4, 128, 4) in semi_auto and ("prefill", 32, 64, 4) in semi_auto
     assert ("prefill", 32, 32, 4) not in semi_auto  # a context holds at least its chunk

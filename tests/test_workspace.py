@@ -58,3 +58,31 @@ def test_largest_prefill_chunk_runs_a_layer_per_graph_and_a_short_decode_four_gr
     assert base < layer_activation_bytes(shard, 4, 32, 16, 1024)
     assert base < layer_activation_bytes(shard, 4, 16, 32, 1024)
     assert base < layer_activation_bytes(shard, 4, 16, 16, 2048)
+
+
+@pytest.mark.parametrize("growth,budget,expected", [
+    (1.0, 200, 2),     # every layer's activations held: two layers of 100 in 200
+    (0.15, 200, 6),    # 100 + 5 x 15 = 175: six fit (and a pass in four calls needs no more)
+    (0.5, 200, 3),     # 100 + 2 x 50 = 200: three fit, four (250) do not
+    (0.15, 100, 1),    # the largest call alone fills the budget
+])
+def test_each_layer_past_the_first_adds_its_growth_to_the_peak(growth, budget, expected):
+    assert layers_per_graph(24, 100, budget, min_layers=2, growth=growth) == expected
+
+
+def test_on_cpu_the_largest_calls_run_as_many_layers_per_graph_as_short_ones():
+    """The CPU profile's measured growth: a 0.5B-shape's 256-token chunk and 16-sequence decode
+    over 4,096 of context run six layers a graph, as a one-token decode does; with every
+    layer's activations held (Ascend's unmeasured 1.0) the chunk would run two."""
+    from msinfer.hardware import get_profile
+    from msinfer.planning.workspace import stack_layers
+
+    cpu = get_profile("cpu")
+    config = load_config("qwen2-0.5b")
+    shard = Strategy.default().resolve(config, "explicit")
+    sizes = dict(max_len=4096, max_prefill_tokens=256, max_num_seqs=16)
+    layers_for = stack_layers(shard, 4, **sizes, min_layers=cpu.min_layers_per_graph,
+                              growth=cpu.layer_peak_growth)
+    assert layers_for(256, 1, 4096) == layers_for(16, 16, 4096) == layers_for(1, 1, 64) == 6
+    held = stack_layers(shard, 4, **sizes, min_layers=cpu.min_layers_per_graph)
+    assert held(256, 1, 4096) == 2

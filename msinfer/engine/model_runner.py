@@ -248,9 +248,10 @@ class ExplicitRunner(ModelRunner):
     built and compiled when a call first needs it; warm-up runs one call for each."""
 
     def __init__(self, ctx, layout, max_num_seqs, max_prefill_tokens, max_model_len, weights,
-                 min_layers_per_graph=1, dynamic=False):
+                 min_layers_per_graph=1, layer_peak_growth=1.0, dynamic=False):
         """weights: {name: Tensor} of this rank's slices, in the layouts the graphs take
-        (the family's weight_layout). `min_layers_per_graph`: the hardware profile's.
+        (the family's weight_layout). `min_layers_per_graph`, `layer_peak_growth`: the
+        hardware profile's.
         `dynamic`: graphs of dynamic shape (EngineLimits.graph_shapes), else one per call
         shape."""
         super().__init__(ctx, layout, max_num_seqs, max_prefill_tokens, max_model_len)
@@ -269,7 +270,7 @@ class ExplicitRunner(ModelRunner):
         # What the planner reserves for activations: each graph stays within it.
         self.layers_per_call = stack_layers(ctx.plan, DTYPE_BYTES[str(ctx.dtype).lower()],
                                             max_model_len, max_prefill_tokens, max_num_seqs,
-                                            min_layers_per_graph)
+                                            min_layers_per_graph, layer_peak_growth)
         self.graph_of = ExplicitGraphs(self.buckets, self.layers_per_call, matmul_forms(ctx),
                                        dynamic)
         self.cells = {}  # Graph -> its Cell, built when a call first needs it
@@ -289,10 +290,11 @@ class ExplicitRunner(ModelRunner):
 
     # Axes a graph takes whatever their size (ExplicitGraphs) are not padded to their bucket:
     # a decode step over 1,100 tokens of context reads 1,152 slots (a multiple of
-    # CONTEXT_STEP), not 2,048; a prefill chunk runs its own tokens, as rows cost their
-    # compute (a 20-token prompt prefilled 1.12x as fast as 20 rows as padded to 32,
-    # bench/README.md), except one within FULL_CHUNK_REACH tokens of a full chunk, which
-    # takes the full chunk's graph of static rows (faster than dynamic rows by more).
+    # CONTEXT_STEP), not 2,048; a prefill chunk between the short chunks' graphs and the
+    # full chunk's runs its own tokens, as rows cost their compute (a 20-token prompt
+    # prefilled 1.12x as fast as 20 rows as padded to 32, bench/README.md), except one within
+    # FULL_CHUNK_REACH tokens of a full chunk, which takes the full chunk's graph of static
+    # rows (faster than dynamic rows by more); a short chunk takes its bucket's static rows.
     CONTEXT_STEP = 64
     FULL_CHUNK_REACH = 16
 
@@ -305,7 +307,10 @@ class ExplicitRunner(ModelRunner):
         if not self.graph_of.dynamic:
             return super().padded_chunk(tokens)
         full = self.chunk_buckets[-1]
-        return full if tokens > full - self.FULL_CHUNK_REACH else tokens
+        if tokens > full - self.FULL_CHUNK_REACH:
+            return full
+        short = self.graph_of.short_chunks()
+        return bucket_for(tokens, short) if short and tokens <= short[-1] else tokens
 
     def shapes(self):
         """One call for each layer stack (planning/shapes.py: ExplicitGraphs.all), with the
@@ -424,7 +429,7 @@ class SemiAutoRunner(ModelRunner):
                          Tensor(rows)).asnumpy()
 
 
-def build_runner(model_dir, ctx, layout, limits, world_size, min_layers_per_graph=1):
+def build_runner(model_dir, ctx, layout, limits, world_size, profile):
     """The runner of `ctx.mode`, with this rank's weights loaded from `model_dir` and its KV
     cache allocated (`layout`): what nano-vllm's ModelRunner does in its constructor."""
     config = ctx.config
@@ -441,7 +446,9 @@ def build_runner(model_dir, ctx, layout, limits, world_size, min_layers_per_grap
         return runner
     loaded = {name: host_tensor(family.weight_layout(ctx, name, array), ctx.dtype)
               for name, array in weights}
-    return ExplicitRunner(ctx, layout, weights=loaded, min_layers_per_graph=min_layers_per_graph,
+    return ExplicitRunner(ctx, layout, weights=loaded,
+                          min_layers_per_graph=profile.min_layers_per_graph,
+                          layer_peak_growth=profile.layer_peak_growth,
                           dynamic=limits.graph_shapes == "dynamic", **sizes)
 
 

@@ -210,7 +210,8 @@ def warmup_graphs(shard_plan, profile, limits, dtype_bytes, mode) -> int:
     if mode == "semi_auto":
         return len(buckets.calls())
     layers_for = stack_layers(shard_plan, dtype_bytes, limits.max_len, limits.max_prefill_tokens,
-                              limits.max_num_seqs, profile.min_layers_per_graph)
+                              limits.max_num_seqs, profile.min_layers_per_graph,
+                              profile.layer_peak_growth)
     forms = cpu_matmul_forms() if profile.device_target == "CPU" else None
     return len(ExplicitGraphs(buckets, layers_for, forms,
                               dynamic=limits.graph_shapes == "dynamic").all())

@@ -83,15 +83,21 @@ class ExplicitGraphs:
     at --max-len 32768).
 
     dynamic: one `Graph` per kind of call (a decode step's batch bucket, a full prefill
-    chunk, any other prefill chunk; the full chunk and the largest batch also over a short
-    context, where more layers fit) and matmul form, so that their number does not grow with
-    max_len (12 for the 0.5B shape, 11 for the 72B on 8 chips). Every graph is dynamic in its
-    context; the embedding, the lm_head and the chunks short of the largest also in their
-    rows. Decode steps and full chunks keep their rows static: with every axis dynamic,
-    MindSpore's CPU runtime re-infers and resizes each of a layer's ~100 kernels at every
-    launch, at a cost that grows with the rows (0.5B shape, one process alternating the two:
-    batch-16 decode 247 ms a step fully dynamic, 231 ms with static rows; prompts prefilled
-    at 0.86-0.91x static graphs' tokens/s with the chunk's rows dynamic: bench/README.md)."""
+    chunk, a chunk of each bucket up to SHORT_CHUNK tokens, any other prefill chunk; the full
+    chunk and the largest batch also over a short context where more layers fit there) and
+    matmul form, so that their number does not grow with max_len (12 for the 0.5B shape on
+    CPU). Every graph is dynamic in its context; the embedding, the lm_head and the chunks
+    between SHORT_CHUNK tokens and the largest also in their rows. Decode steps, short chunks
+    and full chunks keep their rows static: with every axis dynamic, MindSpore's CPU runtime
+    re-infers and resizes each of a layer's ~100 kernels at every launch, at a cost that
+    grows with the rows and weighs most on short calls (0.5B shape, one process alternating
+    the two: batch-16 decode 247 ms a step fully dynamic, 231 ms with static rows; prompts of
+    8 and 20 tokens prefilled at 0.83-0.91x static graphs' tokens/s with dynamic rows,
+    1.06-1.07x with static rows: bench/README.md)."""
+
+    # Chunks of up to this many tokens (a chat turn, a short prompt) run in graphs of static
+    # rows, one per chunk bucket up to it.
+    SHORT_CHUNK = 32
 
     def __init__(self, buckets, layers_for, forms=None, dynamic=False):
         """`layers_for(tokens, groups, context)`: layers per graph a call of that shape may
@@ -109,11 +115,16 @@ class ExplicitGraphs:
                            for b in buckets.batch}
             self.fewest["prefill"] = min(layers_for(c, 1, t) for c in buckets.chunk
                                          for t in buckets.context if t >= c)
-            # A full chunk, and the largest decode batch if its short contexts fit at least
-            # twice the layers its long ones do, also have a stack of the most layers they may
-            # run, for the contexts where that fits: a long prompt's chunks ran at 0.87-0.92x
-            # the tokens/s in stacks of 2 layers where static graphs ran 6 (0.5B shape,
-            # max_len 4096, bench/README.md). One decode batch only, to stay within 12 graphs.
+            for rows in self.short_chunks():
+                self.fewest[("prefill", rows)] = min(layers_for(rows, 1, t)
+                                                     for t in buckets.context if t >= rows)
+            # Where the workspace holds fewer layers of a long context (a profile that counts
+            # every layer's activations: workspace.py), a full chunk, and the largest decode
+            # batch if its short contexts fit at least twice the layers its long ones do, also
+            # have a stack of the most layers they may run, for the contexts where that fits:
+            # a long prompt's chunks ran at 0.87-0.92x the tokens/s in stacks of 2 layers where
+            # static graphs ran 6 (0.5B shape, max_len 4096, bench/README.md). One decode batch
+            # only, to keep the count small.
             full = buckets.chunk[-1]
             fits = [layers_for(full, 1, t) for t in buckets.context if t >= full]
             self.fewest["full"], self.most = min(fits), {"full": max(fits)}
@@ -121,6 +132,12 @@ class ExplicitGraphs:
             most = max(layers_for(largest, largest, t) for t in buckets.context)
             if most >= 2 * self.fewest[("decode", largest)]:
                 self.most[("decode", largest)] = most
+
+    def short_chunks(self) -> tuple:
+        """The chunk buckets that have graphs of static rows of their own (dynamic graphs):
+        up to SHORT_CHUNK tokens, short of the full chunk (which has its own)."""
+        chunk = self.buckets.chunk
+        return tuple(c for c in chunk[:-1] if c <= self.SHORT_CHUNK) if self.dynamic else ()
 
     def mlp_weight_first(self, rows) -> bool:
         return self.forms is not None and self.forms.mlp_weight_first_for(rows)
@@ -137,17 +154,18 @@ class ExplicitGraphs:
         full_chunk = not decode and size == self.buckets.chunk[-1]
         if not decode:
             size = bucket_for(size, self.buckets.chunk)
+        short = not decode and size in self.short_chunks()
         groups = size if decode else 1
         static = not self.dynamic
         if static:
             layers = self.layers_for(size, groups, context)
         else:
-            key = (kind, size) if decode else "full" if full_chunk else kind
+            key = (kind, size) if decode or short else "full" if full_chunk else kind
             layers, most = self.fewest[key], self.most.get(key)
             if most is not None and self.layers_for(size, groups, context) >= most:
                 layers = most
         return Graph("layers", kind, layers, self.mlp_weight_first(size),
-                     rows=size if decode or full_chunk or static else 0,
+                     rows=size if decode or short or full_chunk or static else 0,
                      context=context if static else 0)
 
     def embedding(self, tokens) -> Graph:
