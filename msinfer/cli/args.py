@@ -46,9 +46,8 @@ def add_engine_arguments(parser):
                         help="explicit mode's compiled graphs: dynamic, a few of dynamic "
                              "shape (12 for the 0.5B shape at any max_len), or static, one per "
                              "call shape (81 at the default max_len, 111 at 32768: a cold start "
-                             "about 5x longer; on the CPU backend a prompt of 32 tokens or fewer "
-                             "prefilled ~10%% faster; docs/engine.md, 'Compiled graphs') "
-                             "(default: dynamic)")
+                             "about 5x longer, for about the same speed; docs/engine.md, 'Compiled "
+                             "graphs') (default: dynamic)")
     # Parsed here, once, for every command (launch parses the rank command with this parser
     # too): the value the engine and the planner get is an int of bytes.
     parser.add_argument("--kv-cache-memory", type=kv_cache_bytes, default=None, metavar="BYTES",

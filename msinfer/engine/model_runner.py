@@ -15,9 +15,10 @@ layers (each layer's weights and KV cache passed in; k the fewest for a pass in 
 within the planner's workspace for that shape: planning/workspace.py), and one lm_head call
 (none for a prefill call that completes no prompt). Those graphs are of dynamic shape, so
 their number does not grow with max_len (planning/shapes.ExplicitGraphs: dynamic in the
-context, and in the rows of all but decode steps), and a call pads its context only to a
-multiple of 64 slots and a prefill chunk not at all (one within 16 tokens of a full chunk
-takes the full chunk's graph). semi_auto runs one whole-model graph per call shape.
+context, and in the rows of the prefill chunks between the short and the full ones), and a
+call pads its context only to a multiple of 64 slots and such a chunk not at all (one within
+16 tokens of a full chunk takes the full chunk's graph, a short one its bucket's). semi_auto
+runs one whole-model graph per call shape.
 """
 from __future__ import annotations
 
