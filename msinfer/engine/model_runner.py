@@ -292,10 +292,11 @@ class ExplicitRunner(ModelRunner):
     # Axes a graph takes whatever their size (ExplicitGraphs) are not padded to their bucket:
     # a decode step over 1,100 tokens of context reads 1,152 slots (a multiple of
     # CONTEXT_STEP), not 2,048; a prefill chunk between the short chunks' graphs and the
-    # full chunk's runs its own tokens, as rows cost their compute (a 20-token prompt
-    # prefilled 1.12x as fast as 20 rows as padded to 32, bench/README.md), except one within
-    # FULL_CHUNK_REACH tokens of a full chunk, which takes the full chunk's graph of static
-    # rows (faster than dynamic rows by more); a short chunk takes its bucket's static rows.
+    # full chunk's runs its own tokens, as rows cost their compute (in dynamic rows, a
+    # 20-token prompt ran 1.12x as fast as 20 rows as padded to 32, bench/README.md),
+    # except one within FULL_CHUNK_REACH tokens of a full chunk, which takes the full chunk's
+    # graph of static rows (faster than dynamic rows by more); a short chunk takes its
+    # bucket's static rows.
     CONTEXT_STEP = 64
     FULL_CHUNK_REACH = 16
 
@@ -390,7 +391,8 @@ class ExplicitRunner(ModelRunner):
 
 class SemiAutoRunner(ModelRunner):
     """semi_auto mode: one whole-model graph (the family's Model, e.g. Qwen2Model, owns its
-    weights and caches as Parameters, laid out per rank by MindSpore from the primitives' in_strategy)."""
+    weights and caches as Parameters, laid out per rank by MindSpore from the primitives'
+    in_strategy)."""
 
     needs_rows = True
 
