@@ -10,15 +10,16 @@ machine's drift falls on both.
         --before-graph-shapes static --name graph_speed_vs_static   # one process, two trees
 
 Each round runs one process per side (`worker` below, with its tree on PYTHONPATH) on the
-0.5B shape: a 512-token prompt then 40 greedy tokens alone (b1; b1s: after 20 tokens), 16 prompts of 100 tokens then
-24 tokens each (b16), and prompts of 8, 20, 48 and 100 tokens alone (p8 ... p100: a chat
-turn's first token, one chunk short of a full one; --workloads picks some); each workload
-once to compile, then `--runs` times measured (the engine's own timings: prefill tokens/s,
-decode ms per step; the median). With --in-process each round is one process holding both LLMs, their runs
-alternating, so that what differs from one process to the next falls on both sides too; a
-before-tree's package is then imported under another name (msinfer_before: msinfer's imports
-are relative). Writes bench/results/graph_speed.json and .md: per side the mean over rounds,
-and the ratio. Prefix caching is off so that a repeated prompt is computed again.
+0.5B shape: a 512-token prompt then 40 greedy tokens alone (b1; b1s: after 20 tokens), 16
+prompts of 100 tokens then 24 tokens each (b16), and prompts of 8, 20, 48 and 100 tokens
+alone (p8 ... p100: a chat turn's first token, one chunk short of a full one; --workloads
+picks some); each workload once to compile, then `--runs` times measured (the engine's own
+timings: prefill tokens/s, decode ms per step; the median). With --in-process each round is
+one process holding both LLMs, their runs alternating, so that what differs from one
+process to the next falls on both sides too; a before-tree's package is then imported under
+another name (msinfer_before: msinfer's imports are relative). Writes
+bench/results/graph_speed.json and .md: per side the mean over rounds, and the ratio. Prefix
+caching is off so that a repeated prompt is computed again.
 """
 from __future__ import annotations
 

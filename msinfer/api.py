@@ -46,8 +46,7 @@ class LLM:
     dtype: compute dtype override (the hardware's policy decides otherwise).
     graph_shapes: explicit mode's compiled graphs, "dynamic" (the default: a few, as many at
         any max_len) or "static" (one per call shape: 7x as many for the 0.5B shape's defaults,
-        a slower start, a prompt of 32 tokens or fewer ~10% faster to prefill on CPU;
-        docs/engine.md, "Compiled graphs").
+        a slower start, about the same speed; docs/engine.md, "Compiled graphs").
     compile_cache: where `warmup()` keeps compiled graphs for the next start of the same
         configuration (engine/compile_cache.py): a directory; None (the default):
         $MSINFER_COMPILE_CACHE, else ~/.cache/msinfer/compile; False: none.

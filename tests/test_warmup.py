@@ -86,7 +86,7 @@ def test_after_warmup_a_mixed_workload_compiles_nothing(model_dir, mode, max_len
         # per call kind and batch): embedding, decode at batches 1, 2, 4, prefill chunks of 16
         # and 32 rows, of dynamic rows and full, 2 heads
         graph_of = llm.engine.runner.graph_of
-        assert graph_of.short_chunks() == (16, 32)
+        assert graph_of.short_chunks == (16, 32)
         assert compiled == 1 + 3 + 4 + 1 + (graph_of.head_weight_first(4)
                                             != graph_of.head_weight_first(1))
     before = llm.compilations

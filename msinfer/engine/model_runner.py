@@ -311,7 +311,7 @@ class ExplicitRunner(ModelRunner):
         full = self.chunk_buckets[-1]
         if tokens > full - self.FULL_CHUNK_REACH:
             return full
-        short = self.graph_of.short_chunks()
+        short = self.graph_of.short_chunks
         return bucket_for(tokens, short) if short and tokens <= short[-1] else tokens
 
     def shapes(self):

@@ -107,6 +107,10 @@ class ExplicitGraphs:
         self.layers_for = layers_for
         self.forms = forms
         self.dynamic = dynamic
+        # The chunk buckets with graphs of static rows of their own: up to SHORT_CHUNK
+        # tokens, short of the full chunk (which has its own); none for static graphs.
+        self.short_chunks = (tuple(c for c in buckets.chunk[:-1] if c <= self.SHORT_CHUNK)
+                             if dynamic else ())
         if dynamic:
             # One layers-per-graph for all the contexts (and prefill rows) a graph takes: the
             # fewest any of those calls may run (the workspace bounds long contexts), so one
@@ -115,7 +119,7 @@ class ExplicitGraphs:
                            for b in buckets.batch}
             self.fewest["prefill"] = min(layers_for(c, 1, t) for c in buckets.chunk
                                          for t in buckets.context if t >= c)
-            for rows in self.short_chunks():
+            for rows in self.short_chunks:
                 self.fewest[("prefill", rows)] = min(layers_for(rows, 1, t)
                                                      for t in buckets.context if t >= rows)
             # Where the workspace holds fewer layers of a long context (a profile that counts
@@ -133,12 +137,6 @@ class ExplicitGraphs:
             if most >= 2 * self.fewest[("decode", largest)]:
                 self.most[("decode", largest)] = most
 
-    def short_chunks(self) -> tuple:
-        """The chunk buckets that have graphs of static rows of their own (dynamic graphs):
-        up to SHORT_CHUNK tokens, short of the full chunk (which has its own)."""
-        chunk = self.buckets.chunk
-        return tuple(c for c in chunk[:-1] if c <= self.SHORT_CHUNK) if self.dynamic else ()
-
     def mlp_weight_first(self, rows) -> bool:
         return self.forms is not None and self.forms.mlp_weight_first_for(rows)
 
@@ -154,7 +152,7 @@ class ExplicitGraphs:
         full_chunk = not decode and size == self.buckets.chunk[-1]
         if not decode:
             size = bucket_for(size, self.buckets.chunk)
-        short = not decode and size in self.short_chunks()
+        short = not decode and size in self.short_chunks
         groups = size if decode else 1
         static = not self.dynamic
         if static:
