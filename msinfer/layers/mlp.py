@@ -19,16 +19,17 @@ from .parallel_context import SemiAutoLayout, shard
 
 class SwiGLU(nn.Cell):
     """The MLP of `prefix` (e.g. "model.layers.0.mlp"): its `gate_up_proj` and `down_proj`
-    weights are arguments (checkpoint names prefix.gate_proj/up_proj fused, prefix.down_proj)."""
+    weights are arguments (checkpoint names prefix.gate_proj/up_proj fused, prefix.down_proj).
+    `reduce` False: the output of a split MLP stays this rank's partial sum."""
 
-    def __init__(self, ctx, prefix="model.layers.0.mlp", intermediate=None):
+    def __init__(self, ctx, prefix="model.layers.0.mlp", intermediate=None, reduce=True):
         super().__init__()
         config, plan = ctx.config, ctx.plan
         forms = matmul_forms(ctx)
         mlp = dict(in_out=forms is not None and forms.in_out,
                    weight_first=forms.mlp_weight_first if forms else None)
         self.gate_up_proj = ParallelLinear(ctx, prefix + ".gate_up_proj", **mlp)
-        self.down_proj = ParallelLinear(ctx, prefix + ".down_proj", **mlp)
+        self.down_proj = ParallelLinear(ctx, prefix + ".down_proj", reduce=reduce, **mlp)
         self.explicit = ctx.mode == "explicit"
         semi_auto = ctx.mode == "semi_auto"
         layout = SemiAutoLayout(plan) if semi_auto else None

@@ -1,11 +1,12 @@
 """The model family of a config: the module (one per family) whose Cells and weight names the
 model runner builds the model from. Each family module has the same names: EMBEDDING_WEIGHT,
 Embedding, LayerStack, LMHead, Model (the whole-model Cell of semi_auto), layer_weight_names,
-head_weight_names, weight_names, weight_layout."""
+head_weight_names, weight_names, weight_layout, layer_classes (the decoder-layer class of each
+layer)."""
 from ..errors import MsinferError
-from . import qwen2, qwen3
+from . import qwen2, qwen2_moe, qwen3, qwen3_moe
 
-FAMILIES = {"qwen2": qwen2, "qwen3": qwen3}
+FAMILIES = {"qwen2": qwen2, "qwen3": qwen3, "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe}
 
 
 def family_of(config):

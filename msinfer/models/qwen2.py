@@ -63,6 +63,11 @@ def head_weight_names(config) -> list:
     return ["model.norm.weight", lm_head]
 
 
+def layer_classes(config) -> tuple:
+    """The decoder-layer Cell of each layer (a MoE family mixes dense and sparse layers)."""
+    return (DecoderLayer,) * config.num_layers
+
+
 def weight_names(config, layer_names=layer_weight_names) -> list:
     """Every weight the model takes, each once, in load order (`layer_names`: a family's
     layer_weight_names)."""
@@ -120,8 +125,9 @@ class DecoderLayer(nn.Cell):
 
 
 class LayerStack(nn.Cell):
-    """`count` consecutive decoder layers as one graph. After the call's inputs come, per
-    layer, its K cache, its V cache and its weights (`LAYER_WEIGHTS` order): all Tensors, so
+    """`count` consecutive decoder layers as one graph (`layers`: their classes, a family's
+    layer_classes; default `count` of LAYER). After the call's inputs come, per layer, its K
+    cache, its V cache and its weights (its class's WEIGHTS order): all Tensors, so
     MindSpore compiles the graph once for every run of `count` layers and passes them without
     a copy (a Parameter argument would compile once per Parameter; a tuple argument is a
     constant, compiled per value).
@@ -134,15 +140,17 @@ class LayerStack(nn.Cell):
     LAYER = DecoderLayer
     ARGS_PER_LAYER = 2 + len(LAYER.WEIGHTS)
 
-    def __init__(self, ctx, count):
+    def __init__(self, ctx, count, layers=None):
         super().__init__()
-        self.layers = nn.CellList([self.LAYER(ctx) for _ in range(count)])
+        layers = layers or (self.LAYER,) * count
+        self.layers = nn.CellList([layer(ctx) for layer in layers])
         self.count = count
+        self.firsts = tuple(sum(2 + len(c.WEIGHTS) for c in layers[:i]) for i in range(count))
+        self.args = tuple(2 + len(c.WEIGHTS) for c in layers)
 
     def construct(self, x, cos, sin, write_slots, context_slots, mask, *per_layer):
-        n = self.ARGS_PER_LAYER
         for i in range(self.count):
-            args = per_layer[i * n:(i + 1) * n]
+            args = per_layer[self.firsts[i]:self.firsts[i] + self.args[i]]
             x = self.layers[i](x, cos, sin, args[0], args[1], write_slots, context_slots, mask,
                                *args[2:])
         return x

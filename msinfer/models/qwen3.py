@@ -21,6 +21,10 @@ def layer_weight_names(layer: int) -> list:
     return [f"model.layers.{layer}.{w}" for w in LAYER_WEIGHTS]
 
 
+def layer_classes(config) -> tuple:
+    return (DecoderLayer,) * config.num_layers
+
+
 def weight_names(config) -> list:
     """Every weight the model takes, each once, in load order."""
     return qwen2.weight_names(config, layer_weight_names)
