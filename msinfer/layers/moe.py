@@ -16,16 +16,24 @@ the shard plan:
 Either way the partial sums, with the shared expert's (split as a dense MLP), are summed by
 one AllReduce per layer, as the dense MLP's.
 
-The cost grows with the routed experts, not all of them: each (token, expert) pair gathers
-that expert's weights (this rank's slice) and multiplies its token by them (a batched matmul
-of N x k pairs of one row each). The shapes are those of the tokens, so the form runs in any
-graph, static or dynamic. It copies each routed expert's slice once per pair: right for
-decode (a few tokens; the weights are read once either way), expensive for long prefill
-chunks, where grouping the pairs by expert (MindSpore's GroupedMatmul on Ascend) reads each
-expert once.
+The cost grows with the routed experts, not all of them: no token is multiplied by an expert
+that did not route it. Two forms of static shape, by the P = tokens x k (token, expert) pairs
+of a call:
+- by pair (`_by_pair`: decode steps, and calls whose rows a graph does not fix): each pair
+  gathers its expert's weights (this rank's slice) and multiplies its one token by them, a
+  batched matmul of P pairs of one row. Its shapes follow the tokens, so it runs in graphs of
+  dynamic rows; it copies an expert's slice once per pair, which for a few tokens is what
+  reading the weights costs anyway.
+- grouped (`_grouped`: graphs of static rows with more pairs than experts, i.e. prefill
+  chunks): the pairs sorted by expert, each expert's run padded to whole blocks of `block`
+  rows, one batched matmul over the blocks (each block's expert gathered once), the rows
+  summed back to their tokens. At most ceil(P / block) + min(experts, P) blocks whatever the
+  routing, so its shapes are fixed by the graph's rows; block = P // experts keeps that
+  within about two blocks per expert.
 """
 import mindspore as ms
-from mindspore import nn, ops
+import numpy as np
+from mindspore import Tensor, nn, ops
 from mindspore.ops.auto_generate import SiLU
 
 from .mlp import SwiGLU
@@ -64,6 +72,16 @@ class SparseMoE(nn.Cell):
         self.silu = SiLU()
         self.halves = ops.Split(-1, 2)
         self.sigmoid = ops.Sigmoid()
+        self.num_experts = self.local_experts if self.expert_parallel else moe.num_experts
+        rows = ctx.graph.rows if ctx.graph is not None else 0
+        self.pairs = rows * self.top_k  # 0: rows not fixed when the graph is built
+        self.grouped = self.pairs > self.num_experts
+        if self.grouped:
+            self.block = self.pairs // self.num_experts
+            self.blocks = -(-self.pairs // self.block) + min(self.num_experts, self.pairs)
+            self.rows = rows
+            # the token of each pair, (P,): token t's experts are pairs t*k .. t*k + k - 1
+            self.pair_token = Tensor(np.arange(self.pairs, dtype=np.int32) // self.top_k)
 
     def construct(self, x, w_router, w_gate_up, w_down, *shared):
         weights, ids = self._route(x, w_router)
@@ -91,12 +109,48 @@ class SparseMoE(nn.Cell):
             held = ops.logical_and(local >= 0, local < self.local_experts)
             weights = weights * held.astype(weights.dtype)
             ids = ops.where(held, local, ops.zeros_like(local))
+        if self.grouped:
+            return self._grouped(x, weights.reshape(-1), ids.reshape(-1), w_gate_up, w_down)
+        return self._by_pair(x, weights, ids, w_gate_up, w_down)
+
+    def _expert_mlp(self, rows, w_gate_up, w_down):
+        """SwiGLU of each group of `rows` (groups, rows, hidden) by its expert's weights
+        (groups, 2I, hidden) and (groups, hidden, I)."""
+        gate, up = self.halves(self.pair_matmul(rows, w_gate_up))
+        return self.pair_matmul(self.silu(gate) * up, w_down)
+
+    def _by_pair(self, x, weights, ids, w_gate_up, w_down):
         k = self.top_k
         pairs = ids.reshape(-1)  # token t's experts at rows t*k .. t*k + k - 1
         rows = ops.tile(x.expand_dims(1), (1, k, 1)).reshape(-1, 1, self.hidden)
-        gate_up = self.pair_matmul(rows, self.pick(w_gate_up, pairs, 0))  # (pairs, 1, 2I)
-        gate, up = self.halves(gate_up)
-        act = self.silu(gate) * up
-        y = self.pair_matmul(act, self.pick(w_down, pairs, 0))  # (pairs, 1, hidden)
-        y = y.reshape(-1, k, self.hidden) * weights.expand_dims(-1)
+        y = self._expert_mlp(rows, self.pick(w_gate_up, pairs, 0), self.pick(w_down, pairs, 0))
+        y = y.reshape(-1, k, self.hidden) * weights.expand_dims(-1)  # y: (pairs, 1, hidden)
         return y.sum(1)
+
+    def _grouped(self, x, weights, experts, w_gate_up, w_down):
+        """weights, experts: (P,) of the pairs. Pair j of the sorted order goes to row
+        padded_start[e] + (j - start[e]) of its expert e's run of blocks."""
+        e_count, b = self.num_experts, self.block
+        _, order = ops.sort(experts.astype(ms.float32))
+        sorted_experts = self.pick(experts, order, 0)
+        count = ops.one_hot(experts, e_count, Tensor(1, ms.int32), Tensor(0, ms.int32)).sum(0)
+        padded = (count + (b - 1)) // b * b
+        start = ops.cumsum(count, 0) - count
+        padded_start = ops.cumsum(padded, 0) - padded
+        row = (self.pick(padded_start, sorted_experts, 0) + ops.arange(self.pairs)
+               - self.pick(start, sorted_experts, 0)).astype(ms.int32)
+        rows = self.blocks * b
+        # Rows no pair fills read token 0, weigh 0 and add into an extra token dropped below.
+        token = ops.tensor_scatter_elements(ops.zeros((rows,), ms.int32), row,
+                                            self.pick(self.pair_token, order, 0), 0)
+        target = ops.tensor_scatter_elements(ops.full((rows,), self.rows, dtype=ms.int32),
+                                             row, self.pick(self.pair_token, order, 0), 0)
+        weight = ops.tensor_scatter_elements(ops.zeros((rows,), weights.dtype), row,
+                                             self.pick(weights, order, 0), 0)
+        block_expert = ops.tensor_scatter_elements(ops.zeros((self.blocks,), experts.dtype),
+                                                   row // b, sorted_experts, 0)
+        grouped = self.pick(x, token, 0).reshape(self.blocks, b, self.hidden)
+        y = self._expert_mlp(grouped, self.pick(w_gate_up, block_expert, 0),
+                             self.pick(w_down, block_expert, 0))
+        y = y.reshape(rows, self.hidden) * weight.expand_dims(-1)
+        return ops.unsorted_segment_sum(y, target, self.rows + 1)[:self.rows]
