@@ -306,6 +306,16 @@ def _decode_bound(report, shard_plan, dtype_bytes):
     short = weights - _idle_expert_bytes(shard_plan, dtype_bytes, report.max_num_seqs)
     report.decode_tokens_per_s_bound_short_context = (report.max_num_seqs * report.data * bandwidth
                                                     / short)
+    config = shard_plan.config
+    if config.moe is not None:  # what one sequence's step reads: its routed experts only
+        one = weights - _idle_expert_bytes(shard_plan, dtype_bytes, 1)
+        report.notes.append(
+            f"mixture of experts: a token runs {config.moe.num_experts_per_tok} of the "
+            f"{config.moe.num_experts} experts of each sparse layer, "
+            f"{config.num_active_parameters() / 1e9:.2f}B of {config.num_parameters() / 1e9:.2f}B "
+            f"parameters; one short sequence's decode step reads {_gib(one)} per device (its "
+            f"active parameters): at most {report.data * bandwidth / one:.1f} tokens/s; a batch "
+            f"reads the union of its tokens' experts")
 
 
 def _explain(report, shard_plan, profile):
