@@ -1,4 +1,5 @@
-"""Model configuration (Qwen2, Qwen2.5, Qwen3 dense, Qwen2-MoE and Qwen3-MoE), read from a Hugging Face config.json.
+"""Model configuration (Qwen2, Qwen2.5, Qwen3 dense, Qwen2-MoE and Qwen3-MoE), read from a
+Hugging Face config.json.
 
 Accepts both spellings in the wild: transformers 4.x (`rope_theta`, `rope_scaling`,
 `torch_dtype`) and 5.x (`rope_parameters`, `dtype`). Every derived size is computed here, once,
