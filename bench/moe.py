@@ -85,8 +85,8 @@ def main(argv=None):
     moe_flags = QUICK_MOE if args.quick else MOE
     suffix = "-quick" if args.quick else ""
     moe_dir = ensure_model("bench-qwen3-moe" + suffix, SHAPE + moe_flags)
-    dense_dir = ensure_model("bench-qwen3-dense" + suffix,
-                             SHAPE + (["--intermediate", "128"] if args.quick else DENSE))
+    dense_flags = ["--intermediate", "128"] if args.quick else DENSE
+    dense_dir = ensure_model("bench-qwen3-dense" + suffix, SHAPE + dense_flags)
 
     import numpy as np
     import torch
@@ -134,7 +134,7 @@ def main(argv=None):
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         commit=commit, quick=args.quick, reps=args.reps, new_tokens=args.tokens,
         prompt_tokens=32, engine=engine,
-        models={k: dict(flags=SHAPE + (moe_flags if k == "moe" else DENSE),
+        models={k: dict(flags=SHAPE + (moe_flags if k == "moe" else dense_flags),
                         parameters=c.num_parameters(),
                         active_parameters=c.num_active_parameters())
                 for k, c in configs.items()},

@@ -125,7 +125,7 @@ def test_the_routers_choices_are_clear(case):
 
 def test_logprobs_and_32_greedy_tokens_match_transformers(case):
     """Prompts of 5, 11, 37 (three 16-token prefill chunks: the grouped form) and 1 token;
-    decode steps of up to 4 sequences (the by-pair form)."""
+    decode steps of up to 4 sequences (the by-token form)."""
     name, config, llm, hf = case
     prompts = prompts_for(config.vocab_size)
     outs = llm.generate(prompts, greedy(config.vocab_size))
@@ -188,7 +188,7 @@ def reference_moe(x, router, gate_up, down, k, renormalise):
 def test_the_sparse_layer_sums_each_tokens_routed_experts_whatever_the_routing(
         rows, skewed, tensor):
     """24 rows x top-3 of 6 experts: the grouped form (pairs > experts), every token routed to
-    experts 0-2 when skewed (the worst case for one expert's run); 3 rows: by pair. tensor 2:
+    experts 0-2 when skewed (the worst case for one expert's run); 3 rows: by token. tensor 2:
     rank 1 of expert parallelism (experts 3-5), whose partial sum holds only its experts'."""
     import mindspore as ms
     from mindspore import Tensor
@@ -224,7 +224,8 @@ def test_the_sparse_layer_sums_each_tokens_routed_experts_whatever_the_routing(
     layer.reduce = None  # one rank's partial sum, with no job to sum it over
     assert layer.grouped == (rows * 3 > 6)
     held = list(plan.local_experts("model.layers.0.mlp.experts.gate_up_proj.weight", rank))
-    got = layer(Tensor(x), Tensor(router), Tensor(gate_up[held]), Tensor(down[held])).asnumpy()
+    down_in_out = np.ascontiguousarray(down[held].transpose(0, 2, 1))  # as loaded
+    got = layer(Tensor(x), Tensor(router), Tensor(gate_up[held]), Tensor(down_in_out)).asnumpy()
     routed = reference_moe(x.astype(np.float64), router, gate_up, down, 3, True)
     if tensor > 1:  # rank 1's part: the other experts' weights zeroed
         others = [e for e in range(6) if e not in held]

@@ -3,12 +3,13 @@ experts, each a SwiGLU MLP, and sums their outputs weighted by the router's scor
 adds a shared expert, gated per token by a sigmoid.
 
 Routing is HF's (modeling_qwen2_moe.py / qwen3_moe): router logits x @ gate.T, softmax in
-float32 over all experts, top-k, renormalised to sum 1 only with norm_topk_prob, cast back to
-the activation dtype.
+float32 over all experts, top-k, renormalised to sum 1 only with norm_topk_prob (computed as
+the softmax of the top-k logits, the same numbers), cast back to the activation dtype.
 
 The experts of a layer are stacked, (experts, 2 x intermediate, hidden) for gate/up (gate rows
-first, as transformers fuses them) and (experts, hidden, intermediate) for down, and placed by
-the shard plan:
+first, as transformers fuses them) and (experts, intermediate, hidden) for down (the
+checkpoint's transposed at load: models/moe_family.weight_layout), and placed by the shard
+plan:
 - tensor-sharded (`colwise`/`rowwise`, the default): every rank holds its slice of every
   expert's intermediate width and computes a partial sum of every routed expert;
 - expert parallel (`expert`): every rank holds num_experts / tensor whole experts and computes
@@ -19,11 +20,12 @@ one AllReduce per layer, as the dense MLP's.
 The cost grows with the routed experts, not all of them: no token is multiplied by an expert
 that did not route it. Two forms of static shape, by the P = tokens x k (token, expert) pairs
 of a call:
-- by pair (`_by_pair`: decode steps, and calls whose rows a graph does not fix): each pair
-  gathers its expert's weights (this rank's slice) and multiplies its one token by them, a
-  batched matmul of P pairs of one row. Its shapes follow the tokens, so it runs in graphs of
-  dynamic rows; it copies an expert's slice once per pair, which for a few tokens is what
-  reading the weights costs anyway.
+- by token (`_by_token`: decode steps, and calls whose rows a graph does not fix): each pair
+  gathers its expert's weights (this rank's slice), and each token is multiplied by its k
+  experts side by side, as by a dense MLP k experts wide (one batched matmul per projection,
+  a token per batch; the down projection sums the k experts' outputs, weighted before it).
+  Its shapes follow the tokens, so it runs in graphs of dynamic rows; it copies an expert's
+  slice once per pair, which for a few tokens is what reading the weights costs anyway.
 - grouped (`_grouped`: graphs of static rows with more pairs than experts, i.e. prefill
   chunks): the pairs sorted by expert, each expert's run padded to whole blocks of `block`
   rows, one batched matmul over the blocks (each block's expert gathered once), the rows
@@ -63,12 +65,15 @@ class SparseMoE(nn.Cell):
             self.shared = SwiGLU(ctx, prefix + ".shared_expert",
                                  moe.shared_expert_intermediate, reduce=False)
         self.router = ops.MatMul(transpose_b=True)
+        self.in_float32 = ctx.dtype in (None, ms.float32)  # no casts to make
         self.to_float = ops.Cast()
         self.to_dtype = ops.Cast()
         self.softmax = ops.Softmax(-1)
         self.topk = ops.TopK(sorted=True)
         self.pick = ops.Gather()
-        self.pair_matmul = ops.BatchMatMul(transpose_b=True)
+        self.pair_matmul = ops.BatchMatMul(transpose_b=True)  # gate/up: (E, 2I, hidden)
+        self.down_matmul = ops.BatchMatMul()  # down: (E, I, hidden)
+        self.width = plan.local_shape(prefix + ".experts.down_proj.weight")[1]
         self.silu = SiLU()
         self.halves = ops.Split(-1, 2)
         self.sigmoid = ops.Sigmoid()
@@ -95,12 +100,20 @@ class SparseMoE(nn.Cell):
         return out
 
     def _route(self, x, w_router):
-        """(tokens, k) weights in x's dtype and expert numbers of each token's top-k."""
-        probs = self.softmax(self.to_float(self.router(x, w_router), ms.float32))
-        weights, ids = self.topk(probs, self.top_k)
+        """(tokens, k) weights in x's dtype and expert numbers of each token's top-k. Top-k
+        of the softmax is top-k of the logits, and the top-k probabilities renormalised are
+        the softmax of the top-k logits: with norm_topk_prob only k of them are exponentiated."""
+        logits = self.router(x, w_router)
+        if not self.in_float32:
+            logits = self.to_float(logits, ms.float32)
         if self.renormalise:
-            weights = weights / weights.sum(-1, keepdims=True)
-        return self.to_dtype(weights, x.dtype), ids
+            top, ids = self.topk(logits, self.top_k)
+            weights = self.softmax(top)
+        else:
+            weights, ids = self.topk(self.softmax(logits), self.top_k)
+        if not self.in_float32:
+            weights = self.to_dtype(weights, x.dtype)
+        return weights, ids
 
     def _experts(self, x, weights, ids, w_gate_up, w_down):
         """Sum over each token's k experts of weight x expert(x), this rank's part of it."""
@@ -111,21 +124,25 @@ class SparseMoE(nn.Cell):
             ids = ops.where(held, local, ops.zeros_like(local))
         if self.grouped:
             return self._grouped(x, weights.reshape(-1), ids.reshape(-1), w_gate_up, w_down)
-        return self._by_pair(x, weights, ids, w_gate_up, w_down)
+        return self._by_token(x, weights, ids, w_gate_up, w_down)
 
     def _expert_mlp(self, rows, w_gate_up, w_down):
         """SwiGLU of each group of `rows` (groups, rows, hidden) by its expert's weights
-        (groups, 2I, hidden) and (groups, hidden, I)."""
+        (groups, 2I, hidden) and (groups, I, hidden)."""
         gate, up = self.halves(self.pair_matmul(rows, w_gate_up))
-        return self.pair_matmul(self.silu(gate) * up, w_down)
+        return self.down_matmul(self.silu(gate) * up, w_down)
 
-    def _by_pair(self, x, weights, ids, w_gate_up, w_down):
-        k = self.top_k
-        pairs = ids.reshape(-1)  # token t's experts at rows t*k .. t*k + k - 1
-        rows = ops.tile(x.expand_dims(1), (1, k, 1)).reshape(-1, 1, self.hidden)
-        y = self._expert_mlp(rows, self.pick(w_gate_up, pairs, 0), self.pick(w_down, pairs, 0))
-        y = y.reshape(-1, k, self.hidden) * weights.expand_dims(-1)  # y: (pairs, 1, hidden)
-        return y.sum(1)
+    def _by_token(self, x, weights, ids, w_gate_up, w_down):
+        """weights, ids: (tokens, k). Token t's k experts' gate/up rows one after another,
+        (k x 2I, hidden), and their down rows, (k x I, hidden)."""
+        k, width, hidden = self.top_k, self.width, self.hidden
+        pairs = ids.reshape(-1)  # token t's experts at t*k .. t*k + k - 1
+        w_gate_up = self.pick(w_gate_up, pairs, 0).reshape(-1, k * 2 * width, hidden)
+        gate_up = self.pair_matmul(x.expand_dims(1), w_gate_up).reshape(-1, k, 2 * width)
+        gate, up = self.halves(gate_up)
+        act = self.silu(gate) * up * weights.expand_dims(-1)  # (tokens, k, I), weighted
+        w_down = self.pick(w_down, pairs, 0).reshape(-1, k * width, hidden)
+        return self.down_matmul(act.reshape(-1, 1, k * width), w_down).reshape(-1, hidden)
 
     def _grouped(self, x, weights, experts, w_gate_up, w_down):
         """weights, experts: (P,) of the pairs. Pair j of the sorted order goes to row

@@ -1,7 +1,7 @@
 """What Qwen2-MoE and Qwen3-MoE (models/qwen2_moe.py, qwen3_moe.py) share over their dense
 families: a layer's MLP is dense or sparse by the config (ModelConfig.is_sparse_layer), the
-weight names follow each layer's class, and a sparse layer's stacked experts are shaped
-(experts, rows, columns) at load.
+weight names follow each layer's class, and a sparse layer's stacked experts are shaped at
+load as layers/moe.py takes them.
 
 A layer class stands for every layer of its kind: its Cells take their shard styles from the
 first layer of that kind (strategy.first_layer), as a dense model's take them from layer 0.
@@ -45,11 +45,15 @@ def weight_names(config, classes) -> list:
 
 def weight_layout(ctx, name, array):
     """A loaded weight in the layout this process's graphs take: a sparse layer's stacked
-    experts (loaded as their parts' rows one after another) as (experts, rows, columns); the
-    shared expert's projections as the dense MLP's; the rest as the dense family's."""
+    experts (loaded as their parts' rows one after another) as (experts, 2I, hidden) for
+    gate/up and (experts, I, hidden) for down (layers/moe.py); the shared expert's projections
+    as the dense MLP's; the rest as the dense family's."""
     if name.endswith(_STACKED):
         experts = len(ctx.plan.local_experts(name, ctx.tensor_rank))
-        return array.reshape(experts, -1, array.shape[-1])
+        stacked = array.reshape(experts, -1, array.shape[-1])
+        if name.endswith(_STACKED[1]):  # down as (experts, I, hidden): x @ W per expert
+            return np.ascontiguousarray(stacked.transpose(0, 2, 1))
+        return stacked
     forms = matmul_forms(ctx)
     if forms is not None and forms.in_out and name.endswith(_SHARED_IN_OUT):
         return np.ascontiguousarray(array.T)
