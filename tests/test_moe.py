@@ -380,3 +380,16 @@ def test_plan_shows_qwen3_30b_a3b_on_one_300i_duo_card():
     assert "3.35B of 30.53B parameters" in " ".join(out.stdout.split())
     for name, billions in (("qwen3-30b-a3b", 30.5), ("qwen2-57b-a14b", 57.4)):
         assert round(PRESETS[name].num_parameters() / 1e9, 1) == billions
+
+
+def test_the_planner_counts_the_graphs_the_engine_compiles(case):
+    """A stack's graph per run of layer kinds: Qwen3-MoE's sparse, dense, sparse layers."""
+    from msinfer.hardware import get_profile
+    from msinfer.planning.memory import EngineLimits
+    from msinfer.planning.planner import make_plan
+
+    name, config, llm, hf = case
+    limits = EngineLimits.for_model(config, max_len=128, block_size=4, max_prefill_tokens=16,
+                                    max_num_seqs=4, kv_cache_memory=1 << 20)
+    report = make_plan(config, Strategy.default(), get_profile("cpu"), limits)
+    assert report.warmup_graphs == llm.engine.runner.graph_count

@@ -213,8 +213,13 @@ def warmup_graphs(shard_plan, profile, limits, dtype_bytes, mode) -> int:
                               limits.max_num_seqs, profile.min_layers_per_graph,
                               profile.layer_peak_growth)
     forms = cpu_matmul_forms() if profile.device_target == "CPU" else None
-    return len(ExplicitGraphs(buckets, layers_for, forms,
-                              dynamic=limits.graph_shapes == "dynamic").all())
+    graphs = ExplicitGraphs(buckets, layers_for, forms, dynamic=limits.graph_shapes == "dynamic")
+    # A layer stack compiles once per run of layer kinds its stacks cover (a MoE model mixing
+    # dense and sparse layers: ExplicitRunner.graph_count)
+    config = shard_plan.config
+    kinds = tuple(config.is_sparse_layer(n) for n in range(config.num_layers))
+    return sum(len({kinds[first:first + g.layers] for first in range(0, len(kinds), g.layers)})
+               if g.part == "layers" else 1 for g in graphs.all())
 
 
 def _workspace_formula(profile, limits):
