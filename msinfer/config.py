@@ -1,4 +1,5 @@
-"""Model configuration (Qwen2, Qwen2.5 and Qwen3 dense), read from a Hugging Face config.json.
+"""Model configuration (Qwen2, Qwen2.5, Qwen3 dense, Qwen2-MoE and Qwen3-MoE), read from a
+Hugging Face config.json.
 
 Accepts both spellings in the wild: transformers 4.x (`rope_theta`, `rope_scaling`,
 `torch_dtype`) and 5.x (`rope_parameters`, `dtype`). Every derived size is computed here, once,
@@ -15,7 +16,9 @@ import os
 from .errors import MsinferError, positive_int
 
 # model_type -> the architecture its checkpoints name (models/families.py: the code of each).
-_SUPPORTED_MODEL_TYPES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_SUPPORTED_MODEL_TYPES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                          "qwen2_moe": "Qwen2MoeForCausalLM",
+                          "qwen3_moe": "Qwen3MoeForCausalLM"}
 _SUPPORTED_ROPE_TYPES = ("default", "yarn")
 _REQUIRED_KEYS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -62,16 +65,24 @@ class ModelConfig:
     source: str = "<memory>"
     model_type: str = "qwen2"  # qwen3: per-head q/k RMSNorm, no q/k/v bias
     rope_scaling: RopeScaling | None = None  # None: HF's default rotary embedding
+    moe: MoeConfig | None = None  # qwen2_moe / qwen3_moe: their sparse layers' experts
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` runs routed experts (HF's rule): not in
+        mlp_only_layers, and (layer + 1) a multiple of decoder_sparse_step."""
+        moe = self.moe
+        return (moe is not None and moe.num_experts > 0 and layer not in moe.mlp_only_layers
+                and (layer + 1) % moe.decoder_sparse_step == 0)
 
     @property
     def qkv_bias(self) -> bool:
         """q/k/v projections with biases (Qwen2's); Qwen3 has none."""
-        return self.model_type == "qwen2"
+        return self.model_type in ("qwen2", "qwen2_moe")
 
     @property
     def qk_norm(self) -> bool:
         """Per-head RMSNorm of q and k before the rotary embedding (Qwen3's)."""
-        return self.model_type == "qwen3"
+        return self.model_type in ("qwen3", "qwen3_moe")
 
     @property
     def max_context_len(self) -> int:
@@ -116,10 +127,11 @@ class ModelConfig:
             shapes.update({
                 p + "self_attn.o_proj.weight": (h, self.q_size),
                 p + "post_attention_layernorm.weight": (h,),
-                p + "mlp.gate_proj.weight": (i, h),
-                p + "mlp.up_proj.weight": (i, h),
-                p + "mlp.down_proj.weight": (h, i),
             })
+            if self.is_sparse_layer(n):
+                shapes.update(self.moe.parameter_shapes(p + "mlp.", h))
+            else:
+                shapes.update(_mlp_shapes(p + "mlp.", h, i))
         shapes["model.norm.weight"] = (h,)
         if not self.tie_word_embeddings:
             shapes["lm_head.weight"] = (self.vocab_size, h)
@@ -134,6 +146,16 @@ class ModelConfig:
             total += count
         return total
 
+    def num_active_parameters(self) -> int:
+        """The parameters one token reads: all of a dense model's; of a MoE model's routed
+        experts only its num_experts_per_tok per sparse layer."""
+        if self.moe is None:
+            return self.num_parameters()
+        moe = self.moe
+        idle = moe.num_experts - moe.num_experts_per_tok
+        sparse = sum(self.is_sparse_layer(n) for n in range(self.num_layers))
+        return self.num_parameters() - sparse * idle * 3 * self.hidden_size * moe.intermediate
+
     @classmethod
     def from_dict(cls, raw: dict, source: str = "<dict>") -> ModelConfig:
         model_type = raw.get("model_type")
@@ -147,8 +169,10 @@ class ModelConfig:
             raise MsinferError(
                 f"{source}: architectures {architectures!r} is not supported for model_type "
                 f"{model_type!r} (msinfer runs {_supported_architectures()})")
-        if model_type == "qwen3":
+        if model_type in ("qwen3", "qwen3_moe"):
             _check_qwen3(raw, source)
+        if model_type == "qwen2_moe":
+            _check_qwen2_moe(raw, source)
         missing = [k for k in _REQUIRED_KEYS if k not in raw]
         if missing:
             raise MsinferError(f"{source}: missing required key(s): {', '.join(missing)}")
@@ -189,6 +213,7 @@ class ModelConfig:
             source=source,
             model_type=model_type,
             rope_scaling=_rope_scaling(raw, max_positions, source),
+            moe=MoeConfig.from_dict(raw, source) if model_type.endswith("_moe") else None,
         )
 
     @classmethod
@@ -199,6 +224,82 @@ class ModelConfig:
         if not os.path.isfile(path):
             raise MsinferError(f"{path}: not found (a Hugging Face model directory has one)")
         return cls.from_dict(read_json_object(path), source=path)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """The routed experts of Qwen2-MoE and Qwen3-MoE (HF's configuration_qwen*_moe.py)."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    intermediate: int  # moe_intermediate_size: one expert's
+    norm_topk_prob: bool = False  # renormalise the top-k weights to sum 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple = ()
+    shared_expert_intermediate: int = 0  # Qwen2-MoE's shared expert (0: none)
+
+    def parameter_shapes(self, prefix, hidden):
+        """A sparse layer's MLP tensors as the checkpoint names them: the router
+        (`gate`), each expert's gate/up/down, and Qwen2-MoE's shared expert and its gate."""
+        shapes = {prefix + "gate.weight": (self.num_experts, hidden)}
+        for e in range(self.num_experts):
+            shapes.update(_mlp_shapes(f"{prefix}experts.{e}.", hidden, self.intermediate))
+        if self.shared_expert_intermediate:
+            shapes.update(_mlp_shapes(prefix + "shared_expert.", hidden,
+                                      self.shared_expert_intermediate))
+            shapes[prefix + "shared_expert_gate.weight"] = (1, hidden)
+        return shapes
+
+    @classmethod
+    def from_dict(cls, raw, source):
+        """Both spellings of the expert count: `num_experts` (Qwen2-MoE, the released
+        Qwen3-MoE configs) and `num_local_experts` (what transformers 5.x's Qwen3MoeConfig
+        writes)."""
+        count_key = "num_experts" if "num_experts" in raw else "num_local_experts"
+        if count_key not in raw:
+            raise MsinferError(f"{source}: missing num_experts (or num_local_experts)")
+        for key in ("num_experts_per_tok", "moe_intermediate_size"):
+            if key not in raw:
+                raise MsinferError(f"{source}: missing required key {key}")
+        experts = positive_int(raw[count_key], f"{source}: {count_key}")
+        top_k = positive_int(raw["num_experts_per_tok"], f"{source}: num_experts_per_tok")
+        if top_k > experts:
+            raise MsinferError(f"{source}: num_experts_per_tok={top_k} exceeds "
+                               f"{count_key}={experts}")
+        only = raw.get("mlp_only_layers") or []
+        if not isinstance(only, list) or not all(isinstance(n, int) and not isinstance(n, bool)
+                                                 for n in only):
+            raise MsinferError(f"{source}: mlp_only_layers must be a list of layer numbers, "
+                               f"got {only!r}")
+        hidden_act = raw.get("hidden_act", "silu")
+        if hidden_act != "silu":
+            raise MsinferError(f"{source}: hidden_act {hidden_act!r} is not supported "
+                               f"(msinfer runs silu)")
+        shared = raw.get("shared_expert_intermediate_size") or 0
+        return cls(num_experts=experts, num_experts_per_tok=top_k,
+                   intermediate=positive_int(raw["moe_intermediate_size"],
+                                             f"{source}: moe_intermediate_size"),
+                   norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+                   decoder_sparse_step=positive_int(raw.get("decoder_sparse_step", 1),
+                                                    f"{source}: decoder_sparse_step"),
+                   mlp_only_layers=tuple(only),
+                   shared_expert_intermediate=int(shared))
+
+
+def _mlp_shapes(prefix, hidden, intermediate):
+    return {prefix + "gate_proj.weight": (intermediate, hidden),
+            prefix + "up_proj.weight": (intermediate, hidden),
+            prefix + "down_proj.weight": (hidden, intermediate)}
+
+
+def _check_qwen2_moe(raw, source):
+    """What HF's Qwen2-MoE has that msinfer's does not run, refused by field."""
+    if raw.get("qkv_bias") is False:
+        raise MsinferError(f"{source}: qkv_bias false is not supported for qwen2_moe "
+                           f"(msinfer runs Qwen2-MoE as released: qkv_bias true)")
+    if raw.get("use_sliding_window"):
+        raise MsinferError(f"{source}: use_sliding_window true is not supported (msinfer runs "
+                           f"full attention in every layer: use_sliding_window false)")
 
 
 def _supported_architectures():
@@ -349,6 +450,23 @@ PRESETS = {
     "qwen3-14b": _qwen3(151936, 5120, 17408, 40, 40, 8, False),
     "qwen3-32b": _qwen3(151936, 5120, 25600, 64, 64, 8, False),
 }
+
+
+def _moe_preset(dense, **moe):
+    return dataclasses.replace(dense, model_type=dense.model_type + "_moe", moe=MoeConfig(**moe))
+
+
+# Qwen/Qwen3-30B-A3B (48 layers, every one sparse: 128 experts of 768, 8 routed per token,
+# renormalised) and Qwen/Qwen2-57B-A14B (64 experts of 2,560, 8 routed, not renormalised, and a
+# shared expert of 20,480 with its sigmoid gate), as their config.json files say
+# (../shared/reference/research-anchors-3.md section 2; Qwen2-57B-A14B's as NVIDIA
+# TensorRT-LLM's Qwen-MoE test copies it).
+PRESETS["qwen3-30b-a3b"] = _moe_preset(
+    _qwen3(151936, 2048, 6144, 48, 32, 4, False), num_experts=128, num_experts_per_tok=8,
+    intermediate=768, norm_topk_prob=True)
+PRESETS["qwen2-57b-a14b"] = _moe_preset(
+    _preset(151936, 3584, 18944, 28, 28, 4, False, 131072), num_experts=64,
+    num_experts_per_tok=8, intermediate=2560, shared_expert_intermediate=20480)
 
 
 def load_config(model: str) -> ModelConfig:

@@ -13,7 +13,8 @@ joins, so only the launcher can end them (OUT/rank_R.survived if one ever return
 processor's forms (hardware.cpu_matmul_forms), so that the sharded lm_head's transposed
 gather runs. --model2 DIR runs another checkpoint (e.g. another model family) in the same job
 once the first one's results are written (or its --sampling outputs), to OUT/rank_R.model2.npz
-(a second --model2 to model3.npz): one job start, several models.
+(a second --model2 to model3.npz; --model2-strategy: its strategy): one job start, several
+models.
 """
 import argparse
 import dataclasses
@@ -48,6 +49,8 @@ def main():
                    help="another checkpoint to run, after the first, in the job (repeatable: "
                         "the n-th writes rank_R.model{n+1}.npz)")
     p.add_argument("--model2-new-tokens", type=int, help="default: --new-tokens")
+    p.add_argument("--model2-strategy", action="append", default=[],
+                   help="the n-th --model2's strategy (default: --strategy)")
     p.add_argument("--graph-shapes", help="EngineLimits.graph_shapes (default: the engine's)")
     args = p.parse_args()
     os.environ.setdefault("GLOG_v", "3")
@@ -82,7 +85,8 @@ def main():
         write_results(llm, prompts, args, f"rank_{rank}.npz", baseline=baseline,
                       after_load=after_load)
     for number, path in enumerate(args.model2, start=2):
-        other = make_llm(path, args.strategy, args.graph_shapes)
+        strategies = args.model2_strategy[number - 2:number - 1] or [args.strategy]
+        other = make_llm(path, strategies[0], args.graph_shapes)
         write_results(other, prompts, args, f"rank_{rank}.model{number}.npz",
                       new_tokens=args.model2_new_tokens)
     try:

@@ -54,8 +54,14 @@ def test_published_parameter_counts():
                       # Qwen3: the model cards' 0.6B (0.44B without the tied embedding), 8.2B,
                       # 14.8B, 32.8B
                       "qwen3-0.6b": 596_049_920, "qwen3-8b": 8_190_735_360,
-                      "qwen3-14b": 14_768_307_200, "qwen3-32b": 32_762_123_264}
+                      "qwen3-14b": 14_768_307_200, "qwen3-32b": 32_762_123_264,
+                      # MoE: the model cards' 30.5B (3.3B activated) and 57B (14B activated)
+                      "qwen3-30b-a3b": 30_532_122_624, "qwen2-57b-a14b": 57_408_658_944}
     assert 596_049_920 - 151936 * 1024 == 440_467_456
+    active = {name: PRESETS[name].num_active_parameters()
+              for name in ("qwen3-30b-a3b", "qwen2-57b-a14b", "qwen2-7b")}
+    assert active == {"qwen3-30b-a3b": 3_353_032_704, "qwen2-57b-a14b": 14_249_270_784,
+                      "qwen2-7b": 7_615_616_512}
 
 
 def test_qwen3_presets_carry_head_dim_128_whatever_hidden_over_heads():
@@ -140,7 +146,9 @@ def test_unknown_model_type_names_the_file(tmp_path):
     model_dir = write_config(tmp_path, dict(BASE, model_type="llama"))
     with pytest.raises(MsinferError, match=r"config.json: model_type 'llama' is not supported "
                                            r"\(msinfer runs Qwen2ForCausalLM \(model_type "
-                                           r"qwen2\), Qwen3ForCausalLM \(model_type qwen3\)\)"):
+                                           r"qwen2\), Qwen3ForCausalLM \(model_type qwen3\), "
+                                           r"Qwen2MoeForCausalLM \(model_type qwen2_moe\), "
+                                           r"Qwen3MoeForCausalLM \(model_type qwen3_moe\)\)"):
         load_config(model_dir)
 
 

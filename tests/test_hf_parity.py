@@ -233,7 +233,7 @@ def test_semi_auto_model_with_tp4_shard_annotations_matches_hf_standalone(
         full[name] = np.concatenate([r[name] for r in ranks]) if fused else whole[name]
     model = Qwen2Model(ctx, layout, {n: a.shape for n, a in full.items()})
     assert model.head.lm_head.matmul.in_strategy == ((data, 1), (tensor, 1))
-    assert model.layer.o_proj.matmul.in_strategy == ((data, tensor), (1, tensor))
+    assert model.layer.self_attn.o_proj.matmul.in_strategy == ((data, tensor), (1, tensor))
     assert model.k_caches[0].shape == (layout.num_slots, config.num_kv_heads, config.head_dim)
     for name, array in full.items():
         model.weights[name].set_data(ms.Tensor(array))

@@ -1,9 +1,10 @@
-"""`msinfer make-tiny-model`: a random-weight Qwen2 or Qwen3 checkpoint for tests and
-benchmarks."""
+"""`msinfer make-tiny-model`: a random-weight Qwen2 or Qwen3 checkpoint (dense, or MoE with
+--moe) for tests and benchmarks."""
 import argparse
 
 from .. import log
-from ..tools.tiny_model import DTYPES, FAMILIES, SHAPE_PRESETS, make_tiny_model
+from ..errors import MsinferError
+from ..tools.tiny_model import DTYPES, FAMILIES, MOE_DEFAULTS, SHAPE_PRESETS, make_tiny_model
 
 
 def register(subparsers):
@@ -31,6 +32,18 @@ def register(subparsers):
     p.add_argument("--config-style", choices=("4", "5"),
                    help="config.json as transformers 4.x or 5.x writes it (default 4)")
     p.add_argument("--max-position", type=int)
+    moe = p.add_argument_group("mixture of experts (--moe qwen3: Qwen3-MoE, qwen2: Qwen2-MoE)")
+    moe.add_argument("--moe", choices=sorted(FAMILIES),
+                     help="a MoE model of this family (sets --family)")
+    moe.add_argument("--experts", type=int, help="routed experts per sparse layer (default 8)")
+    moe.add_argument("--top-k", type=int, help="experts per token (default 2)")
+    moe.add_argument("--moe-intermediate", type=int, help="one expert's width (hidden / 2)")
+    moe.add_argument("--shared-expert-intermediate", type=int,
+                     help="Qwen2-MoE's shared expert width (4 x --moe-intermediate)")
+    moe.add_argument("--mlp-only-layers", help="dense layers, e.g. 1,3")
+    moe.add_argument("--decoder-sparse-step", type=int, help="every n-th layer sparse (1)")
+    moe.add_argument("--norm-topk-prob", action=argparse.BooleanOptionalAction,
+                     help="renormalise the top-k weights (default: Qwen3-MoE yes, Qwen2-MoE no)")
     p.set_defaults(func=_run_cli)
 
 
@@ -41,6 +54,19 @@ def cli_arguments(args):
                 "vocab", "tie", "dtype", "shards", "seed", "config_style", "max_position"):
         if getattr(args, key) is not None:
             kwargs[key] = getattr(args, key)
+    moe_keys = [k for k in MOE_DEFAULTS if getattr(args, k) is not None]
+    if args.moe is None and moe_keys:
+        raise MsinferError(f"make-tiny-model: --{moe_keys[0].replace('_', '-')} needs --moe")
+    if args.moe is not None:
+        kwargs["family"] = args.moe
+        kwargs["moe"] = {k: getattr(args, k) for k in moe_keys}
+        if args.mlp_only_layers is not None:
+            try:
+                kwargs["moe"]["mlp_only_layers"] = tuple(
+                    int(n) for n in args.mlp_only_layers.split(",") if n.strip())
+            except ValueError:
+                raise MsinferError(f"make-tiny-model: --mlp-only-layers "
+                                   f"{args.mlp_only_layers!r}: layer numbers, e.g. 1,3") from None
     return kwargs
 
 

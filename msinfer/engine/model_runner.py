@@ -262,12 +262,12 @@ class ExplicitRunner(ModelRunner):
                         new_cache(layout.rows_shape, ctx.dtype))
                        for _ in range(config.num_layers)]
         self.embed_weight = weights[family.EMBEDDING_WEIGHT]
-        self.layer_weights = [[weights[n] for n in family.layer_weight_names(i)]
-                              for i in range(config.num_layers)]
+        self.layer_classes = family.layer_classes(config)  # a MoE's: dense or sparse
+        self.layer_weights = [[weights[f"model.layers.{i}.{w}"] for w in layer.WEIGHTS]
+                              for i, layer in enumerate(self.layer_classes)]
         self.head_weights = [weights[n] for n in family.head_weight_names(config)]
         # Each layer's arguments of a LayerStack: its K and V caches, then its weights.
-        self.layer_args = [t for (k, v), w in zip(self.caches, self.layer_weights)
-                           for t in (k, v, *w)]
+        self.layer_args = [(k, v, *w) for (k, v), w in zip(self.caches, self.layer_weights)]
         # What the planner reserves for activations: each graph stays within it.
         self.layers_per_call = stack_layers(ctx.plan, DTYPE_BYTES[str(ctx.dtype).lower()],
                                             max_model_len, max_prefill_tokens, max_num_seqs,
@@ -287,7 +287,14 @@ class ExplicitRunner(ModelRunner):
 
     @property
     def graph_count(self) -> int:
-        return len(self.graph_of.all())
+        """Embedding and head graphs, and a stack's graph for each run of layer classes its
+        stacks cover (one for a dense family)."""
+        return sum(len(self._stack_kinds(g.layers)) if g.part == "layers" else 1
+                   for g in self.graph_of.all())
+
+    def _stack_kinds(self, count):
+        return {self.layer_classes[first:first + count]
+                for first in range(0, self.num_layers, count)}
 
     # Axes a graph takes whatever their size (ExplicitGraphs) are not padded to their bucket:
     # a decode step over 1,100 tokens of context reads 1,152 slots (a multiple of
@@ -325,14 +332,22 @@ class ExplicitRunner(ModelRunner):
                 for graph, (kind, size, context) in self.graph_of.all().items()
                 if graph.part == "layers"]
 
-    def cell(self, graph: Graph):
-        """The Cell of `graph`, built with its inputs' dynamic shapes on first use."""
-        cell = self.cells.get(graph)
+    def cell(self, graph: Graph, first=0):
+        """The Cell of `graph` (a layer stack's: for the layers from `first`), built with its
+        inputs' dynamic shapes on first use."""
+        key = graph
+        if graph.part == "layers" and first:
+            kinds = self.layer_classes[first:first + graph.layers]
+            key = graph if kinds == self.layer_classes[:graph.layers] else (graph, kinds)
+        cell = self.cells.get(key)
         if cell is None:
-            cell = self.cells[graph] = self._build(graph)
+            cell = self.cells[key] = self._build(graph, first)
         return cell
 
-    def _build(self, graph):
+    def _stack_args(self, first, count):
+        return [t for args in self.layer_args[first:first + count] for t in args]
+
+    def _build(self, graph, first=0):
         """The Cell of `graph`, its inputs' axes static where the Graph fixes them and None
         (dynamic) where it does not."""
         ctx = dataclasses.replace(self.ctx, graph=graph)
@@ -347,7 +362,8 @@ class ExplicitRunner(ModelRunner):
             cell = self.family.LMHead(ctx)
             cell.set_inputs(x, picked, *self.head_weights)
         else:
-            cell = self.family.LayerStack(ctx, graph.layers)
+            kinds = self.layer_classes[first:first + graph.layers]
+            cell = self.family.LayerStack(ctx, graph.layers, kinds)
             rotary = Tensor(shape=[rows, 1, config.head_dim],
                             dtype=ms.float16 if self.cos.dtype == np.float16 else ms.float32)
             kv = ctx.plan.local_kv_heads  # CacheLayout.head_rows, rows_by_head
@@ -355,10 +371,10 @@ class ExplicitRunner(ModelRunner):
             groups = rows if decode else 1
             read = groups and context and groups * kv * context
             mask = [rows, 1, context] if decode else [1, rows, context]
-            per_layer = self.family.LayerStack.ARGS_PER_LAYER * graph.layers
             cell.set_inputs(x, rotary, rotary, Tensor(shape=[rows and rows * kv], dtype=ms.int32),
                             Tensor(shape=[read], dtype=ms.int32),
-                            Tensor(shape=mask, dtype=ms.float32), *self.layer_args[:per_layer])
+                            Tensor(shape=mask, dtype=ms.float32),
+                            *self._stack_args(first, graph.layers))
         return cell
 
     def _run(self, ids, positions, write, context_slots, mask, rows, graph=None):
@@ -371,11 +387,10 @@ class ExplicitRunner(ModelRunner):
         tokens = len(ids)
         graph = graph or self.graph_of.layers("decode" if queries == 1 else "prefill", tokens,
                                               context)
-        stack, count = self.cell(graph), graph.layers
+        count = graph.layers
         x = self.cell(self.graph_of.embedding(tokens))(Tensor(ids), self.embed_weight)
-        n = self.family.LayerStack.ARGS_PER_LAYER
         for first in range(0, self.num_layers, count):
-            x = stack(x, cos, sin, *args, *self.layer_args[first * n:(first + count) * n])
+            x = self.cell(graph, first)(x, cos, sin, *args, *self._stack_args(first, count))
         if rows is None:
             x.asnumpy()  # the call's cache writes done before the next call builds on them
             return None

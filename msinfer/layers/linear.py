@@ -23,10 +23,12 @@ class ParallelLinear(nn.Cell):
     """y = x @ W.T (+ b), W stored (out, in) as in the checkpoint, split per the plan; or
     y = x @ W with W stored (in, out) when `in_out`. `transposed` gives y.T = W @ x.T (W
     stored (out, in)), which callers take for x of `weight_first` = (first, last) rows (last
-    None: no bound). The last two are explicit mode on CPU (hardware.cpu_matmul_forms)."""
+    None: no bound). The last two are explicit mode on CPU (hardware.cpu_matmul_forms).
+    `reduce` False: a row-parallel output stays partial (a caller that sums several partials
+    reduces them once, as a MoE layer its experts and shared expert)."""
 
     def __init__(self, ctx: ParallelContext, name: str, bias: bool = False, in_out=False,
-                 weight_first=None):
+                 weight_first=None, reduce=True):
         super().__init__()
         style = ctx.plan.style(name + ".weight")
         self.matmul = ops.MatMul(transpose_b=not in_out)
@@ -37,7 +39,7 @@ class ParallelLinear(nn.Cell):
         self.expand = Expand(ctx)
         self.reduce = None
         self.vocab_gather = None
-        if ctx.explicit_collectives and style == "rowwise":
+        if reduce and ctx.explicit_collectives and style == "rowwise":
             self.reduce = ctx.all_reduce()
         if ctx.explicit_collectives and style == "colwise_gather":
             self.tensor = ctx.plan.tensor

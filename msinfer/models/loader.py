@@ -104,13 +104,13 @@ class Checkpoint:
 
 def rank_weights(model_dir, plan, tensor_rank, names, dtype):
     """Yields (name, numpy array) of tensor rank `tensor_rank`'s slice of each model weight in
-    `names`, in `dtype`: a fused weight (qkv_proj, gate_up_proj) stacked from its checkpoint
-    parts, each part cut as the shard plan says."""
+    `names`, in `dtype`: a fused weight (qkv_proj, gate_up_proj; a sparse layer's experts)
+    stacked from its checkpoint parts, each part cut as the shard plan says."""
     shapes = plan.config.parameter_shapes()
 
     def parts_of(name):
         return [(part, plan.slices(part, tensor_rank), shapes[part])
-                for part in checkpoint_parts(name)]
+                for part in plan.parts(name, tensor_rank)]
 
     return Checkpoint(model_dir).load(names, parts_of, dtype)
 

@@ -20,15 +20,15 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Zero
-from mindspore.ops.auto_generate import SiLU  # the primitive behind ops.silu (not in ops)
 
-from ..layers.attention import PagedAttention, new_cache
+from ..layers.attention import new_cache
 from ..layers.cpu_forms import matmul_forms
 from ..layers.embedding import ParallelEmbedding
 from ..layers.linear import ParallelLinear
+from ..layers.mlp import SwiGLU
 from ..layers.norm import RMSNorm
 from ..layers.parallel_context import SemiAutoLayout, shard
-from ..layers.rotary import Rotary
+from ..layers.self_attention import SelfAttention
 
 EMBEDDING_WEIGHT = "model.embed_tokens.weight"
 # One decoder layer's weights, in the order DecoderLayer takes them.
@@ -63,6 +63,11 @@ def head_weight_names(config) -> list:
     return ["model.norm.weight", lm_head]
 
 
+def layer_classes(config) -> tuple:
+    """The decoder-layer Cell of each layer (a MoE family mixes dense and sparse layers)."""
+    return (DecoderLayer,) * config.num_layers
+
+
 def weight_names(config, layer_names=layer_weight_names) -> list:
     """Every weight the model takes, each once, in load order (`layer_names`: a family's
     layer_weight_names)."""
@@ -73,66 +78,25 @@ def weight_names(config, layer_names=layer_weight_names) -> list:
 
 
 class DecoderLayer(nn.Cell):
-    """Qwen2's decoder layer. A family whose layer differs in a step (Qwen3: no q/k/v bias,
-    q/k norms) subclasses it: its own `WEIGHTS` and `construct`, over the shared steps
-    (`_qkv`, `_attend_and_mlp`)."""
+    """Qwen2's decoder layer: RMSNorm, self-attention, residual, RMSNorm, MLP, residual. A
+    family whose layer differs in a step (Qwen3: no q/k/v bias, q/k norms; a MoE's sparse
+    MLP) subclasses it: its own `WEIGHTS` and `construct`, over the shared steps (`_qkv`,
+    `_attend`, `_residual_mlp`)."""
 
     WEIGHTS = LAYER_WEIGHTS  # the weights construct takes, in order
     QKV_BIAS = True
 
     def __init__(self, ctx):
         super().__init__()
-        config, plan = ctx.config, ctx.plan
-        p = "model.layers.0."
         self.input_norm = RMSNorm(ctx)
         self.post_attention_norm = RMSNorm(ctx)
-        forms = matmul_forms(ctx)
-        in_out = forms is not None and forms.in_out  # IN_OUT_WEIGHTS
-        mlp = dict(in_out=in_out, weight_first=forms.mlp_weight_first if forms else None)
-        self.qkv_proj = ParallelLinear(ctx, p + "self_attn.qkv_proj", bias=self.QKV_BIAS,
-                                       in_out=in_out)
-        self.o_proj = ParallelLinear(ctx, p + "self_attn.o_proj", in_out=in_out)
-        self.gate_up_proj = ParallelLinear(ctx, p + "mlp.gate_up_proj", **mlp)
-        self.down_proj = ParallelLinear(ctx, p + "mlp.down_proj", **mlp)
-        self.rotary = Rotary(ctx)
-        self.head_dim = config.head_dim
-        self.explicit = ctx.mode == "explicit"
-        if self.explicit:  # this rank's slices: one block of each fused output
-            self.heads, self.kv_heads = plan.local_heads, plan.local_kv_heads
-            self.intermediate = plan.local_shape(p + "mlp.down_proj.weight")[1]
-            self.qkv_blocks = self.mlp_blocks = 1
-        else:  # full shapes, laid out by MindSpore; a fused output is one block per rank
-            self.heads, self.kv_heads = config.num_heads, config.num_kv_heads
-            self.intermediate = config.intermediate_size
-            layout = SemiAutoLayout(plan)
-            self.qkv_blocks, self.mlp_blocks = layout.heads, layout.mlp
-        # Widths within one block of the fused outputs.
-        self.q_block = self.heads * self.head_dim // self.qkv_blocks
-        self.kv_block = self.kv_heads * self.head_dim // self.qkv_blocks
-        self.mlp_block = self.intermediate // self.mlp_blocks
-        self.attention = PagedAttention(ctx, self.heads, self.kv_heads, self.head_dim)
-        # The MLP's form: fixed for a graph of dynamic shape, else by its rows when it compiles
-        self.weight_first = ctx.graph.weight_first if ctx.graph is not None else None
-        self._make_primitives(ctx)
-
-    def _make_primitives(self, ctx):
-        semi_auto = ctx.mode == "semi_auto"
-        layout = SemiAutoLayout(ctx.plan) if semi_auto else None
-        rows = layout.rows(2) if semi_auto else None
-        mlp = layout.mlp_blocks() if semi_auto else None
-        self.split_qkv = shard(ctx, ops.StridedSlice(), layout.per_head(3, 1) if semi_auto
-                               else None)
+        self.self_attn = SelfAttention(ctx, bias=self.QKV_BIAS)
+        self.mlp = self._make_mlp(ctx)
+        rows = SemiAutoLayout(ctx.plan).rows(2) if ctx.mode == "semi_auto" else None
         self.residual = shard(ctx, ops.Add(), rows, rows)
-        self.split_gate_up = shard(ctx, ops.StridedSlice(), mlp)
-        self.silu = shard(ctx, SiLU(), mlp)
-        self.gate = shard(ctx, ops.Mul(), mlp, mlp)
-        self.mlp_out = ops.Transpose()  # explicit mode only (_mlp's weight-first chain)
-        # Explicit mode cuts its one block of the fused outputs with constant begins and
-        # ends (all rows: the mask bit of axis 0): in a graph of dynamic shape an end built
-        # from x.shape is a Shape, a RealTupleGetItem and a RealMakeTuple kernel each call.
-        self.columns = ops.StridedSlice(begin_mask=1, end_mask=1)
-        self.halves_of_rows = ops.Split(0, 2)
-        self.halves_of_columns = ops.Split(-1, 2)
+
+    def _make_mlp(self, ctx):
+        return SwiGLU(ctx)
 
     def construct(self, x, cos, sin, k_cache, v_cache, write_rows, context_rows, mask,
                   ln1, w_qkv, b_qkv, w_o, ln2, w_gate_up, w_down):
@@ -142,74 +106,28 @@ class DecoderLayer(nn.Cell):
         (CacheLayout.head_rows, N*kv; rows_by_head, G*kv*T); mask: (G, Q, T), 0 where a query
         may look and a large negative number elsewhere."""
         q, k, v = self._qkv(x, ln1, w_qkv, b_qkv)
-        return self._attend_and_mlp(x, q, k, v, cos, sin, k_cache, v_cache, write_rows,
-                                    context_rows, mask, w_o, ln2, w_gate_up, w_down)
+        x = self._attend(x, q, k, v, cos, sin, k_cache, v_cache, write_rows, context_rows,
+                         mask, w_o)
+        return self._residual_mlp(x, ln2, w_gate_up, w_down)
 
     def _qkv(self, x, ln1, w_qkv, b_qkv):
-        """q (tokens, heads, head_dim), k and v (tokens, kv_heads, head_dim) of the normed x
-        (b_qkv None: no bias)."""
-        qkv = self.qkv_proj(self.input_norm(x, ln1), w_qkv, b_qkv)
-        if self.explicit:  # this rank's one block, cut by columns over all rows
-            d = self.head_dim
-            q_end, k_end = self.q_block, self.q_block + self.kv_block
-            q = self.columns(qkv, (0, 0), (1, q_end), (1, 1))
-            k = self.columns(qkv, (0, q_end), (1, k_end), (1, 1))
-            v = self.columns(qkv, (0, k_end), (1, k_end + self.kv_block), (1, 1))
-            return (q.reshape(-1, self.heads, d), k.reshape(-1, self.kv_heads, d),
-                    v.reshape(-1, self.kv_heads, d))
-        tokens = x.shape[0]
-        qkv = qkv.reshape(tokens, self.qkv_blocks, -1)
-        q = self._block_part(qkv, 0, self.q_block).reshape(tokens, self.heads, self.head_dim)
-        k = self._block_part(qkv, self.q_block, self.kv_block)
-        v = self._block_part(qkv, self.q_block + self.kv_block, self.kv_block)
-        k = k.reshape(tokens, self.kv_heads, self.head_dim)
-        v = v.reshape(tokens, self.kv_heads, self.head_dim)
-        return q, k, v
+        return self.self_attn.qkv(self.input_norm(x, ln1), w_qkv, b_qkv)
 
-    def _attend_and_mlp(self, x, q, k, v, cos, sin, k_cache, v_cache, write_rows,
-                        context_rows, mask, w_o, ln2, w_gate_up, w_down):
-        """The rest of the layer from q, k, v: rotary, paged attention, o_proj and residual,
-        then the MLP and its residual."""
-        q = self.rotary(q, cos, sin)
-        k = self.rotary(k, cos, sin)
-        out = self.attention(q, k, v, k_cache, v_cache, write_rows, context_rows, mask)
-        x = self.residual(x, self.o_proj(out, w_o))
-        return self.residual(x, self._mlp(self.post_attention_norm(x, ln2), w_gate_up, w_down))
+    def _attend(self, x, q, k, v, cos, sin, k_cache, v_cache, write_rows, context_rows, mask,
+                w_o):
+        """x plus the attention's output."""
+        return self.residual(x, self.self_attn.attend(q, k, v, cos, sin, k_cache, v_cache,
+                                                      write_rows, context_rows, mask, w_o))
 
-    def _mlp(self, x, w_gate_up, w_down):
-        weight_first = self.weight_first
-        if weight_first is None:  # a graph of static shape: by its rows
-            weight_first = self.gate_up_proj.weight_first_for(x.shape[0])
-        if weight_first:  # explicit mode on CPU: one block
-            # Transposed from gate/up to down, so one Transpose (of the output) for the MLP.
-            gate_up = self.gate_up_proj.transposed(x, w_gate_up)  # (2 x intermediate, tokens)
-            gate, up = self.halves_of_rows(gate_up)
-            act = self.gate(self.silu(gate), up)
-            return self.mlp_out(self.down_proj.transposed(act, w_down, x_transposed=True),
-                                (1, 0))
-        if self.explicit:  # one block
-            gate, up = self.halves_of_columns(self.gate_up_proj(x, w_gate_up))
-            return self.down_proj(self.gate(self.silu(gate), up), w_down)
-        tokens = x.shape[0]
-        gate_up = self.gate_up_proj(x, w_gate_up).reshape(tokens, self.mlp_blocks, -1)
-        act = self.gate(self.silu(self._mlp_part(gate_up, 0)),
-                        self._mlp_part(gate_up, self.mlp_block))
-        return self.down_proj(act.reshape(tokens, -1), w_down)
-
-    def _block_part(self, qkv, start, width):
-        """Columns [start, start + width) of every rank block of the fused q/k/v output."""
-        tokens, blocks, _ = qkv.shape
-        return self.split_qkv(qkv, (0, 0, start), (tokens, blocks, start + width), (1, 1, 1))
-
-    def _mlp_part(self, gate_up, start):
-        tokens, blocks, _ = gate_up.shape
-        return self.split_gate_up(gate_up, (0, 0, start),
-                                  (tokens, blocks, start + self.mlp_block), (1, 1, 1))
+    def _residual_mlp(self, x, ln2, *mlp_weights):
+        """x plus the MLP of its norm."""
+        return self.residual(x, self.mlp(self.post_attention_norm(x, ln2), *mlp_weights))
 
 
 class LayerStack(nn.Cell):
-    """`count` consecutive decoder layers as one graph. After the call's inputs come, per
-    layer, its K cache, its V cache and its weights (`LAYER_WEIGHTS` order): all Tensors, so
+    """`count` consecutive decoder layers as one graph (`layers`: their classes, a family's
+    layer_classes; default `count` of LAYER). After the call's inputs come, per layer, its K
+    cache, its V cache and its weights (its class's WEIGHTS order): all Tensors, so
     MindSpore compiles the graph once for every run of `count` layers and passes them without
     a copy (a Parameter argument would compile once per Parameter; a tuple argument is a
     constant, compiled per value).
@@ -222,15 +140,17 @@ class LayerStack(nn.Cell):
     LAYER = DecoderLayer
     ARGS_PER_LAYER = 2 + len(LAYER.WEIGHTS)
 
-    def __init__(self, ctx, count):
+    def __init__(self, ctx, count, layers=None):
         super().__init__()
-        self.layers = nn.CellList([self.LAYER(ctx) for _ in range(count)])
+        layers = layers or (self.LAYER,) * count
+        self.layers = nn.CellList([layer(ctx) for layer in layers])
         self.count = count
+        self.firsts = tuple(sum(2 + len(c.WEIGHTS) for c in layers[:i]) for i in range(count))
+        self.args = tuple(2 + len(c.WEIGHTS) for c in layers)
 
     def construct(self, x, cos, sin, write_slots, context_slots, mask, *per_layer):
-        n = self.ARGS_PER_LAYER
         for i in range(self.count):
-            args = per_layer[i * n:(i + 1) * n]
+            args = per_layer[self.firsts[i]:self.firsts[i] + self.args[i]]
             x = self.layers[i](x, cos, sin, args[0], args[1], write_slots, context_slots, mask,
                                *args[2:])
         return x

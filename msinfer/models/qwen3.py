@@ -21,6 +21,10 @@ def layer_weight_names(layer: int) -> list:
     return [f"model.layers.{layer}.{w}" for w in LAYER_WEIGHTS]
 
 
+def layer_classes(config) -> tuple:
+    return (DecoderLayer,) * config.num_layers
+
+
 def weight_names(config) -> list:
     """Every weight the model takes, each once, in load order."""
     return qwen2.weight_names(config, layer_weight_names)
@@ -39,11 +43,14 @@ class DecoderLayer(qwen2.DecoderLayer):
                   ln1, w_qkv, w_q_norm, w_k_norm, w_o, ln2, w_gate_up, w_down):
         """As Qwen2's DecoderLayer.construct, with the q/k norms' weights in place of the
         q/k/v bias."""
+        q, k, v = self._normed_qkv(x, ln1, w_qkv, w_q_norm, w_k_norm)
+        x = self._attend(x, q, k, v, cos, sin, k_cache, v_cache, write_rows, context_rows,
+                         mask, w_o)
+        return self._residual_mlp(x, ln2, w_gate_up, w_down)
+
+    def _normed_qkv(self, x, ln1, w_qkv, w_q_norm, w_k_norm):
         q, k, v = self._qkv(x, ln1, w_qkv, None)
-        q = self.q_norm(q, w_q_norm)
-        k = self.k_norm(k, w_k_norm)
-        return self._attend_and_mlp(x, q, k, v, cos, sin, k_cache, v_cache, write_rows,
-                                    context_rows, mask, w_o, ln2, w_gate_up, w_down)
+        return self.q_norm(q, w_q_norm), self.k_norm(k, w_k_norm), v
 
 
 class LayerStack(qwen2.LayerStack):

@@ -22,7 +22,7 @@ import yaml
 from ..config import ModelConfig
 from ..errors import MsinferError, PlanRefused, positive_int
 
-STYLES = ("colwise", "rowwise", "vocab", "colwise_gather", "replicate")
+STYLES = ("colwise", "rowwise", "vocab", "colwise_gather", "replicate", "expert")
 PARALLEL_MODES = ("explicit", "semi_auto")
 DEFAULT_PARALLEL_MODE = "explicit"
 _KEYS = ("world_size", "tensor", "data", "pipeline", "parallel_mode", "rules")
@@ -43,6 +43,19 @@ TENSOR_PARALLEL_RULES = {
     "model.norm": "replicate",
     "lm_head": "colwise_gather",
 }
+# A MoE model's sparse layers (Qwen2-MoE, Qwen3-MoE): the router whole on every rank, every
+# expert split along its intermediate width (each rank a slice of every expert, one AllReduce
+# per layer as the dense MLP), Qwen2-MoE's shared expert split as a dense MLP.
+MOE_TENSOR_PARALLEL_RULES = {
+    "model.layers.*.mlp.gate": "replicate",
+    "model.layers.*.mlp.experts.*.gate_proj": "colwise",
+    "model.layers.*.mlp.experts.*.up_proj": "colwise",
+    "model.layers.*.mlp.experts.*.down_proj": "rowwise",
+    "model.layers.*.mlp.shared_expert.gate_proj": "colwise",
+    "model.layers.*.mlp.shared_expert.up_proj": "colwise",
+    "model.layers.*.mlp.shared_expert.down_proj": "rowwise",
+    "model.layers.*.mlp.shared_expert_gate": "replicate",
+}
 
 # What each module is, the styles msinfer runs for it (the split one first, so that at tensor 1,
 # where every style is the whole weight, a raw in_strategy reads as the split style), and the
@@ -55,12 +68,16 @@ _ALLOWED = {
     "mlp_out": ("rowwise", "replicate"),
     "norm": ("replicate",),
     "lm_head": ("colwise_gather", "replicate"),
+    "router": ("replicate",),
+    # expert: whole experts per rank (expert parallel), num_experts / tensor on each
+    "expert_in": ("colwise", "replicate", "expert"),
+    "expert_out": ("rowwise", "replicate", "expert"),
 }
 _PRIMITIVE = {"embedding": "Gather"}  # norms have none (replicated, element-wise); others MatMul
 _LAST_NAME_KIND = {
     "q_proj": "attention_in", "k_proj": "attention_in", "v_proj": "attention_in",
     "o_proj": "attention_out", "gate_proj": "mlp_in", "up_proj": "mlp_in",
-    "down_proj": "mlp_out",
+    "down_proj": "mlp_out", "gate": "router", "shared_expert_gate": "router",
 }
 _TIED_SPLIT = {"vocab": "colwise_gather", "replicate": "replicate"}
 # Qwen3's per-head norms of q and k (one weight of head_dim for every head): whole on every
@@ -71,7 +88,13 @@ PER_HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.shared_expert.gate_up_proj": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
 }
+# A sparse layer's experts, stacked: the model's weight of each name holds, expert after
+# expert, the parts of the experts a rank holds (every expert, or its own under `expert`).
+STACKED_EXPERTS = {"mlp.experts.gate_up_proj": ("gate_proj", "up_proj"),
+                   "mlp.experts.down_proj": ("down_proj",)}
+_EXPERT = re.compile(r"\.experts\.\d+\.")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -92,7 +115,10 @@ def _kind(module):
         return "lm_head"
     if module == "model.norm" or module.endswith(("layernorm",) + PER_HEAD_NORMS):
         return "norm"
-    return _LAST_NAME_KIND[module.rsplit(".", 1)[-1]]
+    kind = _LAST_NAME_KIND[module.rsplit(".", 1)[-1]]
+    if _EXPERT.search(module):
+        return "expert_in" if kind == "mlp_in" else "expert_out"
+    return kind
 
 
 def _module(name):
@@ -126,8 +152,13 @@ def _even_split(size, parts, index):
     return slice(index * step, (index + 1) * step)
 
 
-def checkpoint_parts(name):
-    """The checkpoint tensors a model weight is made of: its FUSED parts, else itself."""
+def checkpoint_parts(name, experts=()):
+    """The checkpoint tensors a model weight is made of: the parts of the `experts` (expert
+    numbers) for a STACKED_EXPERTS weight, its FUSED parts, else itself."""
+    for stacked, parts in STACKED_EXPERTS.items():
+        if f".{stacked}." in name:
+            return [name.replace(stacked, f"mlp.experts.{e}.{part}")
+                    for e in experts for part in parts]
     for fused, parts in FUSED.items():
         if f".{fused}." in name:
             return [name.replace(fused, part) for part in parts]
@@ -153,13 +184,42 @@ def divisibility_problems(config: ModelConfig, styles: dict[str, str], tensor: i
         if t % kv and kv % t:
             problems.append(f"the {kv} KV heads can neither be split {t} ways ({_ratio(kv, t)}) "
                             f"nor replicated evenly ({_ratio(t, kv)} ranks per KV head)")
-    if styles[first + "mlp.gate_proj"] == "colwise" and config.intermediate_size % t:
+    dense = first_layer(config, sparse=False)
+    if (dense is not None and styles[f"model.layers.{dense}.mlp.gate_proj"] == "colwise"
+            and config.intermediate_size % t):
         problems.append(f"intermediate_size does not split: "
                         f"{_ratio(config.intermediate_size, t)}")
+    problems += _expert_problems(config, styles, t)
     vocab_split = (styles["model.embed_tokens"] == "vocab"
                    or styles["lm_head"] == "colwise_gather")
     if vocab_split and config.vocab_size % t:
         problems.append(f"vocab_size does not split: {_ratio(config.vocab_size, t)}")
+    return problems
+
+
+def first_layer(config, sparse=True):
+    """The first decoder layer with routed experts (`sparse`) or with a dense MLP; None when
+    there is none: the layer whose names stand for every layer of its kind."""
+    return next((n for n in range(config.num_layers) if config.is_sparse_layer(n) == sparse),
+                None)
+
+
+def _expert_problems(config, styles, t):
+    """Why `t` cannot place a MoE model's experts (and shared expert) as the styles say."""
+    sparse = first_layer(config)
+    if sparse is None:
+        return []
+    moe, p = config.moe, f"model.layers.{sparse}.mlp."
+    style = styles[p + "experts.0.gate_proj"]
+    problems = []
+    if style == "colwise" and moe.intermediate % t:
+        problems.append(f"moe_intermediate_size does not split: {_ratio(moe.intermediate, t)}")
+    if style == "expert" and moe.num_experts % t:
+        problems.append(f"expert parallel: the {moe.num_experts} experts do not split into "
+                        f"{t} ranks ({_ratio(moe.num_experts, t)} experts per rank)")
+    shared = moe.shared_expert_intermediate
+    if shared and styles[p + "shared_expert.gate_proj"] == "colwise" and shared % t:
+        problems.append(f"shared_expert_intermediate_size does not split: {_ratio(shared, t)}")
     return problems
 
 
@@ -211,11 +271,29 @@ class ShardPlan:
         """The split of a checkpoint tensor (or of a fused weight: its parts'). With tied
         embeddings the lm_head reuses the embedding's slice: vocab rows split
         (colwise_gather) or whole (replicate)."""
-        name = checkpoint_parts(name)[0]
+        name = self.parts(name)[0]
         self._check(name)
         if self._tied_lm_head(name):
             return _TIED_SPLIT[self.styles["model.embed_tokens"]]
         return self.styles[_module(name)]
+
+    def parts(self, name: str, tensor_rank: int = 0) -> list[str]:
+        """The checkpoint tensors of a model weight on tensor rank `tensor_rank`: its FUSED
+        parts, or the parts of the experts the rank holds (STACKED_EXPERTS), else itself."""
+        return checkpoint_parts(name, self.local_experts(name, tensor_rank))
+
+    def local_experts(self, name: str, tensor_rank: int = 0) -> range:
+        """The experts (numbers) of the sparse layer of `name` that tensor rank `tensor_rank`
+        holds: every one, each sliced, unless the experts are placed whole (`expert`)."""
+        if self.config.moe is None:
+            return range(0)
+        experts = self.config.moe.num_experts
+        layer = _LAYER.match(name)
+        probe = (f"{layer.group(0) if layer else 'model.layers.0.'}mlp.experts.0.gate_proj")
+        if self.styles.get(probe) != "expert" or self.tensor == 1:
+            return range(experts)
+        per_rank = experts // self.tensor
+        return range(tensor_rank * per_rank, (tensor_rank + 1) * per_rank)
 
     def slices(self, name: str, tensor_rank: int) -> tuple[slice, ...]:
         style = self.style(name)
@@ -223,6 +301,11 @@ class ShardPlan:
             raise MsinferError(f"tensor rank {tensor_rank} is outside 0..{self.tensor - 1}")
         shape = self._shapes[name]
         whole = [slice(0, n) for n in shape]
+        if style == "expert" and self.tensor > 1:  # the rank's own experts whole, no other
+            expert = int(_EXPERT.search(name).group(0).split(".")[2])
+            if expert not in self.local_experts(name, tensor_rank):
+                whole[0] = slice(0, 0)
+            return tuple(whole)
         if style == "replicate" or self.tensor == 1:
             return tuple(whole)
         if style == "rowwise":
@@ -243,13 +326,13 @@ class ShardPlan:
     def local_shape(self, name: str) -> tuple[int, ...]:
         """Shape of a rank's slice; a fused weight stacks its parts' slices."""
         shapes = [tuple(s.stop - s.start for s in self.slices(part, 0))
-                  for part in checkpoint_parts(name)]
+                  for part in self.parts(name)]
         return (sum(s[0] for s in shapes),) + shapes[0][1:]
 
     def in_strategy(self, name: str) -> tuple[tuple[int, ...], ...]:
         """The in_strategy semi_auto hands to shard() for the primitive consuming `name` (a
         fused weight: its parts')."""
-        name = checkpoint_parts(name)[0]
+        name = self.parts(name)[0]
         style = self.style(name)
         module = _module(name)
         if _kind(module) == "norm":
@@ -290,9 +373,11 @@ class Strategy:
     @classmethod
     def default(cls, tensor: int = 1, data: int = 1,
                 parallel_mode: str | None = None) -> Strategy:
-        """The tensor-parallel plan of strategies/qwen2_tp*.yaml, in memory."""
+        """The tensor-parallel plan of strategies/qwen2_tp*.yaml (with a MoE model's rules of
+        strategies/moe_tp*.yaml), in memory."""
         return cls(world_size=tensor * data, tensor=tensor, data=data,
-                   parallel_mode=parallel_mode, rules=dict(TENSOR_PARALLEL_RULES),
+                   parallel_mode=parallel_mode,
+                   rules={**TENSOR_PARALLEL_RULES, **MOE_TENSOR_PARALLEL_RULES},
                    source=f"<default tensor={tensor} data={data}>")
 
     @classmethod
@@ -356,7 +441,11 @@ class Strategy:
                     f"each module needs exactly one rule")
             if matches:
                 rule_of[module] = matches[0]
-        unused = [p for p in self.rules if p not in rule_of.values()]
+        # A MoE model's rules may serve dense models, a dense MLP's rules a MoE model with no
+        # dense layer, and a shared expert's a MoE family without one.
+        unused = [p for p in self.rules if p not in rule_of.values()
+                  and p not in MOE_TENSOR_PARALLEL_RULES
+                  and not (config.moe is not None and ".mlp." in p)]
         if unused:
             raise MsinferError(
                 f"{src}: rules.{unused[0]}: the pattern matches no module of {config.source} "
@@ -385,6 +474,11 @@ class Strategy:
                     f"not {styles['lm_head']}")
         _check_layers(styles, rule_of, src)
         plan = ShardPlan(config, styles, self.tensor, self.data, src)
+        if mode == "semi_auto" and config.moe is not None:
+            raise PlanRefused(
+                f"{src}: parallel mode semi_auto: {config.source} is a mixture-of-experts "
+                f"model ({config.model_type}), which msinfer runs only in the explicit mode "
+                f"(the default: drop --parallel-mode semi_auto / parallel_mode: semi_auto)")
         if mode == "semi_auto" and plan.replicated_kv_heads:
             raise PlanRefused(
                 f"{src}: parallel mode semi_auto: tensor={self.tensor} exceeds the "
@@ -426,22 +520,29 @@ def _check_layers(styles, rule_of, source):
         found = _LAYER.match(module)
         if not found:
             continue
-        part = module[found.end():]
+        part = _EXPERT.sub(".experts.*.", module[found.end() - 1:])[1:]
         first = layer0.setdefault(part, (module, style))
         if first[1] != style:
             raise MsinferError(
                 f"{source}: rules.{rule_of[module]}: msinfer shards every decoder layer alike, "
                 f"but {first[0]} is {first[1]} and {module} is {style}")
     blocks = (("self_attn", ("q_proj", "k_proj", "v_proj"), "o_proj"),
-              ("mlp", ("gate_proj", "up_proj"), "down_proj"))
+              ("mlp", ("gate_proj", "up_proj"), "down_proj"),
+              ("mlp.experts.*", ("gate_proj", "up_proj"), "down_proj"),
+              ("mlp.shared_expert", ("gate_proj", "up_proj"), "down_proj"))
     for block, inputs, output in blocks:
+        if f"{block}.{output}" not in layer0:  # a MoE model without dense layers, ...
+            continue
         found = {n: layer0[f"{block}.{n}"][1] for n in inputs + (output,)}
         split = all(found[n] == "colwise" for n in inputs) and found[output] == "rowwise"
-        if not split and set(found.values()) != {"replicate"}:
+        wholes = [{"replicate"}] + ([{"expert"}] if block == "mlp.experts.*" else [])
+        if not split and set(found.values()) not in wholes:
             listing = ", ".join(f"{n} {s}" for n, s in found.items())
+            placed = " or whole experts per rank (all expert)" if block == "mlp.experts.*" else ""
             raise MsinferError(
                 f"{source}: rules: {block} has {listing}; msinfer runs it either split "
-                f"({'/'.join(inputs)} colwise with {output} rowwise) or whole (all replicate)")
+                f"({'/'.join(inputs)} colwise with {output} rowwise){placed} or whole "
+                f"(all replicate)")
 
 
 def _parse_rule(value, where):

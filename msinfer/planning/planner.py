@@ -213,8 +213,13 @@ def warmup_graphs(shard_plan, profile, limits, dtype_bytes, mode) -> int:
                               limits.max_num_seqs, profile.min_layers_per_graph,
                               profile.layer_peak_growth)
     forms = cpu_matmul_forms() if profile.device_target == "CPU" else None
-    return len(ExplicitGraphs(buckets, layers_for, forms,
-                              dynamic=limits.graph_shapes == "dynamic").all())
+    graphs = ExplicitGraphs(buckets, layers_for, forms, dynamic=limits.graph_shapes == "dynamic")
+    # A layer stack compiles once per run of layer kinds its stacks cover (a MoE model mixing
+    # dense and sparse layers: ExplicitRunner.graph_count)
+    config = shard_plan.config
+    kinds = tuple(config.is_sparse_layer(n) for n in range(config.num_layers))
+    return sum(len({kinds[first:first + g.layers] for first in range(0, len(kinds), g.layers)})
+               if g.part == "layers" else 1 for g in graphs.all())
 
 
 def _workspace_formula(profile, limits):
@@ -239,8 +244,11 @@ def _collectives(shard_plan, dtype_bytes, local_batch):
         reductions.append(("embedding", 1))
     if shard_plan.styles["model.layers.0.self_attn.o_proj"] == "rowwise":
         reductions.append(("o_proj", config.num_layers))
-    if shard_plan.styles["model.layers.0.mlp.down_proj"] == "rowwise":
-        reductions.append(("down_proj", config.num_layers))
+    for where, sparse in (("down_proj", False), ("experts", True)):
+        count = sum(_mlp_reduces(shard_plan, n) for n in range(config.num_layers)
+                    if config.is_sparse_layer(n) == sparse)
+        if count:
+            reductions.append((where, count))
     collectives = []
     if reductions:
         collectives.append(Collective(
@@ -253,6 +261,37 @@ def _collectives(shard_plan, dtype_bytes, local_batch):
     return collectives
 
 
+def _mlp_reduces(shard_plan, layer):
+    """Whether layer `layer`'s MLP ends in an AllReduce: a dense one split, a sparse one's
+    experts split or placed whole per rank (one AllReduce with its shared expert's)."""
+    p = f"model.layers.{layer}.mlp."
+    if shard_plan.config.is_sparse_layer(layer):
+        return shard_plan.styles[p + "experts.0.down_proj"] in ("rowwise", "expert")
+    return shard_plan.styles[p + "down_proj"] == "rowwise"
+
+
+def _idle_expert_bytes(shard_plan, dtype_bytes, batch):
+    """Bytes of the experts a decode step of `batch` tokens leaves unread on tensor rank 0:
+    each token reads its num_experts_per_tok routed experts of each sparse layer (the
+    others' weights are not read), at most every expert the rank holds; under expert
+    parallelism the routed experts spread over the ranks, k / tensor per token on average."""
+    config = shard_plan.config
+    if config.moe is None:
+        return 0
+    moe, total = config.moe, 0
+    for layer in range(config.num_layers):
+        if not config.is_sparse_layer(layer):
+            continue
+        name = f"model.layers.{layer}.mlp.experts.down_proj.weight"
+        held = len(shard_plan.local_experts(name))
+        per_token = moe.num_experts_per_tok * held / moe.num_experts
+        read = min(held, batch * per_token)
+        rows, cols = shard_plan.local_shape(name)
+        expert_bytes = 3 * rows // held * cols * dtype_bytes
+        total += int((held - read) * expert_bytes)
+    return total
+
+
 def _decode_bound(report, shard_plan, dtype_bytes):
     """Decoding re-reads every weight (and each sequence's KV cache so far) per step, so a
     device's memory bandwidth caps the steps per second; each step yields one token per
@@ -261,14 +300,27 @@ def _decode_bound(report, shard_plan, dtype_bytes):
     if not shard_plan.config.tie_word_embeddings:  # a lookup reads a few rows, not the table
         rows, cols = shard_plan.local_shape("model.embed_tokens.weight")
         embedding = rows * cols * dtype_bytes
-    weights_read = max(d.weights_bytes for d in report.devices) - embedding
+    weights = max(d.weights_bytes for d in report.devices) - embedding
     batch = max(1, min(report.max_num_seqs, report.concurrent_max_len_sequences))
+    # A MoE model reads its active parameters: the routed experts of the step's tokens.
+    weights_read = weights - _idle_expert_bytes(shard_plan, dtype_bytes, batch)
     full = weights_read + batch * report.max_len * report.kv_bytes_per_token
     bandwidth = report.memory_bandwidth_bytes_per_s
     report.decode_bytes_per_step = full
     report.decode_tokens_per_s_bound = batch * report.data * bandwidth / full
+    short = weights - _idle_expert_bytes(shard_plan, dtype_bytes, report.max_num_seqs)
     report.decode_tokens_per_s_bound_short_context = (report.max_num_seqs * report.data * bandwidth
-                                                    / weights_read)
+                                                    / short)
+    config = shard_plan.config
+    if config.moe is not None:  # what one sequence's step reads: its routed experts only
+        one = weights - _idle_expert_bytes(shard_plan, dtype_bytes, 1)
+        report.notes.append(
+            f"mixture of experts: a token runs {config.moe.num_experts_per_tok} of the "
+            f"{config.moe.num_experts} experts of each sparse layer, "
+            f"{config.num_active_parameters() / 1e9:.2f}B of {config.num_parameters() / 1e9:.2f}B "
+            f"parameters; one short sequence's decode step reads {_gib(one)} per device (its "
+            f"active parameters): at most {report.data * bandwidth / one:.1f} tokens/s; a batch "
+            f"reads the union of its tokens' experts")
 
 
 def _explain(report, shard_plan, profile):

@@ -30,6 +30,7 @@ threads for two cores (perf: the caller spinning in ThreadPool::ParallelLaunch).
 the 0.5B shape, a 256-token chunk over 512 of context: 1.5 s for the 24 layers as one-layer
 graphs, 1.2 s as two-layer graphs (the same with four); 512-token prefill 174 -> 220 tokens/s.
 """
+from ..parallel.strategy import first_layer
 
 
 def layer_activation_bytes(shard_plan, dtype_bytes, tokens, groups, context):
@@ -40,12 +41,34 @@ def layer_activation_bytes(shard_plan, dtype_bytes, tokens, groups, context):
     float32 scores, mask and softmax."""
     config = shard_plan.config
     heads, kv = shard_plan.local_heads, shard_plan.local_kv_heads
-    intermediate = shard_plan.local_shape("model.layers.0.mlp.down_proj.weight")[1]
     per_token = dtype_bytes * (6 * config.hidden_size + 2 * (heads + 2 * kv) * config.head_dim
-                               + 4 * intermediate)
+                               + mlp_activations(shard_plan))
     gathered = 4 * groups * context * kv * config.head_dim * dtype_bytes
     scores = 3 * tokens * heads * context * 4 + tokens * context * 4
     return tokens * per_token + gathered + scores
+
+
+def mlp_activations(shard_plan):
+    """Elements a token's MLP holds at its peak: 4 x the intermediate width of a dense MLP;
+    of a sparse one (layers/moe.py) the router's scores and each of its k routed pairs' row,
+    gate/up and output (the pairs' gathered weights are not counted: a grouped matmul reads
+    them in place), and the shared expert's as a dense MLP's."""
+    config = shard_plan.config
+    dense = first_layer(config, sparse=False)
+    widest = 0
+    if dense is not None:
+        widest = 4 * shard_plan.local_shape(f"model.layers.{dense}.mlp.down_proj.weight")[1]
+    sparse = first_layer(config)
+    if sparse is not None:
+        moe, p = config.moe, f"model.layers.{sparse}.mlp."
+        experts_down = p + "experts.down_proj.weight"
+        intermediate = shard_plan.local_shape(experts_down)[1]
+        routed = moe.num_experts + moe.num_experts_per_tok * (2 * config.hidden_size
+                                                              + 4 * intermediate)
+        if moe.shared_expert_intermediate:
+            routed += 4 * shard_plan.local_shape(p + "shared_expert.down_proj.weight")[1]
+        widest = max(widest, routed)
+    return widest
 
 
 def largest_call_bytes(shard_plan, dtype_bytes, max_len, max_prefill_tokens, max_num_seqs,

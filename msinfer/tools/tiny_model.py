@@ -1,6 +1,7 @@
 """Random Qwen2 and Qwen3 checkpoints in Hugging Face layout, for tests and benchmarks.
 
-`make_tiny_model(dir)` writes what a downloaded Qwen2 (`family="qwen3"`: Qwen3 dense)
+`make_tiny_model(dir)` writes what a downloaded Qwen2 (`family="qwen3"`: Qwen3 dense; with
+`moe`: Qwen2-MoE or Qwen3-MoE, experts stored per expert as transformers writes them)
 directory holds: config.json (4.x or 5.x spelling), safetensors weights (one file or sharded
 with an index; float32, float16 or real bfloat16), generation_config.json, and a byte-level
 BPE tokenizer.json with Qwen2's special tokens and the family's real chat template
@@ -54,6 +55,10 @@ SHAPE_PRESETS = {
 }
 
 DTYPES = {"float32": ("F32", 4), "float16": ("F16", 2), "bfloat16": ("BF16", 2)}
+MOE_ARCHITECTURES = {"qwen2": "Qwen2MoeForCausalLM", "qwen3": "Qwen3MoeForCausalLM"}
+# make_tiny_model's `moe` keys, with their defaults (MoeOptions; config.json's names after)
+MOE_DEFAULTS = dict(experts=8, top_k=2, moe_intermediate=None, shared_expert_intermediate=None,
+                    mlp_only_layers=(), decoder_sparse_step=1, norm_topk_prob=None)
 
 
 def chat_template(family="qwen2"):
@@ -76,10 +81,12 @@ def default_intermediate(hidden):
 
 def make_tiny_model(out_dir, *, layers=2, hidden=64, heads=4, kv_heads=2, intermediate=None,
                     vocab=512, tie=False, dtype="float32", seed=0, shards=1, config_style="4",
-                    max_position=4096, family="qwen2", head_dim=None, progress=None):
+                    max_position=4096, family="qwen2", head_dim=None, moe=None,
+                    progress=None):
     """Writes a random Qwen2 (or Qwen3: `family="qwen3"`) checkpoint directory; returns its
     ModelConfig. `head_dim`: the attention head size, written to config.json (None: hidden /
-    heads, written for Qwen3, whose configs always carry it).
+    heads, written for Qwen3, whose configs always carry it). `moe`: a mixture-of-experts
+    model of the family (Qwen2-MoE / Qwen3-MoE), a dict of MOE_DEFAULTS' keys (None: dense).
 
     `progress(done, total, name)` is called after each tensor is written.
     """
@@ -99,6 +106,8 @@ def make_tiny_model(out_dir, *, layers=2, hidden=64, heads=4, kv_heads=2, interm
         layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, intermediate=intermediate,
         vocab=vocab, tie=tie, dtype=dtype, max_position=max_position, config_style=config_style,
         bos_token_id=end_of_text, eos_token_id=end_of_text, family=family, head_dim=head_dim)
+    if moe is not None:
+        config_json.update(moe_config_dict(family, hidden, **moe))
     config_path = os.path.join(out_dir, "config.json")
     # The checkpoint's tensor names and shapes are the ones msinfer reads back from this config.
     config = ModelConfig.from_dict(config_json, source=config_path)
@@ -154,6 +163,28 @@ def model_config_dict(*, layers, hidden, heads, kv_heads, intermediate, vocab, t
                       dtype=dtype, layer_types=["full_attention"] * layers,
                       transformers_version="5.0.0")
     return dict(sorted(config.items()))
+
+
+def moe_config_dict(family, hidden, *, experts=8, top_k=2, moe_intermediate=None,
+                    shared_expert_intermediate=None, mlp_only_layers=(), decoder_sparse_step=1,
+                    norm_topk_prob=None):
+    """config.json's MoE keys as the released Qwen2-57B-A14B / Qwen3-30B-A3B spell them
+    (`num_experts`). Defaults: experts of half the hidden size, a shared expert (Qwen2-MoE) of
+    four experts' width, norm_topk_prob true for Qwen3-MoE as released, false for Qwen2-MoE."""
+    moe_intermediate = moe_intermediate or max(8, hidden // 2)
+    config = {"architectures": [MOE_ARCHITECTURES[family]], "model_type": family + "_moe",
+              "num_experts": experts, "num_experts_per_tok": top_k,
+              "moe_intermediate_size": moe_intermediate,
+              "decoder_sparse_step": decoder_sparse_step,
+              "mlp_only_layers": list(mlp_only_layers),
+              "norm_topk_prob": (family == "qwen3" if norm_topk_prob is None
+                                 else bool(norm_topk_prob)),
+              "output_router_logits": False, "router_aux_loss_coef": 0.001}
+    if family == "qwen2":
+        config.update(shared_expert_intermediate_size=(shared_expert_intermediate
+                                                       or 4 * moe_intermediate),
+                      qkv_bias=True)
+    return config
 
 
 def train_tokenizer(vocab_size, family="qwen2"):
