@@ -1,11 +1,16 @@
-"""The engine's logprobs (`llm_engine.logprobs_of_rows`): its partial selection of the top
+"""The engine's logprobs (`sampling.logprobs_of_rows`): its partial selection of the top
 entries (candidates bounded by block maxima) gives what sorting the whole row in float64
 gives: the same tokens in the same order (ties by id), values within 1e-6 (its log-sum-exp
 sums float32 exponentials), row by row or many rows at once."""
 import numpy as np
 import pytest
 
-from msinfer.engine.llm_engine import _logprobs, logprobs_of_rows
+from msinfer.engine.sampling import logprobs_of_rows
+
+
+def _logprobs(logits, token, top):
+    """logprobs_of_rows of one row."""
+    return logprobs_of_rows(np.asarray(logits)[None], [token], top)[0]
 
 
 def full_sort(logits, token, top):

@@ -23,6 +23,20 @@ from .structured import normalized
 _NUCLEUS_CANDIDATES = 1024
 
 
+def _bad(field, value, why):
+    error = MsinferError(f"SamplingParams: {field}={value!r} {why}")
+    error.field = field  # the request field to name (HTTP 400's `param`)
+    raise error
+
+
+def _is_int(value):
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value):
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 @dataclasses.dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -49,73 +63,9 @@ class SamplingParams:
     structured_outputs: Optional[dict] = None
 
     def __post_init__(self):
-        def bad(field, value, why):
-            error = MsinferError(f"SamplingParams: {field}={value!r} {why}")
-            error.field = field  # the request field to name (HTTP 400's `param`)
-            raise error
-
-        def is_int(value):
-            return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
-                                                 or self.prompt_logprobs < 0):
-            bad("prompt_logprobs", self.prompt_logprobs,
-                "must be a non-negative integer or None")
-        least = 0 if self.prompt_logprobs is not None else 1  # 0: score the prompt only
-        if not is_int(self.max_tokens) or self.max_tokens < least:
-            bad("max_tokens", self.max_tokens, f"must be an integer >= {least}"
-                + (" (0 only with prompt_logprobs)" if least else ""))
-        if (not isinstance(self.temperature, numbers.Real) or isinstance(self.temperature, bool)
-                or not math.isfinite(self.temperature) or self.temperature < 0):
-            bad("temperature", self.temperature, "must be a finite number >= 0 (0 = greedy)")
-        if not is_int(self.top_k) or self.top_k < -1:
-            bad("top_k", self.top_k, "must be an integer >= 1, or 0 / -1 for off")
-        if (not isinstance(self.top_p, numbers.Real) or isinstance(self.top_p, bool)
-                or not 0 < self.top_p <= 1):
-            bad("top_p", self.top_p, "must be in (0, 1]")
-        if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
-            bad("seed", self.seed, "must be a non-negative integer or None")
-        if isinstance(self.stop, str):
-            self.stop = (self.stop,)
-        self.stop = tuple(self.stop)
-        for s in self.stop:
-            if not isinstance(s, str) or not s:
-                bad("stop", self.stop, "must hold non-empty strings")
-        self.stop_token_ids = tuple(self.stop_token_ids)
-        for t in self.stop_token_ids:
-            if not is_int(t) or t < 0:
-                bad("stop_token_ids", self.stop_token_ids, "must hold non-negative integers")
-        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
-            bad("logprobs", self.logprobs, "must be a non-negative integer or None")
-        if (not isinstance(self.min_p, numbers.Real) or isinstance(self.min_p, bool)
-                or not 0 <= self.min_p <= 1):
-            bad("min_p", self.min_p, "must be in [0, 1]")
-        for field in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, field)
-            if (not isinstance(value, numbers.Real) or isinstance(value, bool)
-                    or not -2 <= value <= 2):
-                bad(field, value, "must be in [-2, 2]")
-        if (not isinstance(self.repetition_penalty, numbers.Real)
-                or isinstance(self.repetition_penalty, bool)
-                or not 0 < self.repetition_penalty < math.inf):
-            bad("repetition_penalty", self.repetition_penalty, "must be a number > 0 (1 = off)")
-        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            bad("min_tokens", self.min_tokens, f"must be an integer in 0..max_tokens "
-                                               f"({self.max_tokens})")
-        if self.logit_bias:
-            bias = {}
-            for key, value in dict(self.logit_bias).items():
-                # JSON object keys are strings ("50256": -100 as OpenAI documents it)
-                token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
-                if not is_int(token) or token < 0:
-                    bad("logit_bias", key, "keys must be token ids (non-negative integers)")
-                if (not isinstance(value, numbers.Real) or isinstance(value, bool)
-                        or not -100 <= value <= 100):
-                    bad("logit_bias", {key: value}, "biases must be in [-100, 100]")
-                bias[int(token)] = float(value)
-            self.logit_bias = bias
-        else:
-            self.logit_bias = None
+        self._check_lengths_and_sampling()
+        self._check_stops_and_logprobs()
+        self._check_score_changes()
         if self.structured_outputs is not None:
             self.structured_outputs = normalized(self.structured_outputs)
         self.max_tokens, self.top_k = int(self.max_tokens), int(self.top_k)
@@ -126,6 +76,62 @@ class SamplingParams:
         self.presence_penalty = float(self.presence_penalty)
         self.frequency_penalty = float(self.frequency_penalty)
         self.repetition_penalty = float(self.repetition_penalty)
+
+    def _check_lengths_and_sampling(self):
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or self.prompt_logprobs < 0):
+            _bad("prompt_logprobs", self.prompt_logprobs,
+                 "must be a non-negative integer or None")
+        least = 0 if self.prompt_logprobs is not None else 1  # 0: score the prompt only
+        if not _is_int(self.max_tokens) or self.max_tokens < least:
+            _bad("max_tokens", self.max_tokens, f"must be an integer >= {least}"
+                 + (" (0 only with prompt_logprobs)" if least else ""))
+        if (not _is_real(self.temperature) or not math.isfinite(self.temperature)
+                or self.temperature < 0):
+            _bad("temperature", self.temperature, "must be a finite number >= 0 (0 = greedy)")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            _bad("top_k", self.top_k, "must be an integer >= 1, or 0 / -1 for off")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            _bad("top_p", self.top_p, "must be in (0, 1]")
+        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
+            _bad("seed", self.seed, "must be a non-negative integer or None")
+        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            _bad("min_p", self.min_p, "must be in [0, 1]")
+
+    def _check_stops_and_logprobs(self):
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        self.stop = tuple(self.stop)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                _bad("stop", self.stop, "must hold non-empty strings")
+        self.stop_token_ids = tuple(self.stop_token_ids)
+        for t in self.stop_token_ids:
+            if not _is_int(t) or t < 0:
+                _bad("stop_token_ids", self.stop_token_ids, "must hold non-negative integers")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            _bad("logprobs", self.logprobs, "must be a non-negative integer or None")
+
+    def _check_score_changes(self):
+        for field in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, field)
+            if not _is_real(value) or not -2 <= value <= 2:
+                _bad(field, value, "must be in [-2, 2]")
+        if not _is_real(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
+            _bad("repetition_penalty", self.repetition_penalty, "must be a number > 0 (1 = off)")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            _bad("min_tokens", self.min_tokens, f"must be an integer in 0..max_tokens "
+                                                f"({self.max_tokens})")
+        bias = {}
+        for key, value in dict(self.logit_bias or {}).items():
+            # JSON object keys are strings ("50256": -100 as OpenAI documents it)
+            token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+            if not _is_int(token) or token < 0:
+                _bad("logit_bias", key, "keys must be token ids (non-negative integers)")
+            if not _is_real(value) or not -100 <= value <= 100:
+                _bad("logit_bias", {key: value}, "biases must be in [-100, 100]")
+            bias[int(token)] = float(value)
+        self.logit_bias = bias or None
 
     def changes_scores(self, generated: int) -> bool:
         """Whether the model's scores change before sampling, with `generated` tokens out."""
@@ -234,3 +240,88 @@ def _nucleus_floor(probs, top_p):
     values = np.sort(values)[::-1]
     mass_above = np.cumsum(values) - values
     return values[mass_above < top_p][-1]
+
+
+def request_logprobs(seqs, logits, tokens, model_rows=None):
+    """{row: {token: logprob}} of the rows whose sequences ask for logprobs, taken together
+    for each top count (a copy of the rows only when not every row asks alike), from the
+    model's rows (`model_rows`: {row: the row before a grammar's mask})."""
+    by_top = {}
+    for row, seq in enumerate(seqs):
+        if seq.logprobs is not None:
+            by_top.setdefault(seq.params.logprobs, []).append(row)
+    found = {}
+    for top, rows in by_top.items():
+        picked = logits if len(rows) == len(logits) else logits[rows]
+        unmasked = [i for i, row in enumerate(rows) if row in (model_rows or {})]
+        if unmasked:
+            picked = picked.copy() if picked is logits else picked
+            for i in unmasked:
+                picked[i] = model_rows[rows[i]]
+        found.update(zip(rows, logprobs_of_rows(picked, np.asarray(tokens)[rows], top)))
+    return found
+
+
+_LOGPROB_BLOCK = 256  # entries per block whose maxima bound the top ones (logprobs_of_rows)
+
+
+def logprobs_of_rows(logits, tokens, top):
+    """One {token: logprob} per row of `logits` (rows, vocab): the row's token in `tokens`
+    and its `top` most likely ones, from the model's distribution (before temperature and
+    truncation, as vLLM reports them), most likely first, ties by token id.
+
+    All rows at once. The log-sum-exp is taken over float32 exponentials, summed pairwise
+    (within 1e-6 of float64 throughout: a third of its time), and log-probabilities only for
+    the entries returned. The top ones are found without sorting a row: the top-th largest of
+    its blocks' maxima is a bound every one of the top entries reaches (k blocks reach it, so
+    k entries do), which leaves a handful of candidates; only they are sorted. The same
+    tokens in the same order as sorting the whole row (docs/engine.md)."""
+    logits = np.asarray(logits)
+    if logits.dtype != np.float32:
+        logits = logits.astype(np.float32)
+    rows, vocab = logits.shape
+    peak = logits.max(axis=1)
+    shifted = np.subtract(logits, peak[:, None], dtype=np.float32)  # the one full temporary
+    np.exp(shifted, out=shifted)
+    lse = np.log(shifted.sum(axis=1)).astype(np.float64) + peak.astype(np.float64)
+    tokens = np.asarray(tokens, dtype=np.int64)
+    chosen = logits[np.arange(rows), tokens].astype(np.float64) - lse
+    picked = [{int(t): float(v)} for t, v in zip(tokens, chosen)]
+    if not top:
+        return picked
+    whole = vocab // _LOGPROB_BLOCK * _LOGPROB_BLOCK
+    blocks = logits[:, :whole].reshape(rows, -1, _LOGPROB_BLOCK)
+    maxima = blocks.max(axis=2)
+    if whole < vocab:  # the tail beyond the last whole block is a block of its own
+        maxima = np.concatenate([maxima, logits[:, whole:].max(axis=1, keepdims=True)], 1)
+    if maxima.shape[1] > top:
+        bound = np.partition(maxima, maxima.shape[1] - top, axis=1)[:, maxima.shape[1] - top]
+    else:
+        bound = np.full(rows, -np.inf, np.float32)
+    # only the blocks whose maximum reaches the bound hold candidates: a few per row, laid
+    # side by side (rows, blocks x 256), padding -inf with ids past the vocabulary
+    hit = maxima >= bound[:, None]
+    order = np.argsort(~hit, axis=1, kind="stable")[:, :hit.sum(axis=1).max()]
+    body = blocks.shape[1]
+    inside = np.minimum(order, max(body - 1, 0))  # the tail's slots are filled below
+    values = (blocks[np.arange(rows)[:, None], inside] if body
+              else np.full(order.shape + (_LOGPROB_BLOCK,), -np.inf, np.float32))
+    ids = inside[..., None] * _LOGPROB_BLOCK + np.arange(_LOGPROB_BLOCK)
+    if whole < vocab:
+        tail_rows, tail_slots = np.nonzero(order == body)
+        values[tail_rows, tail_slots] = -np.inf
+        values[tail_rows, tail_slots, :vocab - whole] = logits[tail_rows, whole:]
+        ids[tail_rows, tail_slots] = whole + np.arange(_LOGPROB_BLOCK)
+    missing = ~np.take_along_axis(hit, order, 1)
+    values[missing], ids[missing] = -np.inf, vocab
+    values, ids = values.reshape(rows, -1), ids.reshape(rows, -1)
+    ids[ids >= vocab] = vocab  # the tail's padding
+    best = np.lexsort((ids, -values))[:, :top]  # by logit (so logprob), descending; by id
+    best_ids = np.take_along_axis(ids, best, 1).tolist()
+    best_values = (np.take_along_axis(values, best, 1).astype(np.float64)
+                   - lse[:, None]).tolist()
+    for row in range(rows):
+        for token, value in zip(best_ids[row], best_values[row]):
+            if token < vocab:
+                picked[row].setdefault(token, value)
+    return picked
