@@ -24,7 +24,7 @@ from ..errors import MsinferError
 from .block_manager import BlockManager
 from .sampling import Sampler, SamplingParams, logprobs_of_rows, request_logprobs
 from .scheduler import Scheduler
-from .sequence import Sequence, Status
+from .sequence import Prefix, Sequence, Status
 from .structured import GrammarEngine, grammar_of
 from .tokenizer import IncrementalDecoder
 
@@ -34,7 +34,9 @@ class RequestOutput:
     request_id: str
     prompt: str  # None when the prompt was given as token ids
     prompt_token_ids: list
-    token_ids: list  # everything generated so far
+    # everything generated so far: a list once finished, before that a read-only Prefix view
+    # of the engine's list (the same for the lists below)
+    token_ids: list
     text: str  # decoded so far, complete characters only, cut before a stop string
     finished: bool = False
     # "stop" (eos, stop token or stop string), "length", "abort", or "error" (the model's
@@ -386,16 +388,18 @@ class LLMEngine:
         del self._requests[seq.request_id]
 
     def _output(self, seq) -> RequestOutput:
-        """What `seq` holds now."""
+        """What `seq` holds now: while it runs, its lists seen through Prefix views (no copy
+        per step); once finished, plain lists (one copy per request)."""
+        view = list if seq.finished else Prefix
         prompt_logprobs = seq.prompt_logprobs
         complete = (prompt_logprobs is not None
                     and len(prompt_logprobs) == len(seq.prompt_token_ids))
         return RequestOutput(request_id=seq.request_id, prompt=seq.prompt,
-                             prompt_token_ids=list(seq.prompt_token_ids),
-                             token_ids=list(seq.generated), text=seq.text,
+                             prompt_token_ids=view(seq.prompt_token_ids),
+                             token_ids=view(seq.generated), text=seq.text,
                              finished=seq.finished, finish_reason=seq.finish_reason,
-                             logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-                             prompt_logprobs=list(prompt_logprobs) if complete else None,
+                             logprobs=view(seq.logprobs) if seq.logprobs is not None else None,
+                             prompt_logprobs=view(prompt_logprobs) if complete else None,
                              cached_tokens=seq.cached_tokens or 0)
 
     # ---- compile ahead ----

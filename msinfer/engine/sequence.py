@@ -126,7 +126,7 @@ class Sequence:
         """Search the text added since the last search, from far enough back to find a stop
         string that began in the text already searched (the longest one's length - 1)."""
         text = self.decoder.text
-        start = 0
+        start = max(self.searched - max(map(len, self.params.stop)) + 1, 0)
         found = find_stop(text[start:], self.params.stop)
         self.searched = len(text)
         if found is not None:
