@@ -155,15 +155,17 @@ def test_tokenizer_fits_the_model_vocab_and_names_eos_tokens(tiny_checkpoint):
 
 def test_the_tokenizer_covers_a_large_vocabulary_and_every_id_decodes_to_text(tmp_path):
     """Issue 35: --vocab 3000 wrote a 504-token tokenizer, and ids above it decoded to "".
-    The trained merges stay what they were (same encoding); the rest are letter strings."""
+    The trained merges and the special tokens' ids stay what they were at 512 (the same
+    encoding, the same eos ids); the rest are letter strings."""
     make_tiny_model(str(tmp_path / "m"), layers=1, hidden=8, heads=2, kv_heads=1, vocab=3000)
     tok = tokenizers.Tokenizer.from_file(str(tmp_path / "m" / "tokenizer.json"))
     assert tok.get_vocab_size() == 3000
     assert all(tok.decode([i], skip_special_tokens=False) for i in range(3000))
-    assert tok.token_to_id("<|im_end|>") == 2999  # the special tokens keep the last ids
     text = "The old man writes about the garden."
     small = tokenizers.Tokenizer.from_str(train_tokenizer(512).to_str())
     assert tok.encode(text).ids == small.encode(text).ids
+    for special in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
+        assert tok.token_to_id(special) == small.token_to_id(special) < 512
 
 
 @pytest.mark.parametrize("kwargs, message", [

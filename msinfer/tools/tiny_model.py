@@ -161,7 +161,8 @@ def model_config_dict(*, layers, hidden, heads, kv_heads, intermediate, vocab, t
 
 def train_tokenizer(vocab_size, family="qwen2"):
     """A byte-level BPE tokenizer of `vocab_size` tokens built like Qwen2's (Qwen3's: with
-    its think and tool tags), trained on generated English, its special tokens last."""
+    its think and tool tags), trained on generated English (at most MAX_TOKENIZER_VOCAB
+    tokens), its special tokens after the trained ones, then filler tokens (`_filled`)."""
     # Imported here: `msinfer plan` (whose CLI lists this command) runs without tokenizers.
     import tokenizers
     from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
@@ -176,12 +177,11 @@ def train_tokenizer(vocab_size, family="qwen2"):
         add_prefix_space=False, trim_offsets=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel(
         add_prefix_space=False, trim_offsets=False, use_regex=False)
-    bpe_size = vocab_size - len(added_tokens(family))
     trainer = trainers.BpeTrainer(
-        vocab_size=min(bpe_size, MAX_TOKENIZER_VOCAB), show_progress=False,
+        vocab_size=min(vocab_size, MAX_TOKENIZER_VOCAB) - len(added_tokens(family)),
+        show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(english_sentences(), trainer)
-    tokenizer = _filled(tokenizer, bpe_size)
     # Added after training, so they take the last ids, as in Qwen2's vocabulary.
     tokenizer.add_special_tokens(
         [tokenizers.AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
@@ -189,24 +189,31 @@ def train_tokenizer(vocab_size, family="qwen2"):
         tokenizer.add_tokens(
             [tokenizers.AddedToken(t, special=False, normalized=False)
              for t in QWEN3_ADDED_TOKENS])
-    return tokenizer
+    return _filled(tokenizer, vocab_size)
 
 
 def _filled(tokenizer, size):
-    """`tokenizer` with its BPE vocabulary grown to `size` tokens: letter strings ("ab",
-    "Ġab", ... "abc", ...; Ġ is byte-level BPE's space) not in it yet, which no merge makes
-    (encoding is unchanged) and which decode to themselves."""
+    """`tokenizer` grown to `size` ids: after its trained and added tokens (whose ids stay
+    what they are at any size, so a model's eos ids do not depend on its vocabulary), BPE
+    tokens of letter strings ("ab", "Ġab", ... "abc", ...; Ġ is byte-level BPE's space) not
+    in it yet, which no merge makes (encoding is unchanged) and which decode to
+    themselves."""
     import tokenizers
 
     data = json.loads(tokenizer.to_str())
     vocab = data["model"]["vocab"]
-    for length in range(2, 6):
-        if len(vocab) >= size:
+    for added in data["added_tokens"]:  # in the model's vocabulary too, or a tokenizer
+        vocab[added["content"]] = added["id"]  # loading this one would renumber them
+    next_id = 1 + max(vocab.values())
+    words = (prefix + "".join(letters) for length in range(2, 6)
+             for letters in itertools.product(_FILLER_LETTERS, repeat=length)
+             for prefix in ("", "\u0120"))
+    for token in words:
+        if next_id >= size:
             break
-        for letters in itertools.product(_FILLER_LETTERS, repeat=length):
-            for token in ("".join(letters), "\u0120" + "".join(letters)):
-                if len(vocab) < size and token not in vocab:
-                    vocab[token] = len(vocab)
+        if token not in vocab:
+            vocab[token] = next_id
+            next_id += 1
     return tokenizers.Tokenizer.from_str(json.dumps(data))
 
 
