@@ -3,7 +3,7 @@
 A hypothesis state machine adds requests, steps and aborts in random order against a small KV
 cache (so that preemption is frequent). A step does to the sequences what LLMEngine.step does:
 every chunk and decode is computed, each sequence whose pending tokens are all computed gets a
-token, and sequences finish at random or at their length bound (LLMEngine._append). After every
+token, and sequences finish at random or at their length bound (LLMEngine._postprocess, Sequence.stop_reason). After every
 operation the block accounting and the queues must be consistent, and every schedule must keep
 the scheduler's promises: the prefill budget, the sequence slots, the context bound, each
 sequence at most once, victims taken latest admitted first and none of them scheduled in the
@@ -95,7 +95,7 @@ class EngineMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from([s.request_id for s in self.unfinished]), label="abort")
         self._finish(next(s for s in self.unfinished if s.request_id == rid), "abort")
 
-    # ---- the engine's step without a model (LLMEngine.step and _append) ----
+    # ---- the engine's step without a model (LLMEngine.step and _postprocess) ----
 
     def _step(self) -> Schedule:
         had_work = self.scheduler.has_work()

@@ -1,11 +1,16 @@
-"""The engine's logprobs (`llm_engine.logprobs_of_rows`): its partial selection of the top
+"""The engine's logprobs (`sampling.logprobs_of_rows`): its partial selection of the top
 entries (candidates bounded by block maxima) gives what sorting the whole row in float64
 gives: the same tokens in the same order (ties by id), values within 1e-6 (its log-sum-exp
 sums float32 exponentials), row by row or many rows at once."""
 import numpy as np
 import pytest
 
-from msinfer.engine.llm_engine import _logprobs, logprobs_of_rows
+from msinfer.engine.sampling import logprobs_of_rows
+
+
+def _logprobs(logits, token, top):
+    """logprobs_of_rows of one row."""
+    return logprobs_of_rows(np.asarray(logits)[None], [token], top)[0]
 
 
 def full_sort(logits, token, top):
@@ -58,3 +63,25 @@ def test_the_values_are_log_probabilities():
     row = np.log(np.array([0.5, 0.25, 0.125, 0.125], np.float32))
     assert _logprobs(row, 3, 2) == pytest.approx({3: np.log(0.125), 0: np.log(0.5),
                                                   1: np.log(0.25)})
+
+
+def test_a_batch_of_qwen_rows_costs_a_few_passes_over_the_logits():
+    """Issue 38: logprobs=5 made a batch-16 decode step 1.40x as long. The host's part, for
+    16 x 151,936 float32 logits, against one np.exp over them (the fastest of 15 each, so a
+    busy machine slows both alike): about 2.3x since the row-at-a-time log-sum-exp and the
+    strided group maxima, 4.9x before. bench/logprobs_step.py times whole steps."""
+    import time
+
+    logits = (np.random.default_rng(0).standard_normal((16, 151936)) * 3).astype(np.float32)
+    tokens = logits.argmax(axis=1)
+
+    def fastest(call):
+        times = []
+        for _ in range(15):
+            start = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    one_pass = fastest(lambda: np.exp(logits))
+    assert fastest(lambda: logprobs_of_rows(logits, tokens, 5)) < 3.5 * one_pass

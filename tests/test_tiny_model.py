@@ -15,7 +15,7 @@ from msinfer.errors import MsinferError
 from msinfer.cli.make_tiny_model import cli_arguments
 from msinfer.cli.make_tiny_model import register as register_cli
 from msinfer.tools.tiny_model import (SHAPE_PRESETS, default_intermediate, make_tiny_model,
-                                      model_config_dict, to_bfloat16_bits)
+                                      model_config_dict, to_bfloat16_bits, train_tokenizer)
 
 SMALL = dict(layers=2, hidden=32, heads=4, kv_heads=2, vocab=300)
 # Tests that only read a checkpoint take conftest's tiny_checkpoint(**arguments): one directory
@@ -141,7 +141,7 @@ def test_tied_model_has_no_lm_head(tiny_checkpoint):
 def test_tokenizer_fits_the_model_vocab_and_names_eos_tokens(tiny_checkpoint):
     path, _ = tiny_checkpoint(**SMALL)
     tok = tokenizers.Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
-    assert tok.get_vocab_size() <= SMALL["vocab"]
+    assert tok.get_vocab_size() == SMALL["vocab"]
     eot, start, end = (tok.token_to_id(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"))
     assert {eot, start, end} == set(range(tok.get_vocab_size() - 3, tok.get_vocab_size()))
     generation = read_json(os.path.join(path, "generation_config.json"))
@@ -153,10 +153,19 @@ def test_tokenizer_fits_the_model_vocab_and_names_eos_tokens(tiny_checkpoint):
     assert len(tok.encode(text).ids) < len(text) * 2 // 3  # trained merges, not bytes
 
 
-def test_large_model_vocab_keeps_a_small_tokenizer(tmp_path):
-    make_tiny_model(str(tmp_path / "m"), layers=1, hidden=8, heads=2, kv_heads=1, vocab=5000)
+def test_the_tokenizer_covers_a_large_vocabulary_and_every_id_decodes_to_text(tmp_path):
+    """Issue 35: --vocab 3000 wrote a 504-token tokenizer, and ids above it decoded to "".
+    The trained merges and the special tokens' ids stay what they were at 512 (the same
+    encoding, the same eos ids); the rest are letter strings."""
+    make_tiny_model(str(tmp_path / "m"), layers=1, hidden=8, heads=2, kv_heads=1, vocab=3000)
     tok = tokenizers.Tokenizer.from_file(str(tmp_path / "m" / "tokenizer.json"))
-    assert tok.get_vocab_size() <= 1024
+    assert tok.get_vocab_size() == 3000
+    assert all(tok.decode([i], skip_special_tokens=False) for i in range(3000))
+    text = "The old man writes about the garden."
+    small = tokenizers.Tokenizer.from_str(train_tokenizer(512).to_str())
+    assert tok.encode(text).ids == small.encode(text).ids
+    for special in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
+        assert tok.token_to_id(special) == small.token_to_id(special) < 512
 
 
 @pytest.mark.parametrize("kwargs, message", [

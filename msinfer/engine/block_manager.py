@@ -153,7 +153,8 @@ class BlockManager:
         """The names of `seq`'s first `count` blocks (kept on the sequence: its tokens never
         change)."""
         if len(seq.block_names) < count:
-            block_names(seq.tokens, self.layout.block_size, count, seq.block_names)
+            block_names(seq.token_slice(0, count * self.layout.block_size),
+                        self.layout.block_size, count, seq.block_names)
         return seq.block_names[:count]
 
 

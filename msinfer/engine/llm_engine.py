@@ -5,8 +5,9 @@
         for out in engine.step():   # RequestOutput of each request that moved this step
             ...
 
-One step = the scheduler's decisions (decodes + prefill chunks, preemptions), the runner's
-graphs, then sampling and stop checks on the host. Every rank of a sharded job runs the same
+One step reads as nano-vllm's: schedule (scheduler.py: decodes + prefill chunks,
+preemptions) -> run (model_runner.py: the graphs, logits rows) -> sample (sampling.py: tokens
+and logprobs) -> postprocess (sequence.py: append, stop checks; finish what ends). Every rank of a sharded job runs the same
 engine; given the same add/abort calls in the same order, every rank schedules, samples and
 stops identically (requests without a seed draw from a job-wide seed).
 """
@@ -21,11 +22,11 @@ import numpy as np
 from .. import log
 from ..errors import MsinferError
 from .block_manager import BlockManager
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, logprobs_of_rows, request_logprobs
 from .scheduler import Scheduler
-from .sequence import Sequence, Status
+from .sequence import Prefix, Sequence, Status
 from .structured import GrammarEngine, grammar_of
-from .tokenizer import IncrementalDecoder, find_stop
+from .tokenizer import IncrementalDecoder
 
 
 @dataclasses.dataclass
@@ -33,7 +34,9 @@ class RequestOutput:
     request_id: str
     prompt: str  # None when the prompt was given as token ids
     prompt_token_ids: list
-    token_ids: list  # everything generated so far
+    # everything generated so far: a list once finished, before that a read-only Prefix view
+    # of the engine's list (the same for the lists below)
+    token_ids: list
     text: str  # decoded so far, complete characters only, cut before a stop string
     finished: bool = False
     # "stop" (eos, stop token or stop string), "length", "abort", or "error" (the model's
@@ -227,75 +230,102 @@ class LLMEngine:
         None, finish reason or None] per row). Without (a follower): the graphs only; []."""
         self.step_count += 1
         self.decisions = []
-        sampled_seqs, logits = [], []
+        seqs, logits = self._run(schedule, score=sample)
+        if not seqs or not sample:
+            return []
+        outputs, seqs, logits = self._drop_unsampled(seqs, logits)
+        if seqs:
+            tokens, logprobs = self._sample(seqs, logits)
+            outputs += self._postprocess(seqs, tokens, logprobs)
+        return outputs
+
+    def _run(self, schedule, score):
+        """Run the step's graphs and move each sequence's `computed`; the sequences whose
+        next token is due and their logits rows (prompt rows scored on the way, with
+        `score`)."""
+        seqs, logits = [], []
         if schedule.chunks:
-            positions = [chunk.logit_positions() for chunk in schedule.chunks]
-            chunk_logits = self.runner.prefill(schedule.chunks)
-            completing, row = [], 0
-            for chunk, chunk_positions in zip(schedule.chunks, positions):
-                scoring = len(chunk_positions) - chunk.completes  # prompt rows come first
-                if scoring:
-                    if sample:  # only the leader of a tensor group keeps values
-                        self._score_prompt(chunk.seq, chunk_logits[row:row + scoring])
-                    chunk.seq.prompt_scored += scoring
-                row += scoring
-                if chunk.completes:
-                    completing.append(row)
-                    row += 1
-                chunk.seq.computed += chunk.count
-                self.prefill_tokens_computed += chunk.count
-                self.blocks.computed(chunk.seq)
-            completed = [c.seq for c in schedule.chunks if c.completes]
+            completed, rows = self._run_prefill(schedule.chunks, score)
             if completed:
-                sampled_seqs += completed
-                logits.append(chunk_logits if row == len(completing)
-                              else chunk_logits[completing])
+                seqs += completed
+                logits.append(rows)
         if schedule.decodes:
             logits.append(self.runner.decode(schedule.decodes))
             for seq in schedule.decodes:
                 seq.computed += 1
                 self.blocks.computed(seq)
-            sampled_seqs += schedule.decodes
-        if not sampled_seqs or not sample:
-            return []
-        outputs = []
-        # max_tokens 0 (prompt logprobs only): the prompt is scored, nothing is generated
-        scored_only = [s.params.max_tokens == 0 for s in sampled_seqs]
-        if any(scored_only):
-            for seq, done in zip(sampled_seqs, scored_only):
-                if done:
-                    self._finish(seq, "length")
-                    outputs.append(self._output(seq))
-                    self.decisions.append([seq.request_id, None, "length"])
-            keep = [not done for done in scored_only]
-            sampled_seqs = [s for s, k in zip(sampled_seqs, keep) if k]
-            logits = [np.concatenate(logits)[keep]] if sampled_seqs else []
-            if not sampled_seqs:
-                return outputs
+            seqs += schedule.decodes
         # one call's logits need no copy (16 x 151,936 float32 is 9.7 MB)
-        logits = logits[0] if len(logits) == 1 else np.concatenate(logits)
+        return seqs, (logits[0] if len(logits) == 1 else
+                      np.concatenate(logits) if logits else None)
+
+    def _run_prefill(self, chunks, score):
+        """The prefill call: (the sequences whose prompt it completes, their logits rows).
+        Rows scoring prompt tokens come first in each chunk's rows (Chunk.logit_positions)."""
+        positions = [chunk.logit_positions() for chunk in chunks]
+        chunk_logits = self.runner.prefill(chunks)
+        completing, row = [], 0
+        for chunk, chunk_positions in zip(chunks, positions):
+            scoring = len(chunk_positions) - chunk.completes
+            if scoring:
+                if score:  # only the leader of a tensor group keeps values
+                    self._score_prompt(chunk.seq, chunk_logits[row:row + scoring])
+                chunk.seq.prompt_scored += scoring
+            row += scoring
+            if chunk.completes:
+                completing.append(row)
+                row += 1
+            chunk.seq.computed += chunk.count
+            self.prefill_tokens_computed += chunk.count
+            self.blocks.computed(chunk.seq)
+        completed = [c.seq for c in chunks if c.completes]
+        return completed, (chunk_logits if row == len(completing)
+                           else chunk_logits[completing])
+
+    def _drop_unsampled(self, seqs, logits):
+        """Finish the rows that get no token: max_tokens 0 (the prompt scored, nothing to
+        generate: "length") and non-finite logits ("error"). (their outputs, the sequences
+        left, their rows)."""
+        outputs = []
+        # a NaN row's argmax is token 0 ('!' in Qwen's vocabulary): an error instead; the
+        # other rows go on (padding cannot carry NaN into them: model_runner's zero slot)
         finite = np.isfinite(logits).all(axis=1)  # 0.2 ms for 16 x 151,936
-        if not finite.all():
-            # A NaN row's argmax is token 0 ('!' in Qwen's vocabulary): finish it with an
-            # error instead; the other rows go on (padding cannot carry NaN into them:
-            # model_runner's zero slot).
-            for row in np.flatnonzero(~finite):
-                outputs.append(self._fail(sampled_seqs[row]))
-                self.decisions.append([sampled_seqs[row].request_id, None, "error"])
-            sampled_seqs = [s for s, ok in zip(sampled_seqs, finite) if ok]
-            logits = logits[finite]
-            if not sampled_seqs:
-                return outputs
-        model_rows = self._guide(sampled_seqs, logits)
-        tokens = self._sampler(logits, [s.params for s in sampled_seqs],
-                               [s.generator for s in sampled_seqs],
-                               [(s.prompt_token_ids, s.generated) for s in sampled_seqs],
+        keep = finite.copy()
+        for row, seq in enumerate(seqs):
+            if seq.params.max_tokens == 0:
+                self._finish(seq, "length")
+                outputs.append(self._output(seq))
+                keep[row] = False
+            elif not finite[row]:
+                outputs.append(self._fail(seq))
+                keep[row] = False
+            if not keep[row]:
+                self.decisions.append([seq.request_id, None, seq.finish_reason])
+        if keep.all():
+            return outputs, seqs, logits
+        return outputs, [s for s, k in zip(seqs, keep) if k], logits[keep]
+
+    def _sample(self, seqs, logits):
+        """(the token of each row, {row: its logprobs} of the rows that ask for them)."""
+        model_rows = self._guide(seqs, logits)
+        tokens = self._sampler(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                               [(s.prompt_token_ids, s.generated) for s in seqs],
                                self.eos_token_ids)
-        logprobs = self._token_logprobs(sampled_seqs, logits, tokens, model_rows)
-        for row, (seq, token) in enumerate(zip(sampled_seqs, tokens)):
-            self._append(seq, int(token), logprobs.get(row))
+        return tokens, request_logprobs(seqs, logits, tokens, model_rows)
+
+    def _postprocess(self, seqs, tokens, logprobs):
+        """Append each row's token, finish what stops; their outputs and decisions."""
+        outputs = []
+        for row, (seq, token) in enumerate(zip(seqs, tokens.tolist())):
+            seq.append_token(token)
+            self.generation_tokens_total += 1
+            if seq.logprobs is not None:
+                seq.logprobs.append(logprobs.get(row))
+            reason = seq.stop_reason(token, self.eos_token_ids, self.max_model_len)
+            if reason:
+                self._finish(seq, reason)
             outputs.append(self._output(seq))
-            self.decisions.append([seq.request_id, int(token), seq.finish_reason])
+            self.decisions.append([seq.request_id, token, reason])
         return outputs
 
     def apply_decisions(self, decisions) -> None:
@@ -307,7 +337,7 @@ class LLMEngine:
                 raise MsinferError(f"the leader decided for request {request_id!r}, which "
                                    f"this rank does not hold")
             if token is not None:
-                seq.generated.append(token)
+                seq.append_token(token)
                 self.generation_tokens_total += 1
             if reason:
                 self._finish(seq, reason)
@@ -330,52 +360,6 @@ class LLMEngine:
                 seq.guided.advance_all(seq.generated)
             seq.guided.mask(logits[row])
         return model_rows
-
-    @staticmethod
-    def _token_logprobs(seqs, logits, tokens, model_rows=None):
-        """{row: {token: logprob}} of the rows whose requests ask for logprobs, taken together
-        for each top count (a copy of the rows only when not every row asks alike), from the
-        model's rows (`model_rows`: those of guided sequences, before their mask)."""
-        by_top = {}
-        for row, seq in enumerate(seqs):
-            if seq.logprobs is not None:
-                by_top.setdefault(seq.params.logprobs, []).append(row)
-        found = {}
-        for top, rows in by_top.items():
-            picked = logits if len(rows) == len(logits) else logits[rows]
-            unmasked = [i for i, row in enumerate(rows) if row in (model_rows or {})]
-            if unmasked:
-                picked = picked.copy() if picked is logits else picked
-                for i in unmasked:
-                    picked[i] = model_rows[rows[i]]
-            found.update(zip(rows, logprobs_of_rows(picked, np.asarray(tokens)[rows], top)))
-        return found
-
-    def _append(self, seq, token, logprobs=None):
-        seq.generated.append(token)
-        self.generation_tokens_total += 1
-        if seq.logprobs is not None:
-            seq.logprobs.append(logprobs)
-        decoder = seq.decoder
-        if decoder is not None:
-            decoder.push(token)
-        p = seq.params
-        reason = None
-        if seq.guided is not None and not seq.guided.advance(token):
-            # cannot happen while the mask holds; said rather than leaving bad output
-            log.get().error("request %r: the grammar refused token %d: %s", seq.request_id,
-                            token, seq.guided.error)
-            reason = "stop"
-        elif (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            reason = "stop"
-        elif seq.guided is not None and seq.guided.complete:
-            reason = "stop"  # the grammar is complete: nothing but the end may follow
-        elif p.stop and find_stop(decoder.text, p.stop) is not None:
-            reason = "stop"
-        elif len(seq.generated) >= p.max_tokens or seq.length >= self.max_model_len:
-            reason = "length"
-        if reason:
-            self._finish(seq, reason)
 
     def _score_prompt(self, seq, logits):
         """Record the logprobs of the prompt tokens that `logits` rows (one per position
@@ -404,19 +388,18 @@ class LLMEngine:
         del self._requests[seq.request_id]
 
     def _output(self, seq) -> RequestOutput:
-        text = seq.decoder.text if seq.decoder is not None else ""
-        if seq.params.stop:
-            cut = find_stop(text, seq.params.stop)
-            text = text[:cut] if cut is not None else text
+        """What `seq` holds now: while it runs, its lists seen through Prefix views (no copy
+        per step); once finished, plain lists (one copy per request)."""
+        view = list if seq.finished else Prefix
+        prompt_logprobs = seq.prompt_logprobs
+        complete = (prompt_logprobs is not None
+                    and len(prompt_logprobs) == len(seq.prompt_token_ids))
         return RequestOutput(request_id=seq.request_id, prompt=seq.prompt,
-                             prompt_token_ids=list(seq.prompt_token_ids),
-                             token_ids=list(seq.generated), text=text, finished=seq.finished,
-                             finish_reason=seq.finish_reason,
-                             logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-                             prompt_logprobs=(list(seq.prompt_logprobs)
-                                              if seq.prompt_logprobs is not None
-                                              and len(seq.prompt_logprobs)
-                                              == len(seq.prompt_token_ids) else None),
+                             prompt_token_ids=view(seq.prompt_token_ids),
+                             token_ids=view(seq.generated), text=seq.text,
+                             finished=seq.finished, finish_reason=seq.finish_reason,
+                             logprobs=view(seq.logprobs) if seq.logprobs is not None else None,
+                             prompt_logprobs=view(prompt_logprobs) if complete else None,
                              cached_tokens=seq.cached_tokens or 0)
 
     # ---- compile ahead ----
@@ -449,73 +432,3 @@ class LLMEngine:
         finally:
             if not frozen_before:
                 gc.unfreeze()
-
-
-_LOGPROB_BLOCK = 256  # entries per block whose maxima bound the top ones (logprobs_of_rows)
-
-
-def logprobs_of_rows(logits, tokens, top):
-    """One {token: logprob} per row of `logits` (rows, vocab): the row's token in `tokens`
-    and its `top` most likely ones, from the model's distribution (before temperature and
-    truncation, as vLLM reports them), most likely first, ties by token id.
-
-    All rows at once. The log-sum-exp is taken over float32 exponentials, summed pairwise
-    (within 1e-6 of float64 throughout: a third of its time), and log-probabilities only for
-    the entries returned. The top ones are found without sorting a row: the top-th largest of
-    its blocks' maxima is a bound every one of the top entries reaches (k blocks reach it, so
-    k entries do), which leaves a handful of candidates; only they are sorted. The same
-    tokens in the same order as sorting the whole row (docs/engine.md)."""
-    logits = np.asarray(logits)
-    if logits.dtype != np.float32:
-        logits = logits.astype(np.float32)
-    rows, vocab = logits.shape
-    peak = logits.max(axis=1)
-    shifted = np.subtract(logits, peak[:, None], dtype=np.float32)  # the one full temporary
-    np.exp(shifted, out=shifted)
-    lse = np.log(shifted.sum(axis=1)).astype(np.float64) + peak.astype(np.float64)
-    tokens = np.asarray(tokens, dtype=np.int64)
-    chosen = logits[np.arange(rows), tokens].astype(np.float64) - lse
-    picked = [{int(t): float(v)} for t, v in zip(tokens, chosen)]
-    if not top:
-        return picked
-    whole = vocab // _LOGPROB_BLOCK * _LOGPROB_BLOCK
-    blocks = logits[:, :whole].reshape(rows, -1, _LOGPROB_BLOCK)
-    maxima = blocks.max(axis=2)
-    if whole < vocab:  # the tail beyond the last whole block is a block of its own
-        maxima = np.concatenate([maxima, logits[:, whole:].max(axis=1, keepdims=True)], 1)
-    if maxima.shape[1] > top:
-        bound = np.partition(maxima, maxima.shape[1] - top, axis=1)[:, maxima.shape[1] - top]
-    else:
-        bound = np.full(rows, -np.inf, np.float32)
-    # only the blocks whose maximum reaches the bound hold candidates: a few per row, laid
-    # side by side (rows, blocks x 256), padding -inf with ids past the vocabulary
-    hit = maxima >= bound[:, None]
-    order = np.argsort(~hit, axis=1, kind="stable")[:, :hit.sum(axis=1).max()]
-    body = blocks.shape[1]
-    inside = np.minimum(order, max(body - 1, 0))  # the tail's slots are filled below
-    values = (blocks[np.arange(rows)[:, None], inside] if body
-              else np.full(order.shape + (_LOGPROB_BLOCK,), -np.inf, np.float32))
-    ids = inside[..., None] * _LOGPROB_BLOCK + np.arange(_LOGPROB_BLOCK)
-    if whole < vocab:
-        tail_rows, tail_slots = np.nonzero(order == body)
-        values[tail_rows, tail_slots] = -np.inf
-        values[tail_rows, tail_slots, :vocab - whole] = logits[tail_rows, whole:]
-        ids[tail_rows, tail_slots] = whole + np.arange(_LOGPROB_BLOCK)
-    missing = ~np.take_along_axis(hit, order, 1)
-    values[missing], ids[missing] = -np.inf, vocab
-    values, ids = values.reshape(rows, -1), ids.reshape(rows, -1)
-    ids[ids >= vocab] = vocab  # the tail's padding
-    best = np.lexsort((ids, -values))[:, :top]  # by logit (so logprob), descending; by id
-    best_ids = np.take_along_axis(ids, best, 1).tolist()
-    best_values = (np.take_along_axis(values, best, 1).astype(np.float64)
-                   - lse[:, None]).tolist()
-    for row in range(rows):
-        for token, value in zip(best_ids[row], best_values[row]):
-            if token < vocab:
-                picked[row].setdefault(token, value)
-    return picked
-
-
-def _logprobs(logits, token, top):
-    """logprobs_of_rows of one row."""
-    return logprobs_of_rows(np.asarray(logits)[None], [token], top)[0]

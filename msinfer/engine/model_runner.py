@@ -112,7 +112,7 @@ class ModelRunner:
         mask = np.full((batch, 1, context), MASKED, np.float32)
         for i, seq in enumerate(seqs):
             n = seq.length
-            ids[i] = seq.tokens[-1]
+            ids[i] = seq.last_token
             positions[i] = n - 1
             row_slots = self.layout.slots(seq.block_table, np.arange(n))
             write[i] = row_slots[-1]
@@ -146,7 +146,7 @@ class ModelRunner:
             end = c.start + c.count
             span = np.arange(c.start, end)
             seq_slots = self.layout.slots(c.seq.block_table, np.arange(end))
-            ids[token:token + c.count] = c.seq.tokens[c.start:end]
+            ids[token:token + c.count] = c.seq.token_slice(c.start, end)
             positions[token:token + c.count] = span
             write[token:token + c.count] = seq_slots[c.start:]
             owner[token:token + c.count] = i

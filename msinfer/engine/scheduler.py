@@ -67,12 +67,15 @@ class Schedule:
 
     def digest(self) -> str:
         """What the ranks of a tensor group must agree on before they run a step together:
-        which sequences, at which positions, in which cache blocks (16 hex digits)."""
+        which sequences, at which positions, in which cache blocks, holding which tokens (the
+        sampled ones the followers took from the leader included; 16 hex digits)."""
         h = hashlib.blake2b(digest_size=8)
         for seq in self.decodes:
-            h.update(f"d{seq.request_id}:{seq.length}:{seq.block_table};".encode())
+            h.update(f"d{seq.request_id}:{seq.length}:{seq.token_hash()}:"
+                     f"{seq.block_table};".encode())
         for c in self.chunks:
-            h.update(f"c{c.seq.request_id}:{c.start}:{c.count}:{c.seq.block_table};".encode())
+            h.update(f"c{c.seq.request_id}:{c.start}:{c.count}:{c.seq.token_hash()}:"
+                     f"{c.seq.block_table};".encode())
         return h.hexdigest()
 
 

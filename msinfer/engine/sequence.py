@@ -1,13 +1,24 @@
-"""One request in flight: its tokens, its place in the KV cache, and how far it has run."""
+"""One request in flight: its tokens, its place in the KV cache, how far it has run, and
+when it stops (a stop token, a stop string in its text, its grammar complete, its length).
+
+Everything a step does to a sequence costs the same at its 10th token as at its 10,000th:
+tokens are appended, never copied (outputs see them through `Prefix` views), stop strings
+are searched in the new text only, and the running hash of its tokens (what the ranks of a
+tensor group compare before each step) is extended, not recomputed.
+"""
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import enum
+import itertools
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .. import log
 from .sampling import SamplingParams
+from .tokenizer import find_stop
 
 if TYPE_CHECKING:
     from .structured import GuidedSequence
@@ -51,10 +62,82 @@ class Sequence:
     block_names: list[bytes] = dataclasses.field(default_factory=list)
     named_blocks: int = 0
     cached_tokens: int | None = None
+    # where the earliest stop string starts in the decoder's text (None: none yet), and how
+    # much of the text was searched for one
+    stop_at: int | None = None
+    searched: int = 0
+    # the running hash of prompt + generated tokens, and how many tokens it covers
+    hashed: int = 0
+    running_hash: int = 0
 
     @property
     def tokens(self) -> list[int]:
+        """Prompt and generated tokens, as a new list (the step's paths use token_slice)."""
         return self.prompt_token_ids + self.generated
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens start .. stop - 1 of prompt + generated, copying only those."""
+        prompt = len(self.prompt_token_ids)
+        return (self.prompt_token_ids[start:min(stop, prompt)]
+                + self.generated[max(start - prompt, 0):max(stop - prompt, 0)])
+
+    @property
+    def last_token(self) -> int:
+        return self.generated[-1] if self.generated else self.prompt_token_ids[-1]
+
+    def append_token(self, token: int) -> None:
+        self.generated.append(token)
+
+    def token_hash(self) -> int:
+        """A hash of every token so far (prompt and generated), extended by the tokens added
+        since the last call: equal on two ranks only if they hold the same tokens."""
+        prompt, generated = self.prompt_token_ids, self.generated
+        for i in range(self.hashed, self.length):
+            token = prompt[i] if i < len(prompt) else generated[i - len(prompt)]
+            self.running_hash = (self.running_hash * 1_000_003 + token + 1) % _HASH_MODULUS
+        self.hashed = self.length
+        return self.running_hash
+
+    def stop_reason(self, token: int, eos_token_ids, max_model_len: int) -> str | None:
+        """After `append_token(token)` on the rank that samples: feed the text decoder and
+        the grammar; "stop" (an eos or stop token, a stop string, the grammar complete),
+        "length" (max_tokens or max_model_len reached) or None."""
+        p = self.params
+        if self.decoder is not None:
+            self.decoder.push(token)
+            if p.stop and self.stop_at is None:
+                self._search_stop_strings()
+        if self.guided is not None and not self.guided.advance(token):
+            # cannot happen while the mask holds; said rather than leaving bad output
+            log.get().error("request %r: the grammar refused token %d: %s", self.request_id,
+                            token, self.guided.error)
+            return "stop"
+        if (token in eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if self.guided is not None and self.guided.complete:
+            return "stop"  # nothing but the end may follow
+        if self.stop_at is not None:
+            return "stop"
+        if len(self.generated) >= p.max_tokens or self.length >= max_model_len:
+            return "length"
+        return None
+
+    def _search_stop_strings(self) -> None:
+        """Search the text added since the last search, from far enough back to find a stop
+        string that began in the text already searched (the longest one's length - 1)."""
+        text = self.decoder.text
+        start = max(self.searched - max(map(len, self.params.stop)) + 1, 0)
+        found = find_stop(text[start:], self.params.stop)
+        self.searched = len(text)
+        if found is not None:
+            self.stop_at = start + found
+
+    @property
+    def text(self) -> str:
+        """The decoded text, cut before the first stop string ("" without a tokenizer)."""
+        if self.decoder is None:
+            return ""
+        return self.decoder.text if self.stop_at is None else self.decoder.text[:self.stop_at]
 
     @property
     def length(self) -> int:
@@ -82,3 +165,58 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+
+_HASH_MODULUS = (1 << 61) - 1  # a Mersenne prime: the running hash stays a small int
+
+
+class Prefix(collections.abc.Sequence):
+    """The first `len(items)` items of an append-only list, as they are now, without copying
+    them: what a RequestOutput holds of its sequence's tokens and logprobs. Compares equal
+    to a list of the same items; copies (copy.deepcopy, dataclasses.asdict) and pickles are
+    plain lists."""
+
+    __slots__ = ("_items", "_count")
+
+    def __init__(self, items: list):
+        self._items, self._count = items, len(items)
+
+    def __len__(self):
+        return self._count
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self._count)
+            if step > 0:
+                return self._items[start:stop:step]
+            return [self._items[i] for i in range(start, stop, step)]
+        if not -self._count <= index < self._count:
+            raise IndexError("Prefix index out of range")
+        return self._items[index % self._count]
+
+    def __iter__(self):
+        return itertools.islice(self._items, self._count)
+
+    def __eq__(self, other):
+        if isinstance(other, (list, tuple, Prefix)):
+            return len(other) == self._count and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    def __add__(self, other):
+        return list(self) + list(other)
+
+    def __radd__(self, other):
+        return list(other) + list(self)
+
+    def __repr__(self):
+        return repr(list(self))
+
+    def __copy__(self):
+        return list(self)
+
+    def __deepcopy__(self, memo):
+        import copy
+        return copy.deepcopy(list(self), memo)
+
+    def __reduce__(self):
+        return list, (list(self),)

@@ -11,6 +11,7 @@ Qwen2ForCausalLM (Qwen3ForCausalLM).
 Same arguments and seed, same bytes: every tensor draws from its own generator, seeded by
 (seed, tensor name), so sharding or dtype do not change the values either.
 """
+import itertools
 import json
 import os
 import zlib
@@ -38,9 +39,11 @@ CHAT_TEMPLATE_FILES = {"qwen2": "qwen2.5-instruct.jinja", "qwen3": "qwen3.jinja"
 _SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                   r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 ROPE_THETA = 1000000.0  # Qwen2's
-# A larger model vocabulary is fine (Qwen2's embedding has more rows than its tokenizer has
-# tokens); the tokenizer stays this small so it trains in milliseconds.
+# The tokenizer trains at most this many tokens (its English corpus holds about 500 merges,
+# and training stays a matter of milliseconds); the rest of the model's vocabulary is filled
+# with tokens no merge reaches (short letter strings), so that every id decodes to text.
 MAX_TOKENIZER_VOCAB = 1024
+_FILLER_LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 FAMILIES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -100,7 +103,7 @@ def make_tiny_model(out_dir, *, layers=2, hidden=64, heads=4, kv_heads=2, interm
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise MsinferError(f"{out_dir} is not empty; make-tiny-model writes into a new directory")
 
-    tokenizer = train_tokenizer(min(vocab, MAX_TOKENIZER_VOCAB), family)
+    tokenizer = train_tokenizer(vocab, family)
     end_of_text, _, end_of_turn = (tokenizer.token_to_id(t) for t in SPECIAL_TOKENS)
     config_json = model_config_dict(
         layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, intermediate=intermediate,
@@ -188,8 +191,9 @@ def moe_config_dict(family, hidden, *, experts=8, top_k=2, moe_intermediate=None
 
 
 def train_tokenizer(vocab_size, family="qwen2"):
-    """A byte-level BPE tokenizer built like Qwen2's (Qwen3's: with its think and tool tags),
-    trained on generated English."""
+    """A byte-level BPE tokenizer of `vocab_size` tokens built like Qwen2's (Qwen3's: with
+    its think and tool tags), trained on generated English (at most MAX_TOKENIZER_VOCAB
+    tokens), its special tokens after the trained ones, then filler tokens (`_filled`)."""
     # Imported here: `msinfer plan` (whose CLI lists this command) runs without tokenizers.
     import tokenizers
     from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
@@ -205,7 +209,8 @@ def train_tokenizer(vocab_size, family="qwen2"):
     tokenizer.decoder = decoders.ByteLevel(
         add_prefix_space=False, trim_offsets=False, use_regex=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(added_tokens(family)), show_progress=False,
+        vocab_size=min(vocab_size, MAX_TOKENIZER_VOCAB) - len(added_tokens(family)),
+        show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(english_sentences(), trainer)
     # Added after training, so they take the last ids, as in Qwen2's vocabulary.
@@ -215,7 +220,32 @@ def train_tokenizer(vocab_size, family="qwen2"):
         tokenizer.add_tokens(
             [tokenizers.AddedToken(t, special=False, normalized=False)
              for t in QWEN3_ADDED_TOKENS])
-    return tokenizer
+    return _filled(tokenizer, vocab_size)
+
+
+def _filled(tokenizer, size):
+    """`tokenizer` grown to `size` ids: after its trained and added tokens (whose ids stay
+    what they are at any size, so a model's eos ids do not depend on its vocabulary), BPE
+    tokens of letter strings ("ab", "Ġab", ... "abc", ...; Ġ is byte-level BPE's space) not
+    in it yet, which no merge makes (encoding is unchanged) and which decode to
+    themselves."""
+    import tokenizers
+
+    data = json.loads(tokenizer.to_str())
+    vocab = data["model"]["vocab"]
+    for added in data["added_tokens"]:  # in the model's vocabulary too, or a tokenizer
+        vocab[added["content"]] = added["id"]  # loading this one would renumber them
+    next_id = 1 + max(vocab.values())
+    words = (prefix + "".join(letters) for length in range(2, 6)
+             for letters in itertools.product(_FILLER_LETTERS, repeat=length)
+             for prefix in ("", "\u0120"))
+    for token in words:
+        if next_id >= size:
+            break
+        if token not in vocab:
+            vocab[token] = next_id
+            next_id += 1
+    return tokenizers.Tokenizer.from_str(json.dumps(data))
 
 
 def english_sentences(count=3000):

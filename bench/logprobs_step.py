@@ -1,0 +1,139 @@
+"""What logprobs=5 costs a decode step, at batch 1 and 16, with Qwen's 151,936-token
+vocabulary (issue 38: it was 1.40x, 27.6 vs 19.7 ms a batch-16 step; the goal <= 1.2x).
+
+    python bench/logprobs_step.py            # bench/results/logprobs_step.json, .txt
+    python bench/logprobs_step.py --quick    # fewer steps: checks the script
+
+Two measurements, each side by side in one process, the two sides taking turns:
+- host: LLMEngine steps over a stub runner that returns fixed logits rows (no graphs), so
+  only the host's work is timed: scheduling, sampling, logprobs, stop checks, outputs;
+- model: LLM steps of a random checkpoint with the 151,936-token vocabulary (2 layers,
+  hidden 256, made once in models/), greedy, no prefix cache: a step whose graphs take
+  about as long as the issue's 19.7 ms on a fast machine.
+Median step time of each side; the CPU and the load average are recorded with them.
+"""
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from run import ensure_model, machine_info  # noqa: E402
+
+VOCAB = 151936
+TOP = 5
+MODEL = ("qwen2-151936-vocab-2l", ["--layers", "2", "--hidden", "256", "--heads", "4",
+                                   "--kv-heads", "2", "--vocab", str(VOCAB), "--tie"])
+
+
+class StubRunner:
+    """Logits rows drawn once (random, scaled like a model's), the same every step."""
+
+    def __init__(self, batch):
+        self.rows = (np.random.default_rng(0).standard_normal((batch, VOCAB)) * 3
+                     ).astype(np.float32)
+
+    def decode(self, seqs):
+        return self.rows[:len(seqs)].copy()  # a runner hands out a fresh array each call
+
+    def prefill(self, chunks):
+        return self.rows[:sum(len(c.logit_positions()) for c in chunks)].copy()
+
+
+def stub_engine(batch):
+    from msinfer.engine import LLMEngine
+    from msinfer.planning.kv_layout import CacheLayout
+    layout = CacheLayout(num_layers=1, kv_heads=1, head_dim=4, block_size=16,
+                         num_blocks=batch * 64 + 2, dtype_bytes=4)
+    return LLMEngine(StubRunner(batch), layout, vocab_size=VOCAB, max_model_len=1024,
+                     eos_token_ids=[], max_num_seqs=batch, max_prefill_tokens=256, seed=0)
+
+
+def timed_steps(engine, batch, logprobs, steps, prefix):
+    """Median seconds of `steps` decode steps of `batch` greedy requests (logprobs or not),
+    once every request is decoding; the requests are then aborted."""
+    from msinfer import SamplingParams
+    params = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True,
+                            logprobs=logprobs)
+    ids = [f"{prefix}{i}" for i in range(batch)]
+    for i, rid in enumerate(ids):
+        engine.add_request(rid, [1 + i, 2, 3, 4], params)
+    started = set()
+    while len(started) < batch:
+        started |= {o.request_id for o in engine.step() if o.token_ids}
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    for rid in ids:
+        engine.abort_request(rid)
+    engine.step()
+    return statistics.median(times)
+
+
+def compare(engine, batch, steps, reps):
+    """Both sides `reps` times, taking turns; the best median of each."""
+    plain, scored = [], []
+    for rep in range(reps):
+        plain.append(timed_steps(engine, batch, None, steps, f"p{rep}-"))
+        scored.append(timed_steps(engine, batch, TOP, steps, f"l{rep}-"))
+    return {"plain_ms": min(plain) * 1e3, "logprobs_ms": min(scored) * 1e3,
+            "ratio": min(scored) / min(plain),
+            "added_ms": (min(scored) - min(plain)) * 1e3}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "logprobs_step"))
+    args = p.parse_args()
+    steps, reps = (8, 1) if args.quick else (24, 3)
+    results = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+               "machine": machine_info(), "vocab": VOCAB, "top": TOP, "steps": steps,
+               "reps": reps, "host": {}, "model": {}}
+    for batch in (1, 16):
+        results["host"][batch] = compare(stub_engine(batch), batch, steps, reps)
+        print(f"host  batch {batch}: {results['host'][batch]}", flush=True)
+    from msinfer import LLM
+    model_dir = ensure_model(*MODEL, print)
+    results["model_dir"] = os.path.relpath(model_dir, ROOT)
+    for batch in (1, 16):
+        llm = LLM(model_dir, max_len=128, max_num_seqs=batch, enable_prefix_caching=False,
+                  max_prefill_tokens=256)
+        llm.engine.warmup()
+        results["model"][batch] = compare(llm.engine, batch, steps, reps)
+        print(f"model batch {batch}: {results['model'][batch]}", flush=True)
+        del llm
+    results["load_average_at_end"] = os.getloadavg()
+    with open(args.out + ".json", "w") as f:
+        json.dump(results, f, indent=1)
+    with open(args.out + ".txt", "w") as f:
+        f.write(table(results))
+    print(table(results))
+
+
+def table(results):
+    m = results["machine"]
+    lines = [f"logprobs={results['top']} vs none, per decode step, vocabulary "
+             f"{results['vocab']}: {m['cpu']}, {m['cores']} cores, load average "
+             f"{m['load_average_at_start'][0]:.2f} at the start, "
+             f"{results['load_average_at_end'][0]:.2f} at the end ({results['date']})",
+             "        batch   plain ms   logprobs ms   ratio   added ms"]
+    for part in ("host", "model"):
+        for batch, r in results[part].items():
+            lines.append(f"{part:>6} {batch:>6} {r['plain_ms']:>10.2f} {r['logprobs_ms']:>13.2f}"
+                         f" {r['ratio']:>7.2f} {r['added_ms']:>10.2f}")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
