@@ -107,6 +107,9 @@ class FakeEngine:
     def _used(self):
         return sum(self._blocks(len(r.prompt_ids) + len(r.generated) + 1) for r in self.running)
 
+    def reset_prefix_cache(self):
+        return not self.running  # no prefix cache: nothing to forget while idle
+
     def has_unfinished_requests(self):
         return bool(self.waiting or self.running)
 

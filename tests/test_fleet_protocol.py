@@ -61,3 +61,37 @@ def test_other_4xx_keep_openais_error_object_with_param(server):
                                                              "max_tokens": 0}).json()
     assert set(body["error"]) >= {"message", "type", "param", "code"}
     assert body["error"]["param"] == "max_tokens"
+
+
+def test_the_endpoints_routers_call(server):
+    get = lambda path: httpx.get(server.url + path, timeout=10)  # noqa: E731
+    load = get("/get_load").json()
+    assert isinstance(load["load"], int) and load["load"] == load["num_reqs"] + \
+        load["num_waiting_reqs"]
+    info = get("/get_server_info").json()
+    # vllm-router's ServerInfo: model_id/model_path name the worker's model, kv_block_size
+    # keys its KV-event index
+    assert info["model_id"] == MODEL and info["model_path"] == "/models/fake"
+    assert info["kv_block_size"] == server.engine.block_size
+    assert info["max_model_len"] == server.engine.max_model_len
+    model = get("/get_model_info").json()
+    assert model["model_path"] == "/models/fake" and model["is_generation"] is True
+    assert get("/health_generate").status_code == 200
+    assert server.engine.generation_tokens >= 1  # it ran through the engine
+    assert get("/ping").json() == {"status": "ok"}
+    assert httpx.post(server.url + "/ping").status_code == 200
+    assert get("/version").json()["version"]
+    assert get("/kv_event_sources").status_code == 404  # no --kv-events-config here
+    flushed = httpx.post(server.url + "/flush_cache")
+    assert flushed.status_code == 200 and flushed.text == "Cache flushed."
+    assert httpx.post(server.url + "/reset_prefix_cache").status_code == 200
+
+
+def test_flush_cache_is_refused_while_requests_run(server):
+    stream = server.client().completions.create(model=MODEL, prompt="a", max_tokens=60,
+                                                stream=True)
+    next(iter(stream))  # running now
+    refused = httpx.post(server.url + "/flush_cache")
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "requests_running"
+    assert httpx.get(server.url + "/get_load").json()["load"] >= 1
+    list(stream)

@@ -186,6 +186,10 @@ class LLMEngine:
         self._finish(seq, "abort")
         self._aborted.append(self._output(seq))
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache; False (nothing done) while a request holds blocks."""
+        return self.blocks.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 

@@ -152,6 +152,8 @@ def _replica(llm, links, options):
                 loop.abort(frame["abort"])
             elif "drain" in frame:
                 loop.drain(frame["drain"])
+            elif "reset_prefix_cache" in frame:
+                loop.reset_prefix_cache()
             elif "fail" in frame:
                 channel.fail(frame["fail"])
                 _die(f"the job failed: {frame['fail']}")

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__, log
 from . import protocol as p
+from .routes_fleet import add_fleet_routes
 from .serving import ApiError, Serving
 from .serving_chat import ServingChat
 from .serving_completion import ServingCompletion
@@ -46,6 +47,8 @@ def build_app(engine_loop, tokenizer, config, metrics):
         status = (f"failed: {engine_loop.failure}" if engine_loop.failure
                   else f"not ready: {engine_loop.not_ready_reason}")
         return JSONResponse({"status": status}, status_code=503)
+
+    add_fleet_routes(app, serving, health)
 
     @app.get("/metrics")
     async def prometheus():

@@ -54,6 +54,8 @@ class ServerConfig:
     vocab_size: int = None  # token ids /detokenize takes; None: any
     reasoning_parser: str = None  # chat answers split into reasoning and content (reasoning.py)
     max_num_seqs: int = None  # the running batch, which bounds n and best_of; None: 16 only
+    kv_events: dict = None  # vLLM's KVEventsConfig when KV-cache events are published
+    kv_events_endpoints: tuple = ()  # ... and where, per data-parallel rank (kv_events.py)
 
 
 class Serving:
