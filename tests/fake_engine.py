@@ -56,6 +56,7 @@ class _Request:
         self.generated = []
         self.logprobs = []
         self.planned = expected_ids(prompt_ids, params.max_tokens, text)
+        self.scheduled_at = None
 
 
 class FakeEngine:
@@ -128,6 +129,7 @@ class FakeEngine:
                <= self.num_blocks):
             r = self.waiting.pop(0)
             self.prompt_tokens += len(r.prompt_ids)
+            r.scheduled_at = time.monotonic()
             self.running.append(r)
         return outputs, FakeSchedule([(r.request_id, len(r.generated)) for r in self.running])
 
@@ -186,7 +188,8 @@ class FakeEngine:
         return RequestOutput(r.request_id, r.prompt, r.prompt_ids, list(r.generated), text,
                              reason is not None, reason,
                              list(r.logprobs) if n is not None else None,
-                             prompt_logprobs=self._prompt_logprobs(r))
+                             prompt_logprobs=self._prompt_logprobs(r),
+                             scheduled_at=r.scheduled_at)
 
     @staticmethod
     def _prompt_logprobs(r):

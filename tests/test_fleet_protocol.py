@@ -95,3 +95,22 @@ def test_flush_cache_is_refused_while_requests_run(server):
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "requests_running"
     assert httpx.get(server.url + "/get_load").json()["load"] >= 1
     list(stream)
+
+
+def test_vllms_request_series_with_its_names_types_and_buckets(server):
+    server.client().completions.create(model=MODEL, prompt="series", max_tokens=4, n=2)
+    text = httpx.get(server.url + "/metrics").text
+    types = dict(line.split()[2:4] for line in text.splitlines() if line.startswith("# TYPE"))
+    for name in ("queue", "prefill", "decode", "inference"):
+        assert types[f"vllm:request_{name}_time_seconds"] == "histogram"
+    for name in ("vllm:request_params_n", "vllm:request_params_max_tokens",
+                 "vllm:request_max_num_generation_tokens", "vllm:iteration_tokens_total"):
+        assert types[name] == "histogram"
+    assert types["vllm:prompt_tokens_by_source"] == "counter"
+    assert types["vllm:gpu_cache_usage_perc"] == types["vllm:kv_cache_usage_perc"] == "gauge"
+    assert types["vllm:cache_config_info"] == types["vllm:lora_requests_info"] == "gauge"
+    # vLLM's buckets: n in 1, 2, 5, 10, 20; the phases in its request-latency buckets
+    assert 'vllm:request_params_n_bucket{engine="0",le="20.0",model_name="fake-model"}' in text
+    assert 'vllm:request_queue_time_seconds_bucket{engine="0",le="7680.0",' in text
+    assert f'block_size="{server.engine.block_size}"' in text
+    assert 'source="local_cache_hit"' in text and 'max_lora="0"' in text

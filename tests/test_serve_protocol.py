@@ -215,7 +215,7 @@ def test_bad_chat_requests_get_400(server, body, needle):
 def test_the_openai_client_sees_errors_as_its_exceptions(server):
     with pytest.raises(openai.NotFoundError):
         server.client().completions.create(model="nope", prompt="x")
-    with pytest.raises(openai.BadRequestError, match="max_len"):
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
         server.client().completions.create(model=MODEL, prompt="x", max_tokens=500)
 
 

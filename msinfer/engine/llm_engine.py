@@ -45,6 +45,7 @@ class RequestOutput:
     prompt_logprobs: list = None
     error: str = None  # with finish_reason "error"
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache, not computed
+    scheduled_at: float = None  # time.monotonic() when first scheduled (None: not yet)
 
 
 # What a non-finite logits row means, by compute dtype; `msinfer doctor --logs` knows the
@@ -421,7 +422,8 @@ class LLMEngine:
                                               if seq.prompt_logprobs is not None
                                               and len(seq.prompt_logprobs)
                                               == len(seq.prompt_token_ids) else None),
-                             cached_tokens=seq.cached_tokens or 0)
+                             cached_tokens=seq.cached_tokens or 0,
+                             scheduled_at=seq.scheduled_at)
 
     # ---- compile ahead ----
 

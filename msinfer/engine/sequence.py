@@ -51,6 +51,7 @@ class Sequence:
     block_names: list[bytes] = dataclasses.field(default_factory=list)
     named_blocks: int = 0
     cached_tokens: int | None = None
+    scheduled_at: float | None = None  # time.monotonic() when first admitted (queue time ends)
 
     @property
     def tokens(self) -> list[int]:

@@ -48,6 +48,7 @@ class ServingChat:
             constraint = {**constraint, AFTER_THINK: True}
         params = sampling_params(body, max_tokens, body.logprobs_count(), constraint,
                                  body.prompt_logprobs)
+        serving.metrics.observe_request_params(body.n)
         return await serving.generate(fmt, [(text, ids)], params, request, headers)
 
 

@@ -31,6 +31,7 @@ class ServingCompletion:
             check_context(len(ids), max_tokens, serving.config.max_model_len, "prompt")
         params = sampling_params(body, max_tokens, logprobs, structured,
                                  body.prompt_logprobs_count())
+        serving.metrics.observe_request_params(body.n)
         return await serving.generate(fmt, prompts, params, request, headers)
 
 
