@@ -20,6 +20,13 @@ then
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev gcc
 fi
 
+if ! command -v prometheus >/dev/null; then
+  echo "== installing Prometheus (Debian's; tests/test_fleet_server.py scrapes a server with it)"
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+    prometheus
+fi
+
 if [ ! -x .venv/bin/python ]; then
   echo "== creating .venv"
   if ! python3 -m venv .venv; then
@@ -27,7 +34,7 @@ if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
   fi
 fi
-if ! .venv/bin/python -c "import msinfer, mindspore, mpi4py, torch, transformers, fastapi, uvicorn, prometheus_client, openai, httpx2, hypothesis, llguidance, jsonschema, lm_eval, tenacity, datasets, accelerate, xdist" 2>/dev/null; then
+if ! .venv/bin/python -c "import msinfer, mindspore, mpi4py, torch, transformers, fastapi, uvicorn, prometheus_client, openai, httpx2, hypothesis, llguidance, jsonschema, lm_eval, tenacity, datasets, accelerate, xdist, zmq, msgpack, vllm_router" 2>/dev/null; then
   echo "== installing msinfer and its dependencies into .venv (MindSpore is about 2.5 GB)"
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -e ".[test]"

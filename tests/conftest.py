@@ -192,9 +192,11 @@ def tiny_server(serve_model, _tiny_servers, tmp_path_factory):
     a real server (one warm-up for all: under xdist their tests are one unit of work; the
     multi-rank worker starts its own for test_serve's comparisons); started again if a test
     ended it (test_serve's SIGTERM test does)."""
-    from servers import SERVE_ARGS, ServerProcess
+    from servers import SERVE_ARGS, ServerProcess, kv_events_args
     if not _tiny_servers or not _tiny_servers[-1].alive():
         log = str(tmp_path_factory.mktemp("log") / "serve.log")
+        # it publishes KV-cache events too (test_fleet_server.py subscribes)
         _tiny_servers.append(ServerProcess(
-            ["serve", *SERVE_ARGS, "--model", serve_model, "--shutdown-timeout", "60"], log))
+            ["serve", *SERVE_ARGS, "--model", serve_model, "--shutdown-timeout", "60",
+             *kv_events_args()], log))
     return _tiny_servers[-1]

@@ -56,6 +56,7 @@ class _Request:
         self.generated = []
         self.logprobs = []
         self.planned = expected_ids(prompt_ids, params.max_tokens, text)
+        self.scheduled_at = None
 
 
 class FakeEngine:
@@ -107,6 +108,9 @@ class FakeEngine:
     def _used(self):
         return sum(self._blocks(len(r.prompt_ids) + len(r.generated) + 1) for r in self.running)
 
+    def reset_prefix_cache(self):
+        return not self.running  # no prefix cache: nothing to forget while idle
+
     def has_unfinished_requests(self):
         return bool(self.waiting or self.running)
 
@@ -125,6 +129,7 @@ class FakeEngine:
                <= self.num_blocks):
             r = self.waiting.pop(0)
             self.prompt_tokens += len(r.prompt_ids)
+            r.scheduled_at = time.monotonic()
             self.running.append(r)
         return outputs, FakeSchedule([(r.request_id, len(r.generated)) for r in self.running])
 
@@ -183,7 +188,8 @@ class FakeEngine:
         return RequestOutput(r.request_id, r.prompt, r.prompt_ids, list(r.generated), text,
                              reason is not None, reason,
                              list(r.logprobs) if n is not None else None,
-                             prompt_logprobs=self._prompt_logprobs(r))
+                             prompt_logprobs=self._prompt_logprobs(r),
+                             scheduled_at=r.scheduled_at)
 
     @staticmethod
     def _prompt_logprobs(r):

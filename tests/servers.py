@@ -2,6 +2,7 @@
 checkpoint and settings of the session's shared single-process server (conftest.py's
 `tiny_server`): test_serve.py compares its sharded jobs with it; the real-client tests
 (lm-eval, guidellm, the openai SDK) run against it."""
+import json
 import os
 import signal
 import subprocess
@@ -23,6 +24,13 @@ MAX_LEN = 128
 SERVE_ARGS = ["--served-model-name", NAME, "--max-len", str(MAX_LEN), "--max-num-seqs", "4",
               "--max-prefill-tokens", "32"]
 TINY_SERVE_MODEL = dict(layers=2, hidden=128, heads=4, kv_heads=2, vocab=512)
+
+
+def kv_events_args():
+    """`--kv-events-config` publishing on a free port (the endpoint in /kv_event_sources)."""
+    config = {"enable_kv_cache_events": True, "publisher": "zmq",
+              "endpoint": f"tcp://*:{free_port()}", "topic": "kv"}
+    return ["--kv-events-config", json.dumps(config)]
 
 
 class ServerProcess:

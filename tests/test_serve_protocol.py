@@ -176,12 +176,12 @@ def raw(server, path, body=None, headers=None, method="POST"):
     ({"model": MODEL, "prompt": "hi", "suffix": "x"}, 400, "suffix"),
     ({"model": MODEL, "prompt": "hi", "prompt_logprobs": 99}, 400, "prompt_logprobs"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
-    ({"model": MODEL, "prompt": "hi", "max_tokens": 10 ** 9}, 400, "max_len"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 10 ** 9}, 400, "maximum context length"),
     ({"model": MODEL, "prompt": ""}, 400, "empty"),
     ({"model": MODEL, "prompt": [[]]}, 400, "empty"),
     ({"model": MODEL, "prompt": [5, 100000]}, 400, "100000"),
     ({"model": MODEL, "prompt": "x" * 85, "max_tokens": 1}, 400, "KV cache"),
-    ({"model": MODEL, "prompt": "x" * 200, "max_tokens": 1}, 400, "max_len"),
+    ({"model": MODEL, "prompt": "x" * 200, "max_tokens": 1}, 400, "maximum context length"),
     ({"model": "gpt-4", "prompt": "hi"}, 404, "gpt-4"),
     ({"model": MODEL, "prompt": "hi", "n": 99}, 400, "n"),
     ({"model": MODEL, "prompt": "hi", "echo": 3}, 400, "echo"),
@@ -215,7 +215,7 @@ def test_bad_chat_requests_get_400(server, body, needle):
 def test_the_openai_client_sees_errors_as_its_exceptions(server):
     with pytest.raises(openai.NotFoundError):
         server.client().completions.create(model="nope", prompt="x")
-    with pytest.raises(openai.BadRequestError, match="max_len"):
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
         server.client().completions.create(model=MODEL, prompt="x", max_tokens=500)
 
 

@@ -42,6 +42,10 @@ def register(subparsers):
     p.add_argument("--max-request-bytes", type=request_bytes, default=None, metavar="BYTES",
                    help="largest request body; larger ones get 413 unread (default 4MiB; "
                         "units as --kv-cache-memory)")
+    p.add_argument("--kv-events-config", type=kv_events_config, default=None, metavar="JSON",
+                   help="publish KV-cache events as vLLM does (vLLM's KVEventsConfig, e.g. "
+                        "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+                        "\"endpoint\": \"tcp://*:5557\"}'; docs/fleet.md)")
     p.add_argument("--strategy", default=None, help="strategy YAML (default: one device)")
     add_hardware_argument(p)
     p.add_argument("--parallel-mode", choices=("explicit", "semi_auto"), default=None)
@@ -59,6 +63,11 @@ def register(subparsers):
                    help="development: ready at once, each graph compiled on its first use "
                         "(the requests of that step wait for it)")
     p.set_defaults(func=run)
+
+
+def kv_events_config(text):
+    from ..server.kv_events import parse_config
+    return parse_config(text)
 
 
 def request_bytes(text):
@@ -93,4 +102,4 @@ def run(args):
         api_key=args.api_key, max_queue=args.max_queue,
         shutdown_timeout=args.shutdown_timeout, max_request_bytes=args.max_request_bytes,
         stall_timeout=args.stall_timeout, reasoning_parser=args.reasoning_parser,
-        lazy_warmup=args.lazy_warmup))
+        lazy_warmup=args.lazy_warmup, kv_events_config=args.kv_events_config))

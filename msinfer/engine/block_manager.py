@@ -39,6 +39,9 @@ class BlockManager:
         self.name_of: dict[int, bytes] = {}  # block -> its name
         self.queried_tokens = 0  # prompt tokens looked up, and found, in the cache
         self.hit_tokens = 0
+        # told of the prefix cache's changes, as vLLM's KV events say them (server/kv_events.py):
+        # stored(names, parent name or None, tokens), removed(names), cleared()
+        self.listener = None
 
     @property
     def num_usable(self) -> int:
@@ -114,7 +117,10 @@ class BlockManager:
         if self.free:
             return self.free.popleft()
         block, _ = self.free_named.popitem(last=False)  # evict the least recently freed
-        del self.named[self.name_of.pop(block)]
+        name = self.name_of.pop(block)
+        del self.named[name]
+        if self.listener is not None:
+            self.listener.removed([name])
         return block
 
     def release(self, seq: Sequence) -> None:
@@ -141,13 +147,43 @@ class BlockManager:
         if full <= seq.named_blocks:
             return
         names = self._names(seq, full)
+        stored = []
         for index in range(seq.named_blocks, full):
             block, name = seq.block_table[index], names[index]
             # the same tokens computed twice (two sequences at once): the first one stays
             if name not in self.named and block not in self.name_of:
                 self.named[name] = block
                 self.name_of[block] = name
+                stored.append(index)
+        if stored and self.listener is not None:
+            self._tell_stored(seq, names, stored)
         seq.named_blocks = full
+
+    def _tell_stored(self, seq, names, stored):
+        """One `stored` per run of consecutive blocks (each chained to the block before)."""
+        size = self.layout.block_size
+        runs = [[stored[0]]]
+        for index in stored[1:]:
+            if index == runs[-1][-1] + 1:
+                runs[-1].append(index)
+            else:
+                runs.append([index])
+        for run in runs:
+            self.listener.stored([names[i] for i in run], names[run[0] - 1] if run[0] else None,
+                                 list(seq.tokens[run[0] * size:(run[-1] + 1) * size]))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every named block (vLLM's reset_prefix_cache); only while no sequence holds
+        a block (False, nothing done, otherwise)."""
+        if self.num_used:
+            return False
+        self.free.extend(self.free_named)
+        self.free_named.clear()
+        self.named.clear()
+        self.name_of.clear()
+        if self.listener is not None:
+            self.listener.cleared()
+        return True
 
     def _names(self, seq: Sequence, count: int) -> list[bytes]:
         """The names of `seq`'s first `count` blocks (kept on the sequence: its tokens never

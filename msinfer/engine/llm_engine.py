@@ -48,6 +48,7 @@ class RequestOutput:
     prompt_logprobs: list = None
     error: str = None  # with finish_reason "error"
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache, not computed
+    scheduled_at: float = None  # time.monotonic() when first scheduled (None: not yet)
 
 
 # What a non-finite logits row means, by compute dtype; `msinfer doctor --logs` knows the
@@ -188,6 +189,10 @@ class LLMEngine:
             return
         self._finish(seq, "abort")
         self._aborted.append(self._output(seq))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache; False (nothing done) while a request holds blocks."""
+        return self.blocks.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -400,7 +405,8 @@ class LLMEngine:
                              finished=seq.finished, finish_reason=seq.finish_reason,
                              logprobs=view(seq.logprobs) if seq.logprobs is not None else None,
                              prompt_logprobs=view(prompt_logprobs) if complete else None,
-                             cached_tokens=seq.cached_tokens or 0)
+                             cached_tokens=seq.cached_tokens or 0,
+                             scheduled_at=seq.scheduled_at)
 
     # ---- compile ahead ----
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import time
 
 from .block_manager import BlockManager
 from .sequence import Sequence, Status
@@ -142,6 +143,7 @@ class Scheduler:
             self.blocks.admit(seq, matched)
             if seq.cached_tokens is None:
                 seq.cached_tokens = len(matched) * self.blocks.layout.block_size
+                seq.scheduled_at = time.monotonic()  # read by metrics only, never decides
             seq.status = Status.RUNNING
             self.running.append(seq)
             # even one pending token (a one-token prompt, or the rest of a cached one) is a

@@ -69,6 +69,7 @@ class Sequence:
     # the running hash of prompt + generated tokens, and how many tokens it covers
     hashed: int = 0
     running_hash: int = 0
+    scheduled_at: float | None = None  # time.monotonic() when first admitted (queue time ends)
 
     @property
     def tokens(self) -> list[int]:

@@ -41,6 +41,7 @@ class ServeOptions:
     stall_timeout: float = 60.0  # a step or a silence longer than this ends the job
     reasoning_parser: str = None  # "qwen3": chat answers' <think> part as reasoning_content
     lazy_warmup: bool = False  # ready at once, graphs compiled on first use (development)
+    kv_events_config: dict = None  # vLLM's KVEventsConfig: publish KV-cache events (kv_events.py)
 
 
 def serve(llm, options):
@@ -128,6 +129,9 @@ def _replica(llm, links, options):
         front.tell({"error": message})
         _die_after(front, message)
     _ignore_signals()
+    if options.kv_events_config:
+        from .kv_events import publish
+        publish(llm.engine, options.kv_events_config, rank=replica)
     loop = EngineLoop(llm.engine, channel, on_step=uplink.on_step, replica=replica,
                       watch=StepWatch(options.stall_timeout, fail, rank))
     channel.watch(fail)
@@ -152,6 +156,8 @@ def _replica(llm, links, options):
                 loop.abort(frame["abort"])
             elif "drain" in frame:
                 loop.drain(frame["drain"])
+            elif "reset_prefix_cache" in frame:
+                loop.reset_prefix_cache()
             elif "fail" in frame:
                 channel.fail(frame["fail"])
                 _die(f"the job failed: {frame['fail']}")
@@ -217,6 +223,12 @@ def _front(llm, links, options):
                       on_step=metrics.observer(0),
                       watch=StepWatch(options.stall_timeout, rank_gone, 0))
     router = Router(loop, remotes, llm.engine)
+    kv_endpoints = ()
+    if options.kv_events_config:
+        from .kv_events import offset_endpoint, publish
+        publish(llm.engine, options.kv_events_config)
+        kv_endpoints = tuple(offset_endpoint(options.kv_events_config["endpoint"], r)
+                             for r in range(llm.replicas))
     config = ServerConfig(model_names=names, max_model_len=llm.engine.max_model_len,
                           api_key=options.api_key, max_queue=options.max_queue,
                           max_request_bytes=options.max_request_bytes
@@ -224,7 +236,8 @@ def _front(llm, links, options):
                           root=getattr(llm, "model_dir", None),
                           vocab_size=getattr(getattr(llm, "config", None), "vocab_size", None),
                           reasoning_parser=options.reasoning_parser,
-                          max_num_seqs=getattr(llm.engine, "max_num_seqs", None))
+                          max_num_seqs=getattr(llm.engine, "max_num_seqs", None),
+                          kv_events=options.kv_events_config, kv_events_endpoints=kv_endpoints)
     app = build_app(router, llm.tokenizer, config, metrics)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=5))

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__, log
 from . import protocol as p
+from .routes_fleet import add_fleet_routes
 from .serving import ApiError, Serving
 from .serving_chat import ServingChat
 from .serving_completion import ServingCompletion
@@ -32,6 +33,9 @@ def build_app(engine_loop, tokenizer, config, metrics):
     """The FastAPI app over `engine_loop` (config: a serving.ServerConfig)."""
     app = FastAPI(title="msinfer", docs_url=None, redoc_url=None, openapi_url=None)
     serving = Serving(engine_loop, tokenizer, config, metrics)
+    engine = engine_loop.engine
+    metrics.describe_cache(engine.layout.block_size, engine.layout.num_blocks - 1,
+                           engine.blocks.prefix_caching)
     completion, chat = ServingCompletion(serving), ServingChat(serving)
     tokens = ServingTokenize(serving)
     _add_error_handlers(app, metrics)
@@ -46,6 +50,8 @@ def build_app(engine_loop, tokenizer, config, metrics):
         status = (f"failed: {engine_loop.failure}" if engine_loop.failure
                   else f"not ready: {engine_loop.not_ready_reason}")
         return JSONResponse({"status": status}, status_code=503)
+
+    add_fleet_routes(app, serving, health)
 
     @app.get("/metrics")
     async def prometheus():

@@ -96,6 +96,7 @@ class EngineLoop:
         self._adds = []
         self._aborts = []
         self._events = []  # applied here, not yet sent to the followers
+        self._resets = []  # futures of reset_prefix_cache() calls not yet applied
         self._live = {}  # request_id -> sink, requests the engine holds
         self._accepting = False
         self._stop_at = None  # monotonic deadline once draining
@@ -143,6 +144,15 @@ class EngineLoop:
             self._aborts.append(request_id)
             self._cond.notify()
 
+    def reset_prefix_cache(self):
+        """Forget the prefix cache before the next step, on every rank of the group; the
+        future resolves to whether it was (False: requests hold blocks)."""
+        done = concurrent.futures.Future()
+        with self._cond:
+            self._resets.append(done)
+            self._cond.notify()
+        return done
+
     def drain(self, timeout):
         """Stop accepting; in-flight requests get `timeout` seconds, then are aborted."""
         with self._cond:
@@ -173,13 +183,24 @@ class EngineLoop:
                     raise RuntimeError(self._failed)
                 adds, self._adds = self._adds, []
                 aborts, self._aborts = self._aborts, []
+                resets, self._resets = self._resets, []
                 if self._stop_at is not None and time.monotonic() > self._stop_at:
                     aborts += [r for r in self._live if r not in aborts]
                     aborts += [s.request_id for s in adds]
+            self._reset_prefix_cache(resets)
             self._step(adds, aborts)
 
     def _has_work(self):
-        return bool(self._adds or self._aborts or self._live)
+        return bool(self._adds or self._aborts or self._live or self._resets)
+
+    def _reset_prefix_cache(self, resets):
+        if not resets:
+            return
+        done = self.engine.reset_prefix_cache()
+        if done:  # the followers forget theirs before the next step
+            self._events.append(["reset_prefix_cache"])
+        for future in resets:
+            future.set_result(done)
 
     def _step(self, adds, aborts):
         engine, live, events = self.engine, self._live, self._events
@@ -263,6 +284,8 @@ def follow(engine, channel, rank, watch=None):
                     engine.add_request(request_id, ids, SamplingParams(**params), prompt=prompt)
                 elif event[0] == "abort":
                     engine.abort_request(event[1])
+                elif event[0] == "reset_prefix_cache":
+                    engine.reset_prefix_cache()
                 else:
                     engine.apply_decisions(event[1])
         except MsinferError as e:

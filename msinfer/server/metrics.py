@@ -14,6 +14,8 @@ tokens and finish. With data-parallel replicas every series is per replica: vLLM
 label is the replica's index (as vLLM labels its data-parallel engines), msinfer's series
 have a `replica` label.
 """
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -25,6 +27,7 @@ TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                            40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+REQUEST_N_BUCKETS = (1, 2, 5, 10, 20)
 # msinfer's own
 _STEP_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
                  5.0)
@@ -49,6 +52,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.stats = [stats] * replicas  # each replica's after its last step
         self._model = model_name
+        self._cache_info = None  # describe_cache()
         self._tokens_seen = [stats.prompt_tokens_total + stats.generation_tokens_total] * replicas
         self.registry.register(_EngineCollector(self))
         labels = ["model_name", "engine"]
@@ -81,6 +85,12 @@ class ServerMetrics:
         self.request_max_tokens = histogram("vllm:request_params_max_tokens",
                                             "Histogram of the max_tokens request parameter.",
                                             token_buckets)
+        self.max_generation_tokens = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.", token_buckets)
+        self.request_n = histogram("vllm:request_params_n",
+                                   "Histogram of the n request parameter.", REQUEST_N_BUCKETS)
+        self._phase_histograms(histogram)
         self.iteration_tokens = histogram("vllm:iteration_tokens_total",
                                           "Histogram of number of tokens per engine_step.",
                                           ITERATION_TOKEN_BUCKETS)
@@ -97,6 +107,28 @@ class ServerMetrics:
                                  "A tensor group leader's time to hand one step's frame to "
                                  "the other ranks of its group", ["model_name", "replica"],
                                  buckets=_HANDOFF_BUCKETS, registry=self.registry)
+
+    def _phase_histograms(self, histogram):
+        """vLLM's split of a request's time: waiting to be scheduled, prefill (to the first
+        token), decode (first to last token), inference (prefill and decode)."""
+        def phase(name, doc):
+            return histogram(f"vllm:request_{name}_time_seconds", doc, REQUEST_LATENCY_BUCKETS)
+        self.queue_time = phase("queue", "Histogram of time spent in WAITING phase for request.")
+        self.prefill_time = phase("prefill", "Histogram of time spent in PREFILL phase for "
+                                  "request.")
+        self.decode_time = phase("decode", "Histogram of time spent in DECODE phase for request.")
+        self.inference_time = phase("inference", "Histogram of time spent in RUNNING phase for "
+                                    "request.")
+
+    def describe_cache(self, block_size, num_blocks, prefix_caching, dtype=None):
+        """vllm:cache_config_info's labels (what gateways read of the KV cache's geometry)."""
+        self._cache_info = {"block_size": str(block_size), "num_gpu_blocks": str(num_blocks),
+                            "enable_prefix_caching": str(bool(prefix_caching)),
+                            "cache_dtype": str(dtype or "auto"), "num_cpu_blocks": "0"}
+
+    def observe_request_params(self, n):
+        """A request's `n` (vllm:request_params_n), as it is taken."""
+        self.request_n.labels(self._model, "0").observe(n)
 
     def observer(self, replica):
         """The `on_step` of `replica`'s engine loop (lockstep.EngineLoop)."""
@@ -123,13 +155,16 @@ class ServerMetrics:
         self.tpot.labels(self._model, str(replica)).observe(seconds)
 
     def observe_request(self, arrival, first_token, finished, generated, finish_reason,
-                        prompt_tokens=None, max_tokens=None, replica=0):
-        """Monotonic times of one finished request (first_token None when it got none)."""
+                        prompt_tokens=None, max_tokens=None, replica=0, scheduled=None):
+        """Monotonic times of one finished request (first_token None when it got none;
+        scheduled: when the engine first scheduled it, None if unknown)."""
         labels = (self._model, str(replica))
         self.finished.labels(*labels, finish_reason or "abort").inc()
         if prompt_tokens is not None:
             self.request_prompt_tokens.labels(*labels).observe(prompt_tokens)
         self.request_generation_tokens.labels(*labels).observe(generated)
+        # each choice is an engine request of its own: its group's longest is itself
+        self.max_generation_tokens.labels(*labels).observe(generated)
         if max_tokens:
             self.request_max_tokens.labels(*labels).observe(max_tokens)
         if first_token is None:
@@ -139,6 +174,11 @@ class ServerMetrics:
         if generated > 1:
             self.request_tpot.labels(*labels).observe(
                 (finished - first_token) / (generated - 1))
+        if scheduled is not None:
+            self.queue_time.labels(*labels).observe(max(0.0, scheduled - arrival))
+            self.prefill_time.labels(*labels).observe(max(0.0, first_token - scheduled))
+            self.decode_time.labels(*labels).observe(finished - first_token)
+            self.inference_time.labels(*labels).observe(max(0.0, finished - scheduled))
 
     def observe_rejected(self, status):
         self.rejected.labels(self._model, str(status)).inc()
@@ -162,10 +202,13 @@ class _EngineCollector:
                      "Number of requests in model execution batches.", lambda s: s.num_running)
         yield family(GaugeMetricFamily, "vllm:num_requests_waiting",
                      "Number of requests waiting to be processed.", lambda s: s.num_waiting)
+        def usage(s):
+            return s.num_blocks_used / s.num_blocks_total if s.num_blocks_total else 0.0
         yield family(GaugeMetricFamily, "vllm:kv_cache_usage_perc",
-                     "KV-cache usage. 1 means 100 percent usage.",
-                     lambda s: s.num_blocks_used / s.num_blocks_total if s.num_blocks_total
-                     else 0.0)
+                     "KV-cache usage. 1 means 100 percent usage.", usage)
+        # the name before vLLM 0.10 (its published dashboard, production-stack's router)
+        yield family(GaugeMetricFamily, "vllm:gpu_cache_usage_perc",
+                     "GPU KV-cache usage. 1 means 100 percent usage.", usage)
         yield family(CounterMetricFamily, "vllm:prompt_tokens",
                      "Number of prefill tokens processed.", lambda s: s.prompt_tokens_total)
         yield family(CounterMetricFamily, "vllm:generation_tokens",
@@ -177,6 +220,8 @@ class _EngineCollector:
         yield family(CounterMetricFamily, "vllm:prefix_cache_hits",
                      "Prefix cache hits, in terms of number of cached tokens.",
                      lambda s: s.prefix_cache_hits)
+        yield from self._prompt_sources(family)
+        yield from self._info(model)
         yield family(CounterMetricFamily, "vllm:num_preemptions",
                      "Cumulative number of preemption from the engine.",
                      lambda s: s.num_preemptions)
@@ -187,3 +232,46 @@ class _EngineCollector:
                      lambda s: s.num_blocks_used, label="replica")
         yield family(GaugeMetricFamily, "msinfer_kv_blocks_total", "KV cache blocks in the pool",
                      lambda s: s.num_blocks_total, label="replica")
+
+    def _prompt_sources(self, family):
+        """Prompt tokens by where their K/V came from (local_compute + local_cache_hit +
+        external_kv_transfer = vllm:prompt_tokens), and the legacy prefix-cache names."""
+        def computed(s):
+            return max(0, s.prompt_tokens_total - s.prefix_cache_hits)
+        f = CounterMetricFamily("vllm:prompt_tokens_by_source", "Number of prompt tokens by "
+                                "source.", labels=["model_name", "engine", "source"])
+        for replica, s in enumerate(self.metrics.stats):
+            labels = [self.metrics._model, str(replica)]
+            f.add_metric(labels + ["local_compute"], computed(s))
+            f.add_metric(labels + ["local_cache_hit"], s.prefix_cache_hits)
+            f.add_metric(labels + ["external_kv_transfer"], 0)
+        yield f
+        yield family(CounterMetricFamily, "vllm:prompt_tokens_cached",
+                     "Number of cached prompt tokens (local + external).",
+                     lambda s: s.prefix_cache_hits)
+        yield family(CounterMetricFamily, "vllm:prompt_tokens_recomputed",
+                     "Number of prompt tokens recomputed after a preemption.",
+                     lambda s: max(0, s.prefill_tokens_computed - computed(s)))
+        yield family(CounterMetricFamily, "vllm:gpu_prefix_cache_queries",
+                     "GPU prefix cache queries, in terms of number of queried tokens.",
+                     lambda s: s.prefix_cache_queries)
+        yield family(CounterMetricFamily, "vllm:gpu_prefix_cache_hits",
+                     "GPU prefix cache hits, in terms of number of cached tokens.",
+                     lambda s: s.prefix_cache_hits)
+
+    def _info(self, model):
+        """vllm:cache_config_info, and vllm:lora_requests_info as the Gateway API Inference
+        Extension reads it (no adapters: msinfer serves none; its value is the time, as
+        vLLM's)."""
+        if self.metrics._cache_info is not None:
+            info = self.metrics._cache_info
+            f = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine "
+                                  "CacheConfig", labels=["engine", *info])
+            for replica in range(len(self.metrics.stats)):
+                f.add_metric([str(replica), *info.values()], 1)
+            yield f
+        f = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                              labels=["max_lora", "waiting_lora_adapters",
+                                      "running_lora_adapters"])
+        f.add_metric(["0", "", ""], time.time())
+        yield f

@@ -143,6 +143,15 @@ class Router:
         for remote in self.remotes:
             remote.drain(timeout)
 
+    def reset_prefix_cache(self):
+        """Every replica forgets its prefix cache (and this router where prefixes went); the
+        future says whether replica 0's was (the others' are told, not awaited)."""
+        with self._lock:
+            self._cached_at.clear()
+        for remote in self.remotes:
+            remote.link.send({"reset_prefix_cache": True})
+        return self.local.reset_prefix_cache()
+
     def fail(self, message):
         if self._failed is None:
             self._failed = message

@@ -54,6 +54,8 @@ class ServerConfig:
     vocab_size: int = None  # token ids /detokenize takes; None: any
     reasoning_parser: str = None  # chat answers split into reasoning and content (reasoning.py)
     max_num_seqs: int = None  # the running batch, which bounds n and best_of; None: 16 only
+    kv_events: dict = None  # vLLM's KVEventsConfig when KV-cache events are published
+    kv_events_endpoints: tuple = ()  # ... and where, per data-parallel rank (kv_events.py)
 
 
 class Serving:
@@ -364,6 +366,7 @@ class RequestStream:
         self.first_token = self.last_token = None
         self.replica = 0  # the data replica running it
         self.cached_tokens = 0  # prompt tokens the prefix cache held
+        self.scheduled_at = None  # when the engine first scheduled it (monotonic)
         self.token_ids = []
         self.logprobs = []
         self.prompt_logprobs = None  # with prompt logprobs asked: from the first output on
@@ -391,6 +394,7 @@ class RequestStream:
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         self.cached_tokens = out.cached_tokens
+        self.scheduled_at = getattr(out, "scheduled_at", None) or self.scheduled_at
         text = out.text
         if not out.finished:
             text = _safe_prefix(text, self.params.stop)
@@ -401,7 +405,7 @@ class RequestStream:
                                          len(self.token_ids), out.finish_reason,
                                          prompt_tokens=len(self.prompt_token_ids),
                                          max_tokens=self.params.max_tokens,
-                                         replica=self.replica)
+                                         replica=self.replica, scheduled=self.scheduled_at)
         delta = text[self.sent:]
         self.text, self.sent = text, max(self.sent, len(text))
         return Delta(delta, new_ids, new_logprobs, self if first else None)

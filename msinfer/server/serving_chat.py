@@ -5,6 +5,7 @@ import uuid
 
 from ..engine.structured import AFTER_THINK
 from . import protocol as p
+from .context_length import check_context
 from .guided import structured_outputs
 from .reasoning import StreamSplitter, prompt_opens_thinking, split_whole
 from .serving import (ApiError, request_check, sampling_params, token_text, tokenize,
@@ -37,6 +38,7 @@ class ServingChat:
                         [m.as_template_message() for m in body.messages])
         ids = tokenize(serving.tokenizer.encode, text)
         max_tokens = body.token_budget() or max(1, serving.config.max_model_len - len(ids))
+        check_context(len(ids), max_tokens, serving.config.max_model_len, "messages")
         fmt = ChatFormat(body, serving.model_name, serving.tokenizer,
                          serving.config.reasoning_parser, tool_choice,
                          thinking=prompt_opens_thinking(text))
@@ -46,6 +48,7 @@ class ServingChat:
             constraint = {**constraint, AFTER_THINK: True}
         params = sampling_params(body, max_tokens, body.logprobs_count(), constraint,
                                  body.prompt_logprobs)
+        serving.metrics.observe_request_params(body.n)
         return await serving.generate(fmt, [(text, ids)], params, request, headers)
 
 

@@ -5,6 +5,7 @@ import uuid
 
 from ..engine.tokenizer import encode_prompts
 from . import protocol as p
+from .context_length import check_context
 from .guided import structured_outputs
 from .serving import (request_check, sampling_params, token_text, tokenize,
                       vllm_prompt_logprobs)
@@ -26,8 +27,11 @@ class ServingCompletion:
         if body.sequences_per_prompt() > body.n and logprobs is None:
             logprobs = 0  # best_of ranks sequences by the sampled tokens' logprobs
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        for _, ids in prompts:
+            check_context(len(ids), max_tokens, serving.config.max_model_len, "prompt")
         params = sampling_params(body, max_tokens, logprobs, structured,
                                  body.prompt_logprobs_count())
+        serving.metrics.observe_request_params(body.n)
         return await serving.generate(fmt, prompts, params, request, headers)
 
 
