@@ -1,12 +1,11 @@
 """The serving engine (issue 9) measured side by side: memory on long prompts, a mixed
-workload against the old static-batch engine and HF transformers, time to first token
-under load, and compilation from cold; and (issue 21, --parts logprobs) what logprobs,
-echo and prompt logprobs cost against the same steps without them.
+workload against HF transformers' continuous batching, time to first token under load, and
+compilation from cold. (What logprobs cost: bench/logprobs_step.py.)
 
-    python bench/engine.py [--quick] [--parts rss mixed ttft compile logprobs]
-           [--out bench/results] [--old-engine /work/old-engine]
+    python bench/engine.py [--quick] [--parts rss mixed ttft compile] [--out bench/results]
 
---parts logprobs alone writes OUT/logprobs.json and OUT/logprobs.txt instead.
+Runs before 2026-12-04 also measured the static-batch engine of commit 8717a73 (results/
+engine.* still show it); that side and its --old-engine option are gone.
 
 Writes OUT/engine.json (every figure, the machine, the versions), OUT/engine.png and
 OUT/engine.txt (the table, also printed). bench/README.md says what each figure means.
@@ -38,24 +37,18 @@ FULL = dict(
     rss_model=("qwen2-1.5b-shape", QWEN2_15B_SHAPE), rss_prompts=(1000, 2000, 3000),
     rss_tokens=8,
     # The mixed workload runs on Qwen2-0.5B's width and vocabulary with 4 layers, so that
-    # four sides x two runs fit the time budget (see README).
+    # three sides x two runs fit the time budget (bench/README.md).
     mixed_model=("qwen2-0.5b-shape-4l", QWEN2_05B_SHAPE + ["--layers", "4"]),
     requests=64, prompt_range=(16, 1024), output_range=(8, 256), max_num_seqs=16,
     pool_num_seqs=32,
     ttft_model=("qwen2-0.5b-shape", QWEN2_05B_SHAPE), long_requests=8, long_prompt=512,
-    long_tokens=256, short_prompt=32, short_tokens=8, steps_before=4, ttft_reps=2,
-    # issue 21's figures: a 1-layer model of Qwen2-0.5B's width and 151,936-token vocabulary
-    logprobs_model=("qwen2-0.5b-shape-1l", QWEN2_05B_SHAPE + ["--layers", "1"]),
-    logprobs_batches=(16, 64), logprobs_prompt=32, logprobs_steps=16, logprobs_top=5,
-    logprobs_reps=3)
+    long_tokens=256, short_prompt=32, short_tokens=8, steps_before=4, ttft_reps=2)
 QUICK = dict(
     rss_model=("small", SMALL_SHAPE), rss_prompts=(100, 200, 300), rss_tokens=4,
     mixed_model=("small", SMALL_SHAPE), requests=12, prompt_range=(16, 200),
     output_range=(4, 24), max_num_seqs=4, pool_num_seqs=8,
     ttft_model=("small", SMALL_SHAPE), long_requests=4, long_prompt=64, long_tokens=32,
-    short_prompt=16, short_tokens=4, steps_before=2, ttft_reps=2,
-    logprobs_model=("small", SMALL_SHAPE), logprobs_batches=(4,), logprobs_prompt=16,
-    logprobs_steps=3, logprobs_top=5, logprobs_reps=1)
+    short_prompt=16, short_tokens=4, steps_before=2, ttft_reps=2)
 # The engine's default max_prefill_tokens. max_len is the longest prompt + the longest output,
 # and at least the longest prompt + a chunk (as in every run since the first: 1024 + 256 and
 # 512 + 256 in the full configuration, so that figures stay comparable across runs).
@@ -64,13 +57,11 @@ MIXED_RETRIES = 1  # a whole workload run is long: taken again at most once when
 
 
 class Worker(WorkerProcess):
-    """An engine_worker.py process: the new engine, the old one or HF."""
+    """An engine_worker.py process: msinfer's engine or HF."""
 
-    def __init__(self, label, side, model_dir, options, log_dir, old_engine=None):
+    def __init__(self, label, side, model_dir, options, log_dir):
         self.options = options
         env = child_env()
-        if old_engine:
-            env["PYTHONPATH"] = old_engine  # the old commit's msinfer package, not this one
         super().__init__(label, "engine_worker.py",
                          [side, "--model", model_dir, "--options", json.dumps(options)],
                          os.path.join(log_dir, f"engine-{label}.log"), env=env, cwd=BENCH)
@@ -165,7 +156,7 @@ def mixed_workload(cfg, rng, vocab):
     return random_prompts(rng, prompt_lens, vocab), outputs
 
 
-def part_mixed(cfg, rng, log_dir, log, old_engine, retries=MIXED_RETRIES):
+def part_mixed(cfg, rng, log_dir, log, retries=MIXED_RETRIES):
     """Each engine in its own process, all alive: a first (cold) run of the whole workload,
     then a measured run, sides taking turns; HF gets a small warm-up instead (nothing to
     compile). The new engine's cold run is its lazy compilation; a fresh process then
@@ -178,13 +169,9 @@ def part_mixed(cfg, rng, log_dir, log, old_engine, retries=MIXED_RETRIES):
     seqs = cfg["max_num_seqs"]
     workers = {"msinfer": Worker("mixed-msinfer", "msinfer", model_dir,
                                  {"max_len": max_len, "max_num_seqs": seqs}, log_dir)}
-    workers["old"] = Worker("mixed-old", "old", model_dir,
-                            {"max_len": max_len, "max_batch": seqs}, log_dir,
-                            old_engine=old_engine)
     info = workers["msinfer"].hello["info"]
-    # The same KV memory as the old engine's max_batch x max_len (and the 16-sequence
-    # engine's pool), shared by more sequences: what paging buys, since most requests
-    # never reach max_len.
+    # The same KV memory as the 16-sequence engine's pool (max_num_seqs x max_len), shared
+    # by more sequences: what paging buys, since most requests never reach max_len.
     workers["msinfer_pool"] = Worker(
         "mixed-msinfer-pool", "msinfer", model_dir,
         {"max_len": max_len, "max_num_seqs": cfg["pool_num_seqs"],
@@ -204,7 +191,7 @@ def part_mixed(cfg, rng, log_dir, log, old_engine, retries=MIXED_RETRIES):
            "output_tokens": sum(max_tokens), "prompt_tokens": sum(len(p) for p in prompts),
            "sides": {name: dict(load_figures(w), options=w.options)
                      for name, w in workers.items()}}
-    for name in ("msinfer", "msinfer_pool", "old"):
+    for name in ("msinfer", "msinfer_pool"):
         log(f"  {name}: cold run of the workload ({len(prompts)} requests)")
         a = workers[name].measured(op="generate", prompts=prompts, max_tokens=max_tokens)
         out["sides"][name]["cold"] = {k: a[k] for k in ("seconds", "new_compilations",
@@ -213,7 +200,7 @@ def part_mixed(cfg, rng, log_dir, log, old_engine, retries=MIXED_RETRIES):
     log("  hf: warm-up (2 short requests)")
     workers["hf"].ask(op="generate", prompts=[p[:16] for p in prompts[:2]], max_tokens=[4, 4])
     tokens = {}
-    for name in ("hf", "old", "msinfer", "msinfer_pool"):
+    for name in ("hf", "msinfer", "msinfer_pool"):
         for attempt in range(retries + 1):
             log(f"  {name}: measured run")
             a = workers[name].measured(op="generate", prompts=prompts, max_tokens=max_tokens)
@@ -232,10 +219,9 @@ def part_mixed(cfg, rng, log_dir, log, old_engine, retries=MIXED_RETRIES):
     for w in workers.values():
         w.close()
     # cold - warm: the compilation the cold run did
-    for name in ("msinfer", "msinfer_pool", "old"):
+    for name in ("msinfer", "msinfer_pool"):
         side = out["sides"][name]
         side["compile_seconds_lazy"] = side["cold"]["seconds"] - side["seconds"]
-    out["same_tokens_msinfer_vs_old"] = same_share(tokens["msinfer"], tokens["old"])
     out["same_tokens_msinfer_vs_hf"] = same_share(tokens["msinfer"], tokens["hf"])
     out["same_tokens_msinfer_pool_vs_msinfer"] = same_share(tokens["msinfer_pool"],
                                                             tokens["msinfer"])
@@ -290,72 +276,6 @@ def part_ttft(cfg, rng, log_dir, log):
             "load": load_figures(w)}
 
 
-# ---- (e) what logprobs cost (issue 21) ----
-
-def part_logprobs(cfg, rng, log_dir, log):
-    """One process per batch size (its max_num_seqs), no prefix cache (a scored prompt would
-    otherwise serve the plain run of the same prompts). MsinferSide.logprob_cost."""
-    model_dir = ensure_model(*cfg["logprobs_model"], log)
-    from msinfer.config import ModelConfig
-    vocab = ModelConfig.from_model_dir(model_dir).vocab_size
-    out = {"model": os.path.relpath(model_dir, ROOT), "vocab": vocab,
-           "prompt_len": cfg["logprobs_prompt"], "top": cfg["logprobs_top"], "batches": {}}
-    for batch in cfg["logprobs_batches"]:
-        prompts = random_prompts(rng, [cfg["logprobs_prompt"]] * batch, vocab)
-        options = {"max_len": 128, "max_num_seqs": batch, "enable_prefix_caching": False,
-                   "max_prefill_tokens": 256}
-        w = Worker(f"logprobs-{batch}", "msinfer", model_dir, options, log_dir)
-        a = w.measured(op="logprob_cost", prompts=prompts, decode_steps=cfg["logprobs_steps"],
-                       top=cfg["logprobs_top"], reps=cfg["logprobs_reps"])
-        w.close()
-        a["decode_ratio"] = (a["decode_logprobs"]["step_seconds"]
-                             / a["decode_plain"]["step_seconds"])
-        # Under load the graphs' time swings between runs; each side's step over its own
-        # graphs does not: what logprobs add to a step of the same graphs
-        a["decode_ratio_same_graphs"] = (
-            (a["decode_logprobs"]["step_seconds"] / a["decode_logprobs"]["graph_seconds"])
-            / (a["decode_plain"]["step_seconds"] / a["decode_plain"]["graph_seconds"]))
-        a["score_ratio"] = (a["score_prompt_logprobs"]["seconds"]
-                            / a["score_plain"]["seconds"])
-        # the same graphs (the lm_head over every scored position) with and without the
-        # host's share: what the logprobs themselves add
-        a["score_host_ratio"] = (
-            (a["score_prompt_logprobs"]["seconds"] / a["score_prompt_logprobs"]["graph_seconds"])
-            / (a["score_plain"]["seconds"] / a["score_plain"]["graph_seconds"]))
-        a["options"] = options
-        out["batches"][str(batch)] = a
-        log(f"  batch {batch}: decode step {a['decode_plain']['step_seconds'] * 1e3:.1f} ms, "
-            f"with logprobs {cfg['logprobs_top']} "
-            f"{a['decode_logprobs']['step_seconds'] * 1e3:.1f} ms ({a['decode_ratio']:.2f}x, "
-            f"{a['decode_ratio_same_graphs']:.2f}x over the same graphs); "
-            f"scoring {a['score_plain']['seconds']:.2f} s, with prompt logprobs "
-            f"{a['score_prompt_logprobs']['seconds']:.2f} s ({a['score_ratio']:.2f}x, "
-            f"{a['score_host_ratio']:.2f}x over the same graphs) (others "
-            f"{a['other_load']:.2f} cores)")
-    return out
-
-
-def logprobs_table(results):
-    lp = results["logprobs"]
-    m = results["machine"]
-    lines = [f"logprobs cost (issue 21), {lp['model']} ({lp['vocab']}-token vocabulary), "
-             f"{m['cpu']}, {m['cores']} cores"
-             + ("  [--quick: figures mean nothing]" if results["quick"] else ""),
-             "x: with / without; x same graphs: each side's time over its own graphs' (steady "
-             "under load)",
-             f"{'batch':>6}{'decode ms':>11}{'+logprobs ' + str(lp['top']):>14}{'x':>6}"
-             f"{'x same graphs':>15}{'score s':>9}{'+prompt lp':>12}{'x':>6}"
-             f"{'x same graphs':>15}{'others':>8}"]
-    for batch, a in lp["batches"].items():
-        lines.append(f"{batch:>6}{a['decode_plain']['step_seconds'] * 1e3:>11.1f}"
-                     f"{a['decode_logprobs']['step_seconds'] * 1e3:>14.1f}"
-                     f"{a['decode_ratio']:>6.2f}{a['decode_ratio_same_graphs']:>15.2f}"
-                     f"{a['score_plain']['seconds']:>9.2f}"
-                     f"{a['score_prompt_logprobs']['seconds']:>12.2f}{a['score_ratio']:>6.2f}"
-                     f"{a['score_host_ratio']:>15.2f}{a['other_load']:>8.2f}")
-    return "\n".join(lines)
-
-
 # ---- report ----
 
 def bars(results):
@@ -378,12 +298,14 @@ def bars(results):
                     "detail": "identical" if same else "differ (see engine.json)"})
     mixed = results.get("mixed")
     if mixed:
-        # Judged at the old engine's KV memory: the pool that held max_batch x max_len tokens
-        # for 16 sequences holds 32 sequences' real lengths once it is paged.
+        # The pool that holds max_num_seqs x max_len tokens holds twice as many sequences'
+        # real lengths once it is paged (issue 9: >= 1.5x the static-batch engine at that
+        # memory, met at 1.77x in the runs that had it).
         sides = mixed["sides"]
-        out.append(report._bar("mixed workload output tokens/s, new / old engine, the same "
-                               "KV memory", sides["msinfer_pool"]["output_tokens_per_s"]
-                               / sides["old"]["output_tokens_per_s"], 1.5))
+        seqs, pool = (sides[k]["options"]["max_num_seqs"] for k in ("msinfer", "msinfer_pool"))
+        out.append(report._bar(f"mixed workload output tokens/s, {pool} / {seqs} sequences, "
+                               "the same KV memory", sides["msinfer_pool"]["output_tokens_per_s"]
+                               / sides["msinfer"]["output_tokens_per_s"], 1.0))
     ttft = results.get("ttft")
     if ttft and ttft["runs"]:
         r = ttft["runs"][-1]
@@ -422,29 +344,26 @@ def table(results):
                   f"{max(mixed['prompt_lens'])} tokens ({mixed['prompt_tokens']} in all), "
                   f"outputs {min(mixed['max_tokens'])}-{max(mixed['max_tokens'])} "
                   f"({mixed['output_tokens']} in all), greedy, ignore_eos",
-                  f"{'engine':<34}{'wall s':>8}{'out tok/s':>11}{'x old':>7}{'cold s':>8}"
+                  f"{'engine':<34}{'wall s':>8}{'out tok/s':>11}{'x HF':>7}{'cold s':>8}"
                   f"{'peak GB':>9}{'others':>8}"]
-        old = mixed["sides"]["old"]["output_tokens_per_s"]
+        hf = mixed["sides"]["hf"]["output_tokens_per_s"]
         seqs, pool_seqs = (mixed["sides"][k]["options"]["max_num_seqs"]
                            for k in ("msinfer", "msinfer_pool"))
         names = {"msinfer": f"new engine (max_num_seqs {seqs})",
                  "msinfer_pool": f"new engine ({pool_seqs} seqs, same KV)",
-                 "old": f"old static batches (max_batch {seqs})",
                  "hf": "HF continuous batching"}
-        for name in ("msinfer", "msinfer_pool", "old", "hf"):
+        for name in ("msinfer", "msinfer_pool", "hf"):
             side = mixed["sides"][name]
             cold = side.get("cold", {}).get("seconds")
             lines.append(f"{names[name]:<34}{side['seconds']:>8.1f}"
                          f"{side['output_tokens_per_s']:>11.2f}"
-                         f"{side['output_tokens_per_s'] / old:>7.2f}"
+                         f"{side['output_tokens_per_s'] / hf:>7.2f}"
                          f"{report._fmt(cold, '.1f'):>8}{side['peak_rss_bytes'] / 1e9:>9.2f}"
                          f"{side['other_load']:>8.2f}")
         kv = mixed["sides"]["msinfer"]["info"]
         lines.append(f"KV pool of both new-engine sides: {kv['kv_cache_bytes'] / 1e6:.1f} MB, "
-                     f"{kv['kv_tokens']} tokens: the old engine's max_batch x max_len, "
-                     "in whole blocks")
-        lines.append(f"same greedy tokens: new vs old {mixed['same_tokens_msinfer_vs_old']:.3f}, "
-                     f"new vs HF {mixed['same_tokens_msinfer_vs_hf']:.3f}, new at "
+                     f"{kv['kv_tokens']} tokens: max_num_seqs x max_len, in whole blocks")
+        lines.append(f"same greedy tokens: new vs HF {mixed['same_tokens_msinfer_vs_hf']:.3f}, new at "
                      f"{pool_seqs} vs {seqs} seqs "
                      f"{mixed['same_tokens_msinfer_pool_vs_msinfer']:.3f} (share of positions)")
     comp = results.get("compile")
@@ -454,9 +373,6 @@ def table(results):
                   f"{comp['lazy_compile_seconds']:.1f} s (cold run - warm run)",
                   f"engine.warmup(): {comp['warmup_graphs']} graphs for "
                   f"{comp['warmup_shapes']} shapes, {comp['warmup_seconds']:.1f} s"]
-        old = results["mixed"]["sides"]["old"]
-        lines.append(f"old engine, lazily: {old['cold']['new_compilations']} graphs, "
-                     f"{old['compile_seconds_lazy']:.1f} s")
     ttft = results.get("ttft")
     if ttft:
         lines += ["", f"(c) time to first token, {ttft['model']}: a {ttft['short_prompt']}-token "
@@ -512,11 +428,9 @@ def chart(results, path):
             sides = mixed["sides"]
             names = [f"new, {sides['msinfer']['options']['max_num_seqs']} seqs",
                      f"new, {sides['msinfer_pool']['options']['max_num_seqs']} seqs\nsame KV",
-                     "old static", "HF CB"]
-            values = [sides[k]["output_tokens_per_s"]
-                      for k in ("msinfer", "msinfer_pool", "old", "hf")]
-            bars = ax.bar(names, values,
-                          color=["tab:blue", "tab:cyan", "tab:gray", "tab:orange"])
+                     "HF CB"]
+            values = [sides[k]["output_tokens_per_s"] for k in ("msinfer", "msinfer_pool", "hf")]
+            bars = ax.bar(names, values, color=["tab:blue", "tab:cyan", "tab:orange"])
             ax.tick_params(axis="x", labelsize=8)
             ax.bar_label(bars, fmt="%.1f", fontsize=8)
             ax.set_ylabel("output tokens/s")
@@ -547,22 +461,14 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true",
                    help="small models, a small workload: checks the harness")
     p.add_argument("--parts", nargs="+", default=["rss", "mixed", "compile", "ttft"],
-                   choices=["rss", "mixed", "compile", "ttft", "logprobs"])
-    p.add_argument("--old-engine", default="/work/old-engine",
-                   help="a checkout of the static-batch engine (commit 8717a73)")
+                   choices=["rss", "mixed", "compile", "ttft"])
     p.add_argument("--out", default=os.path.join(BENCH, "results"))
     p.add_argument("--mixed-retries", type=int, default=MIXED_RETRIES,
                    help="measured mixed-workload runs taken again when other processes load "
                         f"the machine (default {MIXED_RETRIES})")
     args = p.parse_args(argv)
-    if "logprobs" in args.parts and args.parts != ["logprobs"]:
-        p.error("--parts logprobs runs alone (its own results file)")
     if "compile" in args.parts and "mixed" not in args.parts:
         p.error("--parts compile needs mixed (it compares with the mixed run's lazy compile)")
-    if "mixed" in args.parts and not os.path.isfile(
-            os.path.join(args.old_engine, "msinfer", "engine.py")):
-        p.error(f"--old-engine {args.old_engine}: no msinfer/engine.py there (check out "
-                "commit 8717a73 of this repository there)")
     cfg = QUICK if args.quick else FULL
     log_dir = os.path.join(args.out, "logs")
     os.makedirs(log_dir, exist_ok=True)
@@ -574,34 +480,20 @@ def main(argv=None):
     import numpy as np
     results = {"quick": args.quick, "date": datetime.datetime.now().isoformat(timespec="seconds"),
                "machine": machine_info(), "config": {k: v for k, v in cfg.items()},
-               "old_engine": args.old_engine, "mixed_retries": args.mixed_retries}
+               "mixed_retries": args.mixed_retries}
     rng = np.random.default_rng(9)
     if "rss" in args.parts:
         log("(a) peak RSS on long prompts")
         results["rss"] = part_rss(cfg, rng, log_dir, log)
     if "mixed" in args.parts:
         log("(b) mixed workload")
-        results["mixed"] = part_mixed(cfg, rng, log_dir, log, args.old_engine,
-                                      args.mixed_retries)
+        results["mixed"] = part_mixed(cfg, rng, log_dir, log, args.mixed_retries)
     if "compile" in args.parts:
         log("(d) compilation from cold with engine.warmup()")
         results["compile"] = part_compile(cfg, log_dir, log, results["mixed"])
     if "ttft" in args.parts:
         log("(c) time to first token under load")
         results["ttft"] = part_ttft(cfg, rng, log_dir, log)
-    if args.parts == ["logprobs"]:
-        log("(e) what logprobs cost")
-        results["logprobs"] = part_logprobs(cfg, rng, log_dir, log)
-        results["seconds"] = time.perf_counter() - began
-        paths = [os.path.join(args.out, "logprobs.json"), os.path.join(args.out, "logprobs.txt")]
-        with open(paths[0], "w") as f:
-            json.dump(results, f, indent=1)
-        text = logprobs_table(results)
-        with open(paths[1], "w") as f:
-            f.write(text + "\n")
-        print(text)
-        log(f"wrote {', '.join(paths)}")
-        return 0
     for loaded in ([*results.get("rss", {}).get("runs", {}).values()]
                    + [*results.get("mixed", {}).get("sides", {}).values()]
                    + [results.get("ttft", {}).get("load", {})]):

@@ -1,19 +1,15 @@
-"""One side of bench/engine.py in its own process: the new engine, the old static-batch
-engine or HF transformers.
+"""One side of bench/engine.py in its own process: msinfer's engine or HF transformers.
 
 bench/engine.py starts one per side and configuration (each process's memory is its own)
 and sends it requests one JSON line at a time on stdin; the answer is one JSON line on the
 file descriptor given by --reply-fd (stdout and stderr stay free for the libraries' logs).
-The old engine is the same `msinfer` package at an older commit: engine.py puts that
-checkout first on PYTHONPATH.
 
 Requests (all greedy, no end-of-sequence stop, exactly max_tokens new tokens per request):
   {"op": "generate", "prompts": [...], "max_tokens": [n, ...]}
       the prompts run together (one generate call; HF: continuous batching, see HFSide);
       answers seconds, token_ids, compilations (msinfer sides) and peak RSS after it
-  {"op": "warmup"}      new engine only: engine.warmup() from here; graphs and seconds
-  {"op": "ttft", ...}   new engine only: see MsinferSide.ttft
-  {"op": "logprob_cost", ...}  new engine only: see MsinferSide.logprob_cost
+  {"op": "warmup"}      msinfer only: engine.warmup() from here; graphs and seconds
+  {"op": "ttft", ...}   msinfer only: see MsinferSide.ttft
   {"op": "exit"}
 The first answer, sent unasked, reports the load: seconds, RSS, versions, allocations.
 """
@@ -27,7 +23,7 @@ from side_worker import greedy, load_hf, load_llm, rss_figures, serve
 
 
 class MsinferSide:
-    """The new engine: LLM(model_dir, **options) with the options engine.py passes."""
+    """msinfer's engine: LLM(model_dir, **options) with the options engine.py passes."""
 
     def __init__(self, model_dir, options):
         self.llm, self.load_seconds, self.versions = load_llm(model_dir, **options)
@@ -111,79 +107,6 @@ class MsinferSide:
                 "static_batch_wait_estimate_seconds": remaining * statistics.median(steps)}
 
 
-    def logprob_cost(self, prompts, decode_steps, top, reps):
-        """What logprobs cost, side by side in this process (best of `reps`, the two sides
-        taking turns): decode steps of len(prompts) greedy requests without and with
-        logprobs=top; and the prompts scored as lm-eval scores them (max_tokens 1, echo with
-        logprobs 1: prompt logprobs) against the same prompts without prompt logprobs. Each
-        with the graphs' share (runner timings; the rest is the host's)."""
-        from msinfer import SamplingParams
-
-        engine, runner = self.llm.engine, self.llm.engine.runner
-
-        def decode(logprobs):
-            params = SamplingParams(max_tokens=decode_steps + 2, temperature=0,
-                                    ignore_eos=True, logprobs=logprobs)
-            for i, prompt in enumerate(prompts):
-                engine.add_request(f"d{i}", prompt, params)
-            done = set()
-            while len(done) < len(prompts):  # every request decoding
-                done |= {o.request_id for o in engine.step() if o.token_ids}
-            steps, graphs = [], []
-            for _ in range(decode_steps):
-                before = runner.timings["decode_s"]
-                start = time.perf_counter()
-                engine.step()
-                steps.append(time.perf_counter() - start)
-                graphs.append(runner.timings["decode_s"] - before)
-            while engine.has_unfinished_requests():
-                engine.step()
-            return {"step_seconds": statistics.median(steps),
-                    "graph_seconds": statistics.median(graphs)}
-
-        def score(prompt_logprobs):
-            params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True,
-                                    logprobs=1 if prompt_logprobs else None,
-                                    prompt_logprobs=1 if prompt_logprobs else None)
-            before = runner.timings["prefill_s"] + runner.timings["decode_s"]
-            start = time.perf_counter()
-            outs = self.llm.generate(prompts, params)
-            seconds = time.perf_counter() - start
-            if prompt_logprobs:
-                assert all(len(o.prompt_logprobs) == len(p) for o, p in zip(outs, prompts))
-            return {"seconds": seconds, "graph_seconds": runner.timings["prefill_s"]
-                    + runner.timings["decode_s"] - before}
-
-        decode(None), decode(top), score(False), score(True)  # compiles what they use
-        runs = {"decode_plain": [], "decode_logprobs": [], "score_plain": [],
-                "score_prompt_logprobs": []}
-        for _ in range(reps):
-            runs["decode_plain"].append(decode(None))
-            runs["decode_logprobs"].append(decode(top))
-            runs["score_plain"].append(score(False))
-            runs["score_prompt_logprobs"].append(score(True))
-        key = {"decode_plain": "step_seconds", "decode_logprobs": "step_seconds",
-               "score_plain": "seconds", "score_prompt_logprobs": "seconds"}
-        return {name: min(values, key=lambda v: v[key[name]]) for name, values in runs.items()}
-
-
-class OldEngineSide(MsinferSide):
-    """The static-batch engine (commit 8717a73): LLM(model_dir, max_batch=, max_len=)."""
-
-    def __init__(self, model_dir, options):
-        self.llm, self.load_seconds, self.versions = load_llm(model_dir, **options)
-        self.info = dict(options)
-
-    def generate(self, prompts, max_tokens):
-        compiled = self.llm.compilations
-        start = time.perf_counter()
-        outputs = self.llm.generate(prompts, [greedy(n) for n in max_tokens])
-        seconds = time.perf_counter() - start
-        return {"seconds": seconds, "token_ids": [o.token_ids for o in outputs],
-                "new_compilations": self.llm.compilations - compiled,
-                "compilations": self.llm.compilations}
-
-
 class HFSide:
     """Qwen2ForCausalLM in float32. Several prompts: transformers' continuous batching
     (`continuous_batching_context_manager`: a paged cache, requests added with their own
@@ -239,13 +162,13 @@ class HFSide:
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("side", choices=("msinfer", "old", "hf"))
+    p.add_argument("side", choices=("msinfer", "hf"))
     p.add_argument("--model", required=True)
     p.add_argument("--options", default="{}", help="JSON: keyword arguments of LLM(...)")
     p.add_argument("--reply-fd", type=int, required=True)
     args = p.parse_args()
     baseline = rss_figures()["rss_bytes"]
-    cls = {"msinfer": MsinferSide, "old": OldEngineSide, "hf": HFSide}[args.side]
+    cls = {"msinfer": MsinferSide, "hf": HFSide}[args.side]
     side = cls(args.model, json.loads(args.options))
     serve(side, args.reply_fd, dict(load_seconds=side.load_seconds, versions=side.versions,
                                     info=side.info), baseline)

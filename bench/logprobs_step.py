@@ -9,8 +9,11 @@ Two measurements, each side by side in one process, the two sides taking turns:
   only the host's work is timed: scheduling, sampling, logprobs, stop checks, outputs;
 - model: LLM steps of a random checkpoint with the 151,936-token vocabulary (2 layers,
   hidden 256, made once in models/), greedy, no prefix cache: a step whose graphs take
-  about as long as the issue's 19.7 ms on a fast machine.
-Median step time of each side; the CPU and the load average are recorded with them.
+  about as long as the issue's 19.7 ms on a fast machine;
+- score: the same model scoring 16 prompts of 32 tokens as lm-evaluation-harness does
+  (max_tokens 1, prompt logprobs 1: every prompt position's row through the lm_head and the
+  host) against the same prompts plainly (issue 21's "echo" question).
+Median step time of each side (best of the reps); the CPU and the load average with them.
 """
 import argparse
 import datetime
@@ -91,6 +94,26 @@ def compare(engine, batch, steps, reps):
             "added_ms": (min(scored) - min(plain)) * 1e3}
 
 
+def compare_scoring(llm, reps, batch=16, length=32):
+    """Seconds to generate 1 token for `batch` prompts, plainly and with prompt logprobs
+    (and logprobs 1, as lm-eval asks), the best of `reps` each, sides taking turns."""
+    from msinfer import SamplingParams
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, VOCAB, length).tolist() for _ in range(batch)]
+    sides = {"plain": SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
+             "prompt_logprobs": SamplingParams(max_tokens=1, temperature=0, ignore_eos=True,
+                                               logprobs=1, prompt_logprobs=1)}
+    best = {name: float("inf") for name in sides}
+    for _ in range(reps + 1):  # the first round compiles what scoring uses
+        for name, params in sides.items():
+            start = time.perf_counter()
+            llm.generate(prompts, params)
+            best[name] = min(best[name], time.perf_counter() - start)
+    return {"plain_ms": best["plain"] * 1e3, "logprobs_ms": best["prompt_logprobs"] * 1e3,
+            "ratio": best["prompt_logprobs"] / best["plain"],
+            "added_ms": (best["prompt_logprobs"] - best["plain"]) * 1e3}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true")
@@ -99,7 +122,7 @@ def main():
     steps, reps = (8, 1) if args.quick else (24, 3)
     results = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
                "machine": machine_info(), "vocab": VOCAB, "top": TOP, "steps": steps,
-               "reps": reps, "host": {}, "model": {}}
+               "reps": reps, "host": {}, "model": {}, "score": {}}
     for batch in (1, 16):
         results["host"][batch] = compare(stub_engine(batch), batch, steps, reps)
         print(f"host  batch {batch}: {results['host'][batch]}", flush=True)
@@ -112,6 +135,9 @@ def main():
         llm.engine.warmup()
         results["model"][batch] = compare(llm.engine, batch, steps, reps)
         print(f"model batch {batch}: {results['model'][batch]}", flush=True)
+        if batch == 16:
+            results["score"][batch] = compare_scoring(llm, reps)
+            print(f"score batch {batch}: {results['score'][batch]}", flush=True)
         del llm
     results["load_average_at_end"] = os.getloadavg()
     with open(args.out + ".json", "w") as f:
@@ -127,9 +153,11 @@ def table(results):
              f"{results['vocab']}: {m['cpu']}, {m['cores']} cores, load average "
              f"{m['load_average_at_start'][0]:.2f} at the start, "
              f"{results['load_average_at_end'][0]:.2f} at the end ({results['date']})",
+             "host, model: one decode step; score: 16 prompts of 32 tokens scored (prompt "
+             "logprobs 1, max_tokens 1) or not",
              "        batch   plain ms   logprobs ms   ratio   added ms"]
-    for part in ("host", "model"):
-        for batch, r in results[part].items():
+    for part in ("host", "model", "score"):
+        for batch, r in results.get(part, {}).items():
             lines.append(f"{part:>6} {batch:>6} {r['plain_ms']:>10.2f} {r['logprobs_ms']:>13.2f}"
                          f" {r['ratio']:>7.2f} {r['added_ms']:>10.2f}")
     return "\n".join(lines) + "\n"

@@ -1,5 +1,5 @@
 """Compiled graphs kept on disk, so that a restart of the same job loads its warm-up graphs
-instead of compiling them (a tiny model's 18 graphs: 7.9 s compiled, 0.6 s loaded).
+instead of compiling them (what it saves: bench/README.md, "Start-up and the compile cache").
 
 MindSpore's compile cache (`enable_compile_cache`) files graphs by the order they compile
 in: the n-th graph compiled with it on, in the process, is `compile_cache_n.mindir`, with

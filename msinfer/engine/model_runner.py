@@ -299,9 +299,8 @@ class ExplicitRunner(ModelRunner):
     # Axes a graph takes whatever their size (ExplicitGraphs) are not padded to their bucket:
     # a decode step over 1,100 tokens of context reads 1,152 slots (a multiple of
     # CONTEXT_STEP), not 2,048; a prefill chunk between the short chunks' graphs and the
-    # full chunk's runs its own tokens, as rows cost their compute (in dynamic rows, a
-    # 20-token prompt ran 1.12x as fast as 20 rows as padded to 32, bench/README.md),
-    # except one within FULL_CHUNK_REACH tokens of a full chunk, which takes the full chunk's
+    # full chunk's runs its own tokens, as rows cost their compute (bench/README.md,
+    # "Static and dynamic graphs"), except one within FULL_CHUNK_REACH tokens of a full chunk, which takes the full chunk's
     # graph of static rows (faster than dynamic rows by more); a short chunk takes its
     # bucket's static rows.
     CONTEXT_STEP = 64
@@ -472,16 +471,16 @@ def build_runner(model_dir, ctx, layout, limits, world_size, profile):
 
 def host_tensor(array, dtype):
     """A loaded weight as a Tensor of `dtype`, sharing the array's memory when it already is
-    that dtype: a copy would write every weight's bytes to fresh pages once more (on a guest
-    whose first touch of memory runs at 0.3 GB/s that was 6 of a 0.5B model's 17 s of load)."""
+    that dtype: a copy would write every weight's bytes to fresh pages once more (slow on
+    guests whose first touch of memory is slow)."""
     if ms.dtype_to_nptype(dtype) == array.dtype:
         return ms.Tensor.from_numpy(array)  # (copies an array that is not C-contiguous)
     return ms.Tensor(array, dtype=dtype)
 
 
 def blocked_transpose(columns, block=4096):
-    """(rows, n) from (n, rows), copied in blocks of `block` that stay in cache: 1.6 ms for
-    (151,936, 16) float32 where np.ascontiguousarray(columns.T) takes 6.0 ms."""
+    """(rows, n) from (n, rows), copied in blocks of `block` that stay in cache (faster than
+    np.ascontiguousarray(columns.T), which strides through the whole array per row)."""
     out = np.empty(columns.shape[::-1], columns.dtype)
     for start in range(0, columns.shape[0], block):
         out[:, start:start + block] = columns[start:start + block].T

@@ -10,10 +10,11 @@ holds a `GuidedSequence`: before a row is sampled its logits outside the grammar
 become -inf; the sampled token then advances the matcher; once the grammar admits nothing but
 the end, the sequence stops.
 
-Why llguidance and not xgrammar (bench/structured.py, a 151,936-row byte-level vocabulary,
-2 shared cores): a schema compiles in ~1 ms (lazily) where xgrammar takes 0.8-2.6 s per new
-schema, which would stall every running request's step; a mask takes 0.02-0.03 ms median per
-token (xgrammar 0.004 ms); and llguidance needs no torch, triton or transformers.
+Why llguidance and not xgrammar (measured by bench/structured.py: bench/README.md,
+"Structured output"): a schema compiles lazily in about a millisecond where xgrammar's
+compile of a new schema takes seconds, which would stall every running request's step; its
+per-token masks cost more than xgrammar's but little beside a step; and llguidance needs no
+torch, triton or transformers.
 JSON is compact by default (no free whitespace, which a weak model could emit forever); a
 schema's own "x-guidance" options override that.
 """
@@ -162,8 +163,7 @@ def _first_line(message):
 class GrammarEngine:
     """llguidance's view of one tokenizer and model: its token strings over the model's rows
     (a model may have more rows than its tokenizer has tokens: those rows are never allowed)
-    and its end tokens. Built once, when the first guided request is sampled (~0.5 s for
-    Qwen's vocabulary)."""
+    and its end tokens. Built once, when the first guided request is sampled."""
 
     def __init__(self, tokenizer, vocab_size, eos_token_ids):
         lg = _llguidance()
