@@ -63,25 +63,3 @@ def test_the_values_are_log_probabilities():
     row = np.log(np.array([0.5, 0.25, 0.125, 0.125], np.float32))
     assert _logprobs(row, 3, 2) == pytest.approx({3: np.log(0.125), 0: np.log(0.5),
                                                   1: np.log(0.25)})
-
-
-def test_a_batch_of_qwen_rows_costs_a_few_passes_over_the_logits():
-    """Issue 38: logprobs=5 made a batch-16 decode step 1.40x as long. The host's part, for
-    16 x 151,936 float32 logits, against one np.exp over them (the fastest of 15 each, so a
-    busy machine slows both alike): about 2.3x since the row-at-a-time log-sum-exp and the
-    strided group maxima, 4.9x before. bench/logprobs_step.py times whole steps."""
-    import time
-
-    logits = (np.random.default_rng(0).standard_normal((16, 151936)) * 3).astype(np.float32)
-    tokens = logits.argmax(axis=1)
-
-    def fastest(call):
-        times = []
-        for _ in range(15):
-            start = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    one_pass = fastest(lambda: np.exp(logits))
-    assert fastest(lambda: logprobs_of_rows(logits, tokens, 5)) < 3.5 * one_pass
