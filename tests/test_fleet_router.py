@@ -70,10 +70,12 @@ def _metric(url, name):
                if line.startswith(name + "{") or line.startswith(name + " "))
 
 
-# Shared-prefix workload: each of 4 long system prompts with 5 questions after it, in turn.
+# Shared-prefix workload: each of 3 long system prompts with 4 questions after it, in turn
+# (an odd number of prompts: with an even one, round robin over two servers would happen to
+# send each prompt to the same server every time).
 PREFIXES = [f"You are assistant number {g}. " + " ".join(f"rule{g}x{i}" for i in range(12))
-            for g in range(4)]
-WORKLOAD = [f"{prefix}\nQuestion {q}: what is {q} + {q}?" for q in range(5)
+            for g in range(3)]
+WORKLOAD = [f"{prefix}\nQuestion {q}: what is {q} + {q}?" for q in range(4)
             for prefix in PREFIXES]
 
 

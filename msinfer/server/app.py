@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__, log
 from . import protocol as p
+from .responses import add_responses_routes
 from .routes_fleet import add_fleet_routes
 from .serving import ApiError, Serving
 from .serving_chat import ServingChat
@@ -52,6 +53,7 @@ def build_app(engine_loop, tokenizer, config, metrics):
         return JSONResponse({"status": status}, status_code=503)
 
     add_fleet_routes(app, serving, health)
+    add_responses_routes(app, serving, chat)
 
     @app.get("/metrics")
     async def prometheus():
