@@ -6,9 +6,10 @@ round_robin, power_of_two and cache_aware policies, on a shared-prefix workload 
 `--groups` system prompts of about `--prefix-words` words, each followed by `--questions`
 questions, sent interleaved (group 0's first question, group 1's first, ...) by
 `--concurrency` clients. The number of groups is odd: with an even one, round robin over two
-servers would happen to send each group to the same server every time. Per policy: the prefix-cache hits and queries both servers count
-(/metrics' vllm:prefix_cache_hits_total, _queries_total, read before and after; /flush_cache
-between policies), how many requests each server finished, the wall time and the mean latency.
+servers would happen to send each group to the same server every time. Per policy: the
+prefix-cache hits and queries both servers count (/metrics' vllm:prefix_cache_hits_total,
+_queries_total, read before and after; /flush_cache between policies), how many requests each
+server finished, the wall time and the mean latency.
 Writes OUT.json and OUT.md. The cheap CI version: tests/test_fleet_router.py.
 """
 import argparse

@@ -40,7 +40,8 @@ class RouterProcess:
             [router_binary(), "--worker-urls", *workers, "--policy", policy,
              "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1],
              "--prometheus-port", str(free_port()), "--worker-startup-check-interval", "1",
-             "--log-level", os.environ.get("ROUTER_LOG", "warning")], stdout=self.log, stderr=subprocess.STDOUT)
+             "--log-level", os.environ.get("ROUTER_LOG", "warning")],  # ROUTER_LOG=debug
+            stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while True:
             assert self.process.poll() is None, open(log_path).read()

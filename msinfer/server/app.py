@@ -34,9 +34,6 @@ def build_app(engine_loop, tokenizer, config, metrics):
     """The FastAPI app over `engine_loop` (config: a serving.ServerConfig)."""
     app = FastAPI(title="msinfer", docs_url=None, redoc_url=None, openapi_url=None)
     serving = Serving(engine_loop, tokenizer, config, metrics)
-    engine = engine_loop.engine
-    metrics.describe_cache(engine.layout.block_size, engine.layout.num_blocks - 1,
-                           engine.blocks.prefix_caching)
     completion, chat = ServingCompletion(serving), ServingChat(serving)
     tokens = ServingTokenize(serving)
     _add_error_handlers(app, metrics)
