@@ -1,5 +1,6 @@
 """vLLM's router (`vllm-router`, PyPI) in front of two msinfer servers on this host, with its
-round_robin, power_of_two and cache_aware policies, on a shared-prefix workload (issue 40):
+round_robin, power_of_two, cache_aware and kv_aware policies (kv_aware indexes the servers'
+KV-cache events, --kv-events-config), on a shared-prefix workload (issue 40):
 
     python bench/fleet_router.py --model-dir models/tiny-qwen2 --out bench/results/fleet_router
 
@@ -26,7 +27,7 @@ import time
 import httpx2 as httpx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-POLICIES = ("round_robin", "power_of_two", "cache_aware")
+POLICIES = ("round_robin", "power_of_two", "cache_aware", "kv_aware")
 COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
             "vllm:request_success_total")
 
@@ -73,7 +74,15 @@ def workload(args):
     return prompts
 
 
-def run_policy(policy, servers, prompts, args, out_dir):
+def kv_aware_args(servers, kv_ports, model_dir):
+    block = httpx.get(servers[0] + "/get_server_info").json()["kv_block_size"]
+    extra = ["--kv-event-block-size", str(block), "--kv-event-model", model_dir]
+    for url, port in zip(servers, kv_ports):
+        extra += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{port}"]
+    return extra
+
+
+def run_policy(policy, servers, prompts, args, out_dir, extra=()):
     router_bin = shutil.which("vllm-router") or os.path.join(os.path.dirname(sys.executable),
                                                              "vllm-router")
     for url in servers:
@@ -83,7 +92,8 @@ def run_policy(policy, servers, prompts, args, out_dir):
     router = start([router_bin, "--worker-urls", *servers, "--policy", policy,
                     "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1],
                     "--prometheus-port", str(free_port()),
-                    "--worker-startup-check-interval", "1", "--log-level", "warning"],
+                    "--worker-startup-check-interval", "1", "--log-level", "warning",
+                    *extra],
                    url, os.path.join(out_dir, f"router_{policy}.log"))
 
     def one(prompt):
@@ -127,19 +137,25 @@ def main(argv=None):
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     out_dir = tempfile.mkdtemp(prefix="fleet-router-")  # the servers' and routers' logs
     print(f"logs in {out_dir}")
-    servers, processes = [], []
+    servers, processes, kv_ports = [], [], []
     try:
         for i in range(2):
-            url = f"http://127.0.0.1:{free_port()}"
+            url, kv_port = f"http://127.0.0.1:{free_port()}", free_port()
+            events = json.dumps({"enable_kv_cache_events": True,
+                                 "endpoint": f"tcp://*:{kv_port}"})
             processes.append(start(
                 [sys.executable, "-m", "msinfer", "serve", "--model", args.model_dir,
                  "--served-model-name", args.name, "--max-len", str(args.max_len),
-                 "--port", url.rsplit(":", 1)[1]], url,
+                 "--port", url.rsplit(":", 1)[1], "--kv-events-config", events], url,
                 os.path.join(out_dir, f"fleet_server{i}.log")))
             servers.append(url)
+            kv_ports.append(kv_port)
         load = os.getloadavg()[0]
         prompts = workload(args)
-        results = [run_policy(policy, servers, prompts, args, out_dir) for policy in POLICIES]
+        results = [run_policy(policy, servers, prompts, args, out_dir,
+                              kv_aware_args(servers, kv_ports, args.model_dir)
+                              if policy == "kv_aware" else ())
+                   for policy in POLICIES]
     finally:
         for process in processes:
             process.kill()
