@@ -160,6 +160,7 @@ def output_fields(out):
     """Every field of a RequestOutput as JSON writes it exactly (floats by repr); logprobs as
     [token id, logprob] pairs, since JSON keys are strings."""
     fields = dataclasses.asdict(out)
+    del fields["scheduled_at"]  # a time of this rank's process: ranks differ in it
     if out.logprobs is not None:
         fields["logprobs"] = [sorted(step.items()) for step in out.logprobs]
     return fields

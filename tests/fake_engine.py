@@ -75,6 +75,7 @@ class FakeEngine:
         self.pending_aborts = []
         self.prompt_tokens = self.generation_tokens = 0
         self.steps = self.step_count = 0
+        self.resets = 0  # prefix-cache resets applied
         self.decisions = []
         # what LLMEngine's scheduler holds, as the planted-divergence hook reads it
         self.scheduler = types.SimpleNamespace(running=self.running, waiting=self.waiting)
@@ -109,7 +110,10 @@ class FakeEngine:
         return sum(self._blocks(len(r.prompt_ids) + len(r.generated) + 1) for r in self.running)
 
     def reset_prefix_cache(self):
-        return not self.running  # no prefix cache: nothing to forget while idle
+        if self.running:  # as the block manager: not while a request holds blocks
+            return False
+        self.resets += 1
+        return True
 
     def has_unfinished_requests(self):
         return bool(self.waiting or self.running)

@@ -29,7 +29,7 @@ TINY_SERVE_MODEL = dict(layers=2, hidden=128, heads=4, kv_heads=2, vocab=512)
 def kv_events_args():
     """`--kv-events-config` publishing on a free port (the endpoint in /kv_event_sources)."""
     config = {"enable_kv_cache_events": True, "publisher": "zmq",
-              "endpoint": f"tcp://*:{free_port()}", "topic": "kv"}
+              "endpoint": f"tcp://*:{free_port()}"}  # topic "": vllm-router reads no other
     return ["--kv-events-config", json.dumps(config)]
 
 

@@ -1,12 +1,14 @@
 """What routers, gateways and client libraries read of a server, over the fake engine
 (tests/fake_engine.py), checked with the openai SDK and the shapes vllm-router parses: the
 context-overflow error, the router endpoints, the Responses API."""
+import json
 import re
 
 import httpx2 as httpx
 import openai
 import pytest
 
+from fake_engine import expected_ids
 from test_serve_protocol import MODEL, RunningServer
 
 # the wording LangChain, LlamaIndex and agent frameworks match to trim and retry
@@ -106,7 +108,7 @@ def test_vllms_request_series_with_its_names_types_and_buckets(server):
     for name in ("vllm:request_params_n", "vllm:request_params_max_tokens",
                  "vllm:request_max_num_generation_tokens", "vllm:iteration_tokens_total"):
         assert types[name] == "histogram"
-    assert types["vllm:prompt_tokens_by_source"] == "counter"
+    assert types["vllm:prompt_tokens_by_source_total"] == "counter"
     assert types["vllm:gpu_cache_usage_perc"] == types["vllm:kv_cache_usage_perc"] == "gauge"
     assert types["vllm:cache_config_info"] == types["vllm:lora_requests_info"] == "gauge"
     # vLLM's buckets: n in 1, 2, 5, 10, 20; the phases in its request-latency buckets
@@ -114,3 +116,97 @@ def test_vllms_request_series_with_its_names_types_and_buckets(server):
     assert 'vllm:request_queue_time_seconds_bucket{engine="0",le="7680.0",' in text
     assert f'block_size="{server.engine.block_size}"' in text
     assert 'source="local_cache_hit"' in text and 'max_lora="0"' in text
+
+
+# -- the Responses API (server/responses.py), with the openai SDK's client.responses --------
+
+def test_responses_text_and_previous_response_id(server):
+    client = server.client()
+    first = client.responses.create(model=MODEL, input="Hi", max_output_tokens=6,
+                                    instructions="Be brief.")
+    assert first.object == "response" and first.status == "incomplete"  # 6 tokens: cut off
+    assert first.incomplete_details.reason == "max_output_tokens"
+    templated = "<system>Be brief.\n<user>Hi\n<assistant>"
+    assert first.output_text == bytes(expected_ids(list(templated.encode()), 6)).decode(
+        errors="replace")
+    assert first.usage.input_tokens == len(templated.encode())
+    assert first.usage.output_tokens == 6
+    # the next turn continues the stored conversation (instructions are not carried over)
+    second = client.responses.create(model=MODEL, input="More", max_output_tokens=4,
+                                     previous_response_id=first.id)
+    history = f"<user>Hi\n<assistant>{first.output_text}\n<user>More\n<assistant>"
+    assert second.usage.input_tokens == len(history.encode())
+    assert second.previous_response_id == first.id
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=MODEL, input="x", previous_response_id="resp_nope")
+    assert caught.value.param == "previous_response_id"
+
+
+def test_responses_stream_events_validate_as_the_sdks_types(server):
+    whole = server.client().responses.create(model=MODEL, input="Hello", max_output_tokens=12)
+    events = list(server.client().responses.create(model=MODEL, input="Hello",
+                                                   max_output_tokens=12, stream=True))
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"]
+    assert types[2:4] == ["response.output_item.added", "response.content_part.added"]
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.incomplete"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == whole.output_text == events[-1].response.output_text
+    assert events[-1].response.usage.output_tokens == 12
+    # every event and the response validate (strictly) as the SDK's pydantic types
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+    raw = httpx.post(server.url + "/v1/responses", timeout=30, json={
+        "model": MODEL, "input": "Hello", "max_output_tokens": 12, "stream": True}).text
+    payloads = [line[len("data: "):] for line in raw.split("\n") if line.startswith("data: ")]
+    adapter = TypeAdapter(ResponseStreamEvent)
+    assert [adapter.validate_json(x).type for x in payloads] == types
+    Response.model_validate(whole.model_dump())
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def _aligned(text, prefix="Weather in Paris?"):
+    """An input whose templated prompt makes the fake answer `text` from its start (the fake
+    starts at the prompt's byte sum modulo the text's length)."""
+    for pad in range(2000):
+        candidate = prefix + "a" * (pad // 7) + "!" * (pad % 7)
+        if sum(f"<user>{candidate}\n<assistant>".encode()) % len(text.encode()) == 0:
+            return candidate
+    raise AssertionError("no aligned input")
+
+
+def test_responses_function_tools():
+    from fake_engine import fake_llm
+    tool_server = RunningServer(llm=fake_llm(text=CALL.encode(), max_model_len=256, num_blocks=64))
+    tools = [{"type": "function", "name": "get_weather", "description": "Weather of a city",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                             "required": ["city"]}}]
+    client = tool_server.client()
+    ask = dict(model=MODEL, input=_aligned(CALL), tools=tools, max_output_tokens=len(CALL))
+    try:
+        out = client.responses.create(**ask)
+        (call,) = [o for o in out.output if o.type == "function_call"]
+        assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+        assert out.output_text == ""  # the answer was the call alone
+        events = list(client.responses.create(**ask, stream=True))
+        done = [e for e in events if e.type == "response.function_call_arguments.done"]
+        assert len(done) == 1 and json.loads(done[0].arguments) == {"city": "Paris"}
+        added = [e.item for e in events if e.type == "response.output_item.added"]
+        assert [i.type for i in added] == ["function_call"] and added[0].name == "get_weather"
+        # the tool's result goes back with previous_response_id: the template sees the call
+        follow = client.responses.create(
+            model=MODEL, previous_response_id=out.id, max_output_tokens=3,
+            input=[{"type": "function_call_output", "call_id": call.call_id,
+                    "output": "sunny"}])
+        assert follow.usage.input_tokens == len(
+            f"<user>{ask['input']}\n<assistant>\n<tool>sunny\n<assistant>".encode())
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.create(model=MODEL, input="x", tools=[{"type": "web_search"}])
+        assert caught.value.param == "tools"
+    finally:
+        tool_server.stop()

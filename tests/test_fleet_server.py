@@ -75,7 +75,7 @@ def test_kv_events_agree_with_the_prefix_cache_counters(tiny_server):
     deadline = time.monotonic() + 30
     while True:  # the slow joiner: flush (the server is idle) until the subscriber hears it
         assert httpx.post(server.url + "/flush_cache", timeout=30).status_code == 200
-        if ["AllBlocksCleared"] in _events(sub, 0.3):
+        if {"type": "AllBlocksCleared"} in _events(sub, 0.3):
             break
         assert time.monotonic() < deadline, "no AllBlocksCleared from /flush_cache"
     hits = server.metric("vllm:prefix_cache_hits_total")
@@ -83,13 +83,14 @@ def test_kv_events_agree_with_the_prefix_cache_counters(tiny_server):
     prompt = [7 + i % 300 for i in range(min(3 * block + 3, 100))]
     client = server.client()
     client.completions.create(model=NAME, prompt=prompt, max_tokens=2)
-    stored = [e for e in _events(sub) if e[0] == "BlockStored"]
+    stored = [e for e in _events(sub) if e["type"] == "BlockStored"]
     again = client.completions.create(model=NAME, prompt=prompt, max_tokens=2)
     cached = again.usage.prompt_tokens_details.cached_tokens
     # the blocks published after the flush are the prompt's first blocks, chained from none
-    assert stored and stored[0][2] is None and all(e[4] == block for e in stored)
-    tokens = [t for e in stored for t in e[3]]
-    hashes = [h for e in stored for h in e[1]]
+    assert stored and stored[0]["parent_block_hash"] is None
+    assert all(e["block_size"] == block for e in stored)
+    tokens = [t for e in stored for t in e["token_ids"]]
+    hashes = [h for e in stored for h in e["block_hashes"]]
     assert len(tokens) == len(hashes) * block
     matched = (len(prompt) - 1) // block  # the cache never serves a prompt's last token
     assert tokens[:matched * block] == prompt[:matched * block]

@@ -1,5 +1,5 @@
 """KV-cache events (server/kv_events.py) from the block manager, decoded as vLLM's wire format
-is decoded (msgpack, array-like tagged structs), without a model: stored blocks chain to
+is decoded (msgpack: a positional batch of maps tagged by `type`), without a model: stored blocks chain to
 their parents and carry their tokens, eviction says BlockRemoved, a reset AllBlocksCleared.
 The same over a running server, against its prefix-cache counters: test_fleet_server.py."""
 import msgpack
@@ -59,21 +59,23 @@ def test_block_events_in_vllms_wire_format():
     events, batches = _receive(sub, 1)
     assert batches[0][0] > 0 and batches[0][2] == 0  # [ts, events, data_parallel_rank]
     names = block_names(first, BLOCK, 2)
-    assert events == [["BlockStored", [block_hash(n) for n in names], None, first[:8], BLOCK,
-                       None, "GPU", None]]
+    assert events == [{"type": "BlockStored", "block_hashes": [block_hash(n) for n in names],
+                       "parent_block_hash": None, "token_ids": first[:8], "block_size": BLOCK,
+                       "lora_id": None, "medium": "GPU", "lora_name": None}]
     # another prompt over the first block: only its new block is stored, chained to it
     _run(blocks, "b", first[:4] + [50, 51, 52, 53, 54])
     (stored,), _ = _receive(sub, 1)
-    assert stored[0] == "BlockStored" and stored[2] == block_hash(names[0])
-    assert stored[3] == [50, 51, 52, 53]
+    assert stored["type"] == "BlockStored"
+    assert stored["parent_block_hash"] == block_hash(names[0])
+    assert stored["token_ids"] == [50, 51, 52, 53]
     # 4 blocks, 3 named and free: a 3-block prompt evicts the least recently freed
     _run(blocks, "c", [90 + i for i in range(13)])
     events, _ = _receive(sub, 2)
-    assert [e[0] for e in events].count("BlockRemoved") >= 1
-    removed = [h for e in events if e[0] == "BlockRemoved" for h in e[1]]
-    assert set(removed) <= {block_hash(n) for n in names} | {stored[1][0]}
+    assert [e["type"] for e in events].count("BlockRemoved") >= 1
+    removed = [h for e in events if e["type"] == "BlockRemoved" for h in e["block_hashes"]]
+    assert set(removed) <= {block_hash(n) for n in names} | {stored["block_hashes"][0]}
     assert blocks.reset_prefix_cache()
-    assert _receive(sub, 1)[0] == [["AllBlocksCleared"]]
+    assert _receive(sub, 1)[0] == [{"type": "AllBlocksCleared"}]
 
 
 def test_a_reset_is_refused_while_a_sequence_holds_blocks():

@@ -331,3 +331,22 @@ def test_the_router_sends_each_request_to_one_replica_and_a_remote_one_returns_i
     local.drain(0)
     remote_loop.drain(0)
     front.close()
+
+
+def test_a_prefix_cache_reset_reaches_every_follower_before_the_next_step():
+    leader, followers = channels(2)
+    engines = [FakeEngine(max_num_seqs=2, step_delay=0) for _ in range(3)]
+    loop, threads, finished, errors = run_group(leader, followers, engines,
+                                                [("r0", [1, 2], 3)])
+    wait_for(lambda: len(finished) == 1, 10)
+    assert loop.reset_prefix_cache().result(timeout=5) is True
+    # the reset travels with the next step's frame: run one
+    loop.submit("r1", [3], SamplingParams(max_tokens=2), None,
+                lambda out: finished.update({out.request_id: out}) if out.finished else None)
+    wait_for(lambda: len(finished) == 2, 10)
+    loop.drain(5)
+    threads[-1].join(10)
+    leader.close(wait=0)
+    for t in threads:
+        t.join(10)
+    assert errors == [] and [e.resets for e in engines] == [1, 1, 1]

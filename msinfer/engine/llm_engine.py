@@ -48,7 +48,9 @@ class RequestOutput:
     prompt_logprobs: list = None
     error: str = None  # with finish_reason "error"
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache, not computed
-    scheduled_at: float = None  # time.monotonic() when first scheduled (None: not yet)
+    # time.monotonic() when first scheduled (None: not yet), for the server's queue-time
+    # metrics: a time of this process, so outputs compare equal without it
+    scheduled_at: float = dataclasses.field(default=None, compare=False)
 
 
 # What a non-finite logits row means, by compute dtype; `msinfer doctor --logs` knows the

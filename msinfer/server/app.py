@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__, log
 from . import protocol as p
+from .responses import add_responses_routes
 from .routes_fleet import add_fleet_routes
 from .serving import ApiError, Serving
 from .serving_chat import ServingChat
@@ -33,9 +34,6 @@ def build_app(engine_loop, tokenizer, config, metrics):
     """The FastAPI app over `engine_loop` (config: a serving.ServerConfig)."""
     app = FastAPI(title="msinfer", docs_url=None, redoc_url=None, openapi_url=None)
     serving = Serving(engine_loop, tokenizer, config, metrics)
-    engine = engine_loop.engine
-    metrics.describe_cache(engine.layout.block_size, engine.layout.num_blocks - 1,
-                           engine.blocks.prefix_caching)
     completion, chat = ServingCompletion(serving), ServingChat(serving)
     tokens = ServingTokenize(serving)
     _add_error_handlers(app, metrics)
@@ -52,6 +50,7 @@ def build_app(engine_loop, tokenizer, config, metrics):
         return JSONResponse({"status": status}, status_code=503)
 
     add_fleet_routes(app, serving, health)
+    add_responses_routes(app, serving, chat)
 
     @app.get("/metrics")
     async def prometheus():

@@ -5,10 +5,12 @@ Behind `--kv-events-config` (vLLM's KVEventsConfig as JSON, e.g.
 `{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}`), each
 replica's leader publishes on a ZMQ PUB socket (the endpoint's port plus its data-parallel rank,
 as vLLM offsets it) multipart messages (topic, 8-byte big-endian sequence number, msgpack
-payload). The payload is vLLM's `KVEventBatch` as msgspec encodes it (array-like, tagged):
-`[ts, [event, ...], data_parallel_rank]`, each event one of
-`["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-lora_name]`, `["BlockRemoved", block_hashes, medium]`, `["AllBlocksCleared"]`.
+payload). The payload is vLLM's `KVEventBatch` as msgspec encodes it, the batch positional
+and each event a map tagged by `type` (vllm/distributed/kv_events.py; vllm-router's
+src/kv_index/wire.rs decodes exactly this): `[ts, [event, ...], data_parallel_rank]`, each
+event one of `{"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids",
+"block_size", "lora_id", "medium", "lora_name"}`, `{"type": "BlockRemoved", "block_hashes",
+"medium"}`, `{"type": "AllBlocksCleared"}`.
 
 A block's hash is the first 8 bytes (big-endian) of the name engine/block_manager.py gives it:
 a hash chained over the block's tokens and every token before it, the same on every replica
@@ -87,15 +89,17 @@ class KVEventPublisher:
 
     # -- the block manager's listener (engine thread) ------------------------------------------
     def stored(self, names, parent, token_ids):
-        self._queue.put(["BlockStored", [block_hash(n) for n in names],
-                         None if parent is None else block_hash(parent), list(token_ids),
-                         self.block_size, None, MEDIUM, None])
+        self._queue.put({"type": "BlockStored", "block_hashes": [block_hash(n) for n in names],
+                         "parent_block_hash": None if parent is None else block_hash(parent),
+                         "token_ids": list(token_ids), "block_size": self.block_size,
+                         "lora_id": None, "medium": MEDIUM, "lora_name": None})
 
     def removed(self, names):
-        self._queue.put(["BlockRemoved", [block_hash(n) for n in names], MEDIUM])
+        self._queue.put({"type": "BlockRemoved", "block_hashes": [block_hash(n) for n in names],
+                         "medium": MEDIUM})
 
     def cleared(self):
-        self._queue.put(["AllBlocksCleared"])
+        self._queue.put({"type": "AllBlocksCleared"})
 
     # -- its thread ------------------------------------------------------------------------------
     def _publish(self):

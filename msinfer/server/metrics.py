@@ -82,15 +82,7 @@ class ServerMetrics:
         self.request_generation_tokens = histogram("vllm:request_generation_tokens",
                                                    "Number of generation tokens processed.",
                                                    token_buckets)
-        self.request_max_tokens = histogram("vllm:request_params_max_tokens",
-                                            "Histogram of the max_tokens request parameter.",
-                                            token_buckets)
-        self.max_generation_tokens = histogram(
-            "vllm:request_max_num_generation_tokens",
-            "Histogram of maximum number of requested generation tokens.", token_buckets)
-        self.request_n = histogram("vllm:request_params_n",
-                                   "Histogram of the n request parameter.", REQUEST_N_BUCKETS)
-        self._phase_histograms(histogram)
+        self._request_histograms(histogram, token_buckets)
         self.iteration_tokens = histogram("vllm:iteration_tokens_total",
                                           "Histogram of number of tokens per engine_step.",
                                           ITERATION_TOKEN_BUCKETS)
@@ -108,9 +100,19 @@ class ServerMetrics:
                                  "the other ranks of its group", ["model_name", "replica"],
                                  buckets=_HANDOFF_BUCKETS, registry=self.registry)
 
-    def _phase_histograms(self, histogram):
-        """vLLM's split of a request's time: waiting to be scheduled, prefill (to the first
-        token), decode (first to last token), inference (prefill and decode)."""
+    def _request_histograms(self, histogram, token_buckets):
+        """vLLM's request parameters, and its split of a request's time: waiting to be
+        scheduled, prefill (to the first token), decode (first to last token), inference
+        (prefill and decode)."""
+        self.request_max_tokens = histogram("vllm:request_params_max_tokens",
+                                            "Histogram of the max_tokens request parameter.",
+                                            token_buckets)
+        self.max_generation_tokens = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.", token_buckets)
+        self.request_n = histogram("vllm:request_params_n",
+                                   "Histogram of the n request parameter.", REQUEST_N_BUCKETS)
+
         def phase(name, doc):
             return histogram(f"vllm:request_{name}_time_seconds", doc, REQUEST_LATENCY_BUCKETS)
         self.queue_time = phase("queue", "Histogram of time spent in WAITING phase for request.")

@@ -14,7 +14,6 @@ import asyncio
 import os
 import uuid
 
-from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from .. import __version__
@@ -34,11 +33,16 @@ def replica_stats(engine_loop):
 
 
 def add_fleet_routes(app, serving, health):
-    """Add the routes to `app` (serving: serving.Serving; health: the /health route)."""
-    engine_loop, config = serving.engine_loop, serving.config
-    engine = engine_loop.engine
-    block_size = engine.layout.block_size
+    """Add the routes to `app` (serving: serving.Serving; health: the /health route), and
+    the KV cache's geometry to the metrics (vllm:cache_config_info, which gateways read)."""
+    engine = serving.engine_loop.engine
+    serving.metrics.describe_cache(engine.layout.block_size, engine.layout.num_blocks - 1,
+                                   engine.blocks.prefix_caching)
+    _add_load_and_info(app, serving.engine_loop, serving.config, engine.layout.block_size)
+    _add_cache_and_probes(app, serving, health)
 
+
+def _add_load_and_info(app, engine_loop, config, block_size):
     @app.get("/get_load")
     async def get_load():
         stats = replica_stats(engine_loop)
@@ -67,6 +71,10 @@ def add_fleet_routes(app, serving, health):
                 "data_parallel_size": len(stats),
                 "kv_events": bool(config.kv_events)}
 
+
+def _add_cache_and_probes(app, serving, health):
+    engine_loop, config = serving.engine_loop, serving.config
+
     async def reset():
         done = await asyncio.wrap_future(engine_loop.reset_prefix_cache())
         if not done:
@@ -90,7 +98,7 @@ def add_fleet_routes(app, serving, health):
         return {"status": "ok"}
 
     @app.get("/kv_event_sources")
-    async def kv_event_sources(request: Request):
+    async def kv_event_sources():
         if not config.kv_events:
             return JSONResponse({"error": {"message": "KV-cache events are off "
                                            "(--kv-events-config)", "type": "not_found",

@@ -20,8 +20,13 @@ class ServingChat:
     async def create(self, body, request):
         """The response to a ChatCompletionRequest: JSON, or server-sent events when streamed.
         Without max_tokens, the answer may fill the rest of the context."""
+        headers = self.serving.check(body)
+        fmt, prompt, params = self.prepare(body)
+        return await self.serving.generate(fmt, [prompt], params, request, headers)
+
+    def prepare(self, body):
+        """(ChatFormat, (templated text, token ids), SamplingParams) of a checked request."""
         serving = self.serving
-        headers = serving.check(body)
         functions, tool_choice = request_check(check_tools, body.tools, body.tool_choice)
         structured = request_check(structured_outputs, body)
         forced = forcing_grammar(functions, tool_choice, body.parallel_tool_calls is not False,
@@ -49,7 +54,7 @@ class ServingChat:
         params = sampling_params(body, max_tokens, body.logprobs_count(), constraint,
                                  body.prompt_logprobs)
         serving.metrics.observe_request_params(body.n)
-        return await serving.generate(fmt, [(text, ids)], params, request, headers)
+        return fmt, (text, ids), params
 
 
 class ChatFormat:
