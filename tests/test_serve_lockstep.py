@@ -284,11 +284,7 @@ def test_the_router_sends_each_request_to_one_replica_and_a_remote_one_returns_i
             except handoff.PeerGone:  # the test is over
                 return
             if "add" in frame:
-                rid, ids, params, prompt = frame["add"]
-                try:
-                    remote_loop.submit(rid, ids, SamplingParams(**params), prompt, uplink.sink)
-                except ServerBusy:  # drained: the test is over
-                    return
+                uplink.add(remote_loop, frame["add"])
     threading.Thread(target=take, daemon=True).start()
     for loop in (local, remote_loop):
         loop.open()

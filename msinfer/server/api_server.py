@@ -114,7 +114,6 @@ def _follow(llm, channel, options):
 
 def _replica(llm, links, options):
     """Lead replica `rank // group`: rank 0's requests in, this group's outputs out."""
-    from ..engine.sampling import SamplingParams
     from .replicas import ReplicaUplink
 
     rank, front, channel = llm.dist.rank, links.front, links.channel
@@ -143,11 +142,7 @@ def _replica(llm, links, options):
                     _die(str(e))
                 return
             if "add" in frame:
-                request_id, ids, params, prompt = frame["add"]
-                try:
-                    loop.submit(request_id, ids, SamplingParams(**params), prompt, uplink.sink)
-                except ServerBusy as e:
-                    front.send({"refused": [request_id, str(e)]})
+                uplink.add(loop, frame["add"])
             elif "abort" in frame:
                 loop.abort(frame["abort"])
             elif "drain" in frame:

@@ -26,8 +26,10 @@ class ServingCompletion:
         if body.sequences_per_prompt() > body.n and logprobs is None:
             logprobs = 0  # best_of ranks sequences by the sampled tokens' logprobs
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        params = sampling_params(body, max_tokens, logprobs, structured,
-                                 body.prompt_logprobs_count())
+        prompt_logprobs = body.prompt_logprobs_count()
+        if max_tokens == 0 and prompt_logprobs is None:  # echo alone: the prompt is scored
+            prompt_logprobs = 0  # (one prefill), nothing generated, no logprobs returned
+        params = sampling_params(body, max_tokens, logprobs, structured, prompt_logprobs)
         return await serving.generate(fmt, prompts, params, request, headers)
 
 

@@ -1,0 +1,298 @@
+"""Defects a review of `msinfer serve` found (issue 38), each pinned by a test that failed
+before its fix: choices and prompts admitted in one engine step, the bounds on prompts per
+request and stop_token_ids, echo with max_tokens=0, lone surrogates, chat logprobs' bytes,
+a peer that dies mid-request, a drain during warm-up and a second drain. Over the fake engine
+of tests/fake_engine.py, as tests/test_serve_protocol.py."""
+import json
+import threading
+import time
+
+import httpx2 as httpx
+
+import pytest
+
+from msinfer.server import replicas
+from msinfer.server.handoff import PeerGone
+from msinfer.server.protocol import MAX_STOP_TOKEN_IDS
+
+from test_serve_limits import assert_openai_error, still_serving
+from test_serve_protocol import MODEL, RunningServer, raw
+
+MAX_QUEUE = 12
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = RunningServer(max_queue=MAX_QUEUE, max_num_seqs=8, num_blocks=64, step_delay=0.005)
+    added_at = {}  # request id -> the engine step it was added before
+    add = s.engine.add_request
+
+    def recording(request_id, *args, **kwargs):
+        added_at[request_id] = s.engine.step_count
+        return add(request_id, *args, **kwargs)
+    s.engine.add_request = recording
+    s.added_at = added_at
+    yield s
+    s.stop()
+
+
+def test_n_choices_of_a_batch_of_prompts_are_admitted_in_one_step(server):
+    response = raw(server, "/v1/completions", {"model": MODEL, "prompt": ["ab", "cd"], "n": 3,
+                                                "max_tokens": 3})
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"]) == 6
+    steps = {server.added_at[rid] for rid in server.added_at
+             if rid.startswith(response.json()["id"])}
+    assert len(steps) == 1, steps  # one engine step took all six sequences
+
+
+def test_best_of_sequences_are_admitted_in_one_step(server):
+    response = raw(server, "/v1/completions", {"model": MODEL, "prompt": "ab", "n": 1,
+                                                "best_of": 4, "max_tokens": 3})
+    assert response.status_code == 200, response.text
+    steps = {at for rid, at in server.added_at.items() if rid.startswith(response.json()["id"])}
+    assert len(steps) == 1 and sum(r.startswith(response.json()["id"])
+                                   for r in server.added_at) == 4
+
+
+def test_more_sequences_in_one_request_than_max_queue_is_a_400_naming_prompt(server):
+    response = raw(server, "/v1/completions", {"model": MODEL, "prompt": ["x"] * (MAX_QUEUE + 1),
+                                                "max_tokens": 1})
+    assert_openai_error(response, 400, "--max-queue", param="prompt")
+    response = raw(server, "/v1/completions", {"model": MODEL, "prompt": ["x"] * 7, "n": 2,
+                                                "max_tokens": 1})
+    assert_openai_error(response, 400, "14 sequences", param="prompt")
+    still_serving(server)
+
+
+def test_stop_token_ids_beyond_their_bound_are_a_400_naming_the_field(server):
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1,
+            "stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))}
+    assert_openai_error(raw(server, "/v1/completions", body), 400, "stop_token_ids",
+                        param="stop_token_ids")
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
+            "stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))}
+    assert_openai_error(raw(server, "/v1/chat/completions", chat), 400, "stop_token_ids",
+                        param="stop_token_ids")
+    body["stop_token_ids"] = list(range(MAX_STOP_TOKEN_IDS))
+    assert raw(server, "/v1/completions", body).status_code == 200
+
+
+def test_echo_with_max_tokens_0_and_no_logprobs_returns_the_prompt(server):
+    response = raw(server, "/v1/completions", {"model": MODEL, "prompt": "héllo", "echo": True,
+                                                "max_tokens": 0})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["choices"][0]["text"] == "héllo"
+    assert body["choices"][0]["logprobs"] is None
+    assert body["usage"]["completion_tokens"] == 0
+    assert body["usage"]["prompt_tokens"] == len("héllo".encode())
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", '{"model": "fake-model", "prompt": "a\\ud800b", "max_tokens": 1}',
+     "prompt"),
+    ("/v1/completions", '{"model": "fake-model", "prompt": ["ok", "\\udfff"], "max_tokens": 1}',
+     "prompt"),
+    ("/v1/chat/completions", '{"model": "fake-model", "max_tokens": 1, "messages": '
+                             '[{"role": "user", "content": "x\\ud83d"}]}', "messages"),
+])
+def test_a_lone_surrogate_is_a_400_naming_the_field(server, path, body, param):
+    assert_openai_error(raw(server, path, body), 400, "surrogate", param=param)
+    still_serving(server)
+
+
+def test_chat_logprobs_bytes_are_the_tokens_own_bytes(server):
+    # the fake's tokens are UTF-8 bytes: "ö" is 0xC3 0xB6, each a token that alone is no
+    # character (its text U+FFFD); `bytes` must be the token's byte, not U+FFFD's three
+    response = raw(server, "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "w"}], "max_tokens": 40,
+        "logprobs": True, "top_logprobs": 1, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    content = response.json()["choices"][0]["logprobs"]["content"]
+    joined = bytes(b for entry in content for b in entry["bytes"])
+    text = response.json()["choices"][0]["message"]["content"]
+    assert joined.decode() == text and any(ord(c) > 127 for c in text)
+    assert all(len(entry["bytes"]) == 1 for entry in content)
+    assert all(len(top["bytes"]) == 1 for entry in content for top in entry["top_logprobs"])
+
+
+class _ReplicaLink:
+    """Rank 0's link to replica 1's leader, played by the test: it records the frames sent,
+    and once `die()` is called every send raises PeerGone, as a reset connection does."""
+    peer_rank = 2
+
+    def __init__(self):
+        self.frames, self.dead = [], False
+
+    def send(self, frame, timeout=None):
+        if self.dead:
+            raise PeerGone("rank 2 is gone (connection reset)")
+        self.frames.append(frame)
+
+    def tell(self, frame, timeout=1.0):
+        return False
+
+    def die(self):
+        self.dead = True
+
+
+def _remote_server(route=None):
+    """A server whose requests go to replica 1, behind a link the test plays (or to the
+    replicas `route` lists, in turn)."""
+    link = _ReplicaLink()
+    remote = replicas.RemoteReplica(1, link)
+    remote.ready = True
+    turns = iter(route or [])
+
+    def front(loop):
+        router = replicas.Router(loop, [remote], loop.engine)
+        router._choose = lambda names: next(turns, 1)
+        return router
+    s = RunningServer(front=front)
+    return s, remote, link
+
+
+def _accept_first_add(remote, link, text="ab"):
+    """Replica 1's leader: takes the request sent and reports its first tokens."""
+    wait_for(lambda: any("add" in f for f in link.frames))
+    request_id = next(f["add"][0] for f in link.frames if "add" in f)
+    remote.on_frame(link, {"report": {
+        "accepted": [request_id], "outputs": [[request_id, list(text.encode()), 0, text, False,
+                                               None, None, None, 0, None]],
+        "stats": [1, 0, 32, 1, 0, 2, 2], "handoff": 0.0, "step_seconds": 0.01}})
+    return request_id
+
+
+def test_a_replica_that_dies_mid_stream_ends_it_with_503_event_then_done():
+    """n=2: choice 0 on replica 0, choice 1 on replica 1, which dies; rank 0 fails replica
+    0's requests first (Router.fail_all), so the stream ends while choice 1 is still owed to
+    the dead replica, whose abort cannot be sent."""
+    s, remote, link = _remote_server(route=[0, 1])
+    replica_1 = threading.Thread(target=_accept_first_add, args=(remote, link))
+    replica_1.start()  # the response starts once both replicas took their choice
+    try:
+        with httpx.Client(base_url=s.url, timeout=30) as c:
+            with c.stream("POST", "/v1/completions", json={
+                    "model": MODEL, "prompt": "p", "max_tokens": 90, "n": 2,
+                    "stream": True}) as r:
+                assert r.status_code == 200
+                replica_1.join()
+                lines = r.iter_lines()
+                assert json.loads(next(lines)[6:])["choices"]
+                link.die()  # rank 0's watch of the links sees it and fails every request
+                s.front.local.fail_all("rank 2 is gone")
+                rest = [line for line in lines if line]
+                s.front.fail_all("rank 2 is gone")
+        assert rest[-1] == "data: [DONE]", rest
+        error = json.loads(rest[-2][6:])["error"]
+        assert error["type"] == "service_unavailable" and "rank 2" in error["message"]
+    finally:
+        s.stop()
+
+
+def test_a_replica_that_dies_mid_request_is_a_503_and_a_dead_one_refuses_with_503():
+    s, remote, link = _remote_server()
+    try:
+        with httpx.Client(base_url=s.url, timeout=30) as c:
+            result = {}
+            t = threading.Thread(target=lambda: result.setdefault("r", c.post(
+                "/v1/completions", json={"model": MODEL, "prompt": "p", "max_tokens": 50})))
+            t.start()
+            _accept_first_add(remote, link)
+            link.die()
+            s.front.fail_all("rank 2 is gone")
+            t.join(10)
+            assert_openai_error(result["r"], 503, "rank 2 is gone")
+            # a request sent to the dead replica before rank 0 noticed: 503, not 500
+            response = c.post("/v1/completions", json={"model": MODEL, "prompt": "q",
+                                                       "max_tokens": 5})
+            assert_openai_error(response, 503, "rank 2 is gone")
+        assert not s.front._owed  # nothing owed to the dead replica is left counted
+    finally:
+        s.stop()
+
+
+def wait_for(predicate, timeout=10):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def _replica_pair(**engine_options):
+    """Replica 0 local and replica 1 behind a real link, with its own loop, uplink and fake
+    engine, its leader's reader taking rank 0's frames as api_server._replica does; the
+    router sends everything to replica 1. Returns (router, remote loop, stop event)."""
+    import socket
+
+    from fake_engine import FakeEngine
+    from msinfer.server import handoff
+    from msinfer.server.lockstep import EngineLoop
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    b = socket.create_connection(listener.getsockname())
+    a, _ = listener.accept()
+    listener.close()
+    front, uplink_link = handoff.Link(a, 1), handoff.Link(b, 0)
+    engines = [FakeEngine(**engine_options) for _ in range(2)]
+    uplink = replicas.ReplicaUplink(uplink_link)
+    remote_loop = EngineLoop(engines[1], handoff.Leader([]), on_step=uplink.on_step)
+    remote = replicas.RemoteReplica(1, front)
+    router = replicas.Router(EngineLoop(engines[0], handoff.Leader([])), [remote], engines[0])
+    router._choose = lambda names: 1
+    router.local.open()
+    stop = threading.Event()
+    threading.Thread(target=handoff.watch_links, daemon=True,
+                     args=([front], stop.is_set, pytest.fail, 30, remote.on_frame)).start()
+
+    def take():
+        while not stop.is_set():
+            try:
+                frame = uplink_link.recv(timeout=30)
+            except PeerGone:
+                return
+            if "add" in frame:
+                uplink.add(remote_loop, frame["add"])
+    threading.Thread(target=take, daemon=True).start()
+    remote.ready = True
+    return router, remote_loop, stop
+
+
+def test_a_remote_replicas_refusals_reach_the_client_and_leave_nothing_owed():
+    from msinfer.engine.sampling import SamplingParams
+    from msinfer.errors import MsinferError
+    from msinfer.server.lockstep import ServerBusy
+
+    router, remote_loop, stop = _replica_pair(step_delay=0.001)
+    try:
+        remote_loop.open()
+        threading.Thread(target=remote_loop.run, daemon=True).start()
+        params = SamplingParams(max_tokens=30)
+        first = router.submit("dup", [5, 6], params, None, lambda out: None)
+        assert first.result(5) == 1
+        again = router.submit("dup", [5, 6], params, None, lambda out: None)  # same id
+        with pytest.raises(MsinferError, match="already running"):
+            again.result(5)
+        remote_loop.drain(30)  # replica 1 stops taking requests
+        busy = router.submit("late", [7], params, None, lambda out: None)
+        with pytest.raises(ServerBusy):
+            busy.result(5)
+        wait_for(lambda: set(router._owed) <= {"dup"})
+        assert "late" not in router._owed
+    finally:
+        stop.set()
+
+
+def test_a_remote_replicas_queue_depth_counts_what_rank_0_sent_it():
+    """Replica 1 not stepping yet: what rank 0 sent it waits there, and rank 0 counts it."""
+    from msinfer.engine.sampling import SamplingParams
+
+    router, remote_loop, stop = _replica_pair()
+    try:
+        remote_loop.open()  # taking requests, but its loop does not run: nothing is stepped
+        for i in range(3):
+            router.submit(f"w{i}", [i + 1], SamplingParams(max_tokens=4), None, lambda out: None)
+        assert router.queue_depth() == 3
+    finally:
+        stop.set()
