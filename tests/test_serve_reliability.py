@@ -296,3 +296,88 @@ def test_a_remote_replicas_queue_depth_counts_what_rank_0_sent_it():
         assert router.queue_depth() == 3
     finally:
         stop.set()
+
+
+class _FakeServeProcess:
+    """tests/fake_serve.py: rank 0's serve() over the fake engine, warm-up held until
+    `release()`."""
+
+    def __init__(self, tmp_path, step_delay=0.1):
+        import os
+        import subprocess
+        import sys
+
+        from msinfer.parallel.distributed import free_port
+        self.dir, self.port = tmp_path, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        here = os.path.dirname(os.path.abspath(__file__))
+        self.log = open(tmp_path / "serve.log", "w")
+        self.process = subprocess.Popen(
+            [sys.executable, os.path.join(here, "fake_serve.py"), str(self.port), str(tmp_path),
+             str(step_delay)], stdout=self.log, stderr=subprocess.STDOUT,
+            env=dict(os.environ, PYTHONPATH=os.path.dirname(here)))
+        wait_for(lambda: (tmp_path / "warming").exists() or self.process.poll() is not None, 60)
+        assert self.process.poll() is None, self.output()
+
+    def release(self):
+        (self.dir / "release").touch()
+
+    def signal(self):
+        import signal
+        self.process.send_signal(signal.SIGTERM)
+
+    def exit_code(self, within):
+        import subprocess
+        try:
+            return self.process.wait(within)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            pytest.fail(f"still running {within}s after the signal:\n{self.output()}")
+
+    def output(self):
+        self.log.flush()
+        return (self.dir / "serve.log").read_text()
+
+
+def test_sigterm_during_warm_up_ends_the_server_once_warm(tmp_path):
+    server = _FakeServeProcess(tmp_path)
+    server.signal()  # during warm-up: drains as soon as it is warm, with nothing in flight
+    server.release()
+    assert server.exit_code(within=20) == 0, server.output()
+    assert "draining" in server.output()
+
+
+def test_a_second_sigterm_during_warm_up_ends_it_at_once(tmp_path):
+    server = _FakeServeProcess(tmp_path)
+    server.signal()
+    wait_for(lambda: "draining" in server.output())
+    server.signal()  # warm-up never released: only the second signal ends it
+    assert server.exit_code(within=20) != 0
+    assert "second signal" in server.output()
+
+
+def test_a_second_sigterm_ends_the_drain_and_aborts_what_runs(tmp_path):
+    server = _FakeServeProcess(tmp_path, step_delay=0.1)
+    server.release()
+    wait_for(lambda: _healthy(server.url), 30)
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        with c.stream("POST", "/v1/completions", json={
+                "model": "fake", "prompt": "x", "max_tokens": 150, "stream": True}) as r:
+            lines = r.iter_lines()
+            next(lines)
+            server.signal()  # drains: 60 s for the request (15 s of steps) to finish
+            wait_for(lambda: "draining" in server.output())  # two at once would be one
+            next(lines)
+            server.signal()  # ends the drain: the request is aborted now
+            rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "abort"
+    assert server.exit_code(within=20) == 0, server.output()
+
+
+def _healthy(url):
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

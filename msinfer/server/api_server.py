@@ -227,10 +227,22 @@ def _front(llm, links, options):
                             name="msinfer-http", daemon=True)
     http.start()
 
+    warm, signals = threading.Event(), []
+
     def drain(sig, frame):
-        logger.info("%s: draining (new requests get 503; in-flight ones have %.0fs)",
-                    signal.Signals(sig).name, options.shutdown_timeout)
-        router.drain(options.shutdown_timeout)
+        """The first signal drains; a second ends the drain: in-flight requests are aborted
+        at once, or, still warming up, the job ends (non-zero) without waiting for it."""
+        signals.append(sig)
+        name = signal.Signals(sig).name
+        if len(signals) == 1:
+            logger.info("%s: draining (new requests get 503; in-flight ones have %.0fs)",
+                        name, options.shutdown_timeout)
+            router.drain(options.shutdown_timeout)
+        elif not warm.is_set():
+            _die(f"{name}: a second signal during warm-up")
+        else:
+            logger.info("%s: a second signal: aborting in-flight requests now", name)
+            router.drain(0)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, drain)
@@ -245,8 +257,10 @@ def _front(llm, links, options):
     start = time.monotonic()
     _warmup(llm, options, lambda text: setattr(router, "warming", f"warming up: {text}"))
     router.warming = None
+    warm.set()
     loop.open()
-    while not router.ready and not router.failure:  # the other replicas warm up too
+    # the other replicas warm up too; a drain (a signal during warm-up) does not wait for them
+    while not (router.ready or router.failure or router.draining):
         time.sleep(0.1)
     logger.info("serve: warm after %.1fs; listening on http://%s:%d (model %s, %d replica%s)",
                 time.monotonic() - start, options.host, listener.getsockname()[1], names[0],

@@ -144,11 +144,18 @@ class EngineLoop:
             self._cond.notify()
 
     def drain(self, timeout):
-        """Stop accepting; in-flight requests get `timeout` seconds, then are aborted."""
+        """Stop accepting; in-flight requests get `timeout` seconds, then are aborted. A drain
+        already under way keeps its deadline if that is nearer (a second SIGTERM ends it
+        sooner, never later)."""
         with self._cond:
             self._accepting = False
-            self._stop_at = time.monotonic() + timeout
+            deadline = time.monotonic() + timeout
+            self._stop_at = deadline if self._stop_at is None else min(self._stop_at, deadline)
             self._cond.notify()
+
+    @property
+    def draining(self):
+        return self._stop_at is not None
 
     def fail(self, message):
         """A rank is gone or out of step: refuse everything from now on."""

@@ -64,6 +64,10 @@ class Router:
     def failure(self):
         return self._failed or self.local.failure
 
+    @property
+    def draining(self):
+        return self.local.draining
+
     def queue_depth(self):
         return self.local.queue_depth() + sum(r.queue_depth() for r in self.remotes)
 
