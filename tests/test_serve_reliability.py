@@ -381,3 +381,33 @@ def _healthy(url):
         return httpx.get(url + "/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_unseeded_requests_draw_their_replicas_own_stream_and_seeded_ones_do_not():
+    """dp2: each replica's engine numbers its arrivals from 1; with the job's seed alone as
+    the key, the first unseeded request on either replica drew the same stream (n=2 gave two
+    identical choices). Seeded requests draw from their seed alone, on any replica."""
+    import numpy as np
+
+    from msinfer.engine.llm_engine import LLMEngine
+    from msinfer.engine.sampling import SamplingParams
+    from msinfer.parallel.distributed import replica_seed
+    from msinfer.planning.kv_layout import CacheLayout
+
+    layout = CacheLayout(num_layers=1, kv_heads=1, head_dim=1, block_size=8, num_blocks=9,
+                         dtype_bytes=1)
+    job_seed = 0xABCDEF  # job_seed's range: below 2**24
+
+    def draws(replica, params):
+        engine = LLMEngine(None, layout, vocab_size=300, max_model_len=64, eos_token_ids=(),
+                           max_num_seqs=4, max_prefill_tokens=16,
+                           seed=replica_seed(job_seed, replica))
+        engine.add_request("r", [1, 2, 3], params)
+        return engine._requests["r"].generator.random(8)
+    unseeded = SamplingParams(temperature=1.0)
+    assert not np.array_equal(draws(0, unseeded), draws(1, unseeded))
+    assert np.array_equal(draws(1, unseeded), draws(1, unseeded))  # a replica is reproducible
+    seeded = SamplingParams(temperature=1.0, seed=7)
+    assert np.array_equal(draws(0, seeded), draws(1, seeded))
+    assert replica_seed(job_seed, 0) == job_seed  # one replica: the streams it always drew
+    assert len({replica_seed(s, r) for s in (0, 1, 2 ** 24 - 1) for r in range(8)}) == 24
