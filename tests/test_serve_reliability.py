@@ -27,11 +27,14 @@ def server():
     added_at = {}  # request id -> the engine step it was added before
     add = s.engine.add_request
 
-    def recording(request_id, *args, **kwargs):
+    params = {}  # request id -> its SamplingParams
+
+    def recording(request_id, ids, request_params, *args, **kwargs):
         added_at[request_id] = s.engine.step_count
-        return add(request_id, *args, **kwargs)
+        params[request_id] = request_params
+        return add(request_id, ids, request_params, *args, **kwargs)
     s.engine.add_request = recording
-    s.added_at = added_at
+    s.added_at, s.params = added_at, params
     yield s
     s.stop()
 
@@ -76,6 +79,19 @@ def test_stop_token_ids_beyond_their_bound_are_a_400_naming_the_field(server):
                         param="stop_token_ids")
     body["stop_token_ids"] = list(range(MAX_STOP_TOKEN_IDS))
     assert raw(server, "/v1/completions", body).status_code == 200
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "salted"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "salted"}]})])
+def test_cache_salt_reaches_the_engine_and_an_empty_one_is_a_400(server, path, body):
+    body = dict(body, model=MODEL, max_tokens=1)
+    response = raw(server, path, dict(body, cache_salt="tenant-7"))
+    assert response.status_code == 200, response.text
+    assert "x-msinfer-ignored-fields" not in response.headers
+    assert server.params[response.json()["id"] + "-0"].cache_salt == "tenant-7"
+    assert_openai_error(raw(server, path, dict(body, cache_salt="")), 400, "cache_salt",
+                        param="cache_salt")
 
 
 def test_echo_with_max_tokens_0_and_no_logprobs_returns_the_prompt(server):

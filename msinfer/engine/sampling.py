@@ -47,6 +47,9 @@ class SamplingParams:
     # a grammar the output must follow, one key of {"json": schema, "json_object": True,
     # "regex": str, "choice": [str], "grammar": str} (engine/structured.py)
     structured_outputs: Optional[dict] = None
+    # vLLM's cache_salt: only requests with the same salt share prefix-cached blocks (it
+    # enters the first block's name, engine/block_manager.py); None: the unsalted cache
+    cache_salt: Optional[str] = None
 
     def __post_init__(self):
         def bad(field, value, why):
@@ -75,6 +78,9 @@ class SamplingParams:
             bad("top_p", self.top_p, "must be in (0, 1]")
         if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
             bad("seed", self.seed, "must be a non-negative integer or None")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
+                                            or not self.cache_salt):
+            bad("cache_salt", self.cache_salt, "must be a non-empty string or None")
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         self.stop = tuple(self.stop)

@@ -87,6 +87,8 @@ class _Request(BaseModel):
     # vLLM's: each prompt token's logprob and this many most likely ones at its position
     # (-1, vLLM's whole vocabulary, is refused: out_of_bounds)
     prompt_logprobs: Optional[int] = Field(default=None, ge=-1)
+    # vLLM's: only requests with the same salt share prefix-cached blocks
+    cache_salt: Optional[str] = Field(default=None, max_length=1024)
     # Fields (vLLM's and OpenAI's) msinfer knows but does not do yet: only the values that
     # ask for nothing are accepted (unsupported())
     include_stop_str_in_output: bool = False

@@ -84,7 +84,7 @@ class Router:
             refused = concurrent.futures.Future()
             refused.set_exception(e)
             return refused
-        names = self._prefix_names(prompt_token_ids)
+        names = self._prefix_names(prompt_token_ids, params.cache_salt)
         with self._lock:
             replica = self._choose(names)
             self._owed[request_id] = (replica, len(prompt_token_ids) + params.max_tokens)
@@ -119,13 +119,13 @@ class Router:
         with self._lock:
             self._owed.pop(request_id, None)
 
-    def _prefix_names(self, ids):
+    def _prefix_names(self, ids, salt=None):
         """The names of the prompt's full blocks a replica's prefix cache could hold
-        (engine/block_manager.py names them alike)."""
+        (engine/block_manager.py names them alike, with the request's cache_salt)."""
         if self.replicas == 1 or not self.engine.blocks.prefix_caching:
             return []
         size = self.engine.layout.block_size
-        return block_names(ids, size, (len(ids) - 1) // size)
+        return block_names(ids, size, (len(ids) - 1) // size, salt=salt)
 
     def _choose(self, names):
         """The least loaded replica (tokens still owed, then free KV blocks), unless one that

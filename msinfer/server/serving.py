@@ -277,7 +277,8 @@ def sampling_params(body, max_tokens, logprobs, structured=None, prompt_logprobs
                       presence_penalty=body.presence_penalty or 0.0,
                       frequency_penalty=body.frequency_penalty or 0.0,
                       repetition_penalty=body.repetition_penalty or 1.0,
-                      min_tokens=body.min_tokens, logit_bias=body.logit_bias or None)
+                      min_tokens=body.min_tokens, logit_bias=body.logit_bias or None,
+                      cache_salt=body.cache_salt)
         if logprobs is not None:
             kwargs["logprobs"] = logprobs
         if structured is not None:
