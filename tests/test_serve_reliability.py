@@ -427,3 +427,53 @@ def test_unseeded_requests_draw_their_replicas_own_stream_and_seeded_ones_do_not
     assert np.array_equal(draws(0, seeded), draws(1, seeded))
     assert replica_seed(job_seed, 0) == job_seed  # one replica: the streams it always drew
     assert len({replica_seed(s, r) for s in (0, 1, 2 ** 24 - 1) for r in range(8)}) == 24
+
+
+def test_a_step_that_compiles_a_graph_is_not_a_stall_until_the_compile_bound():
+    """The first use of a graph (a head graph of prompt logprobs' rows, never warmed up)
+    compiles within the step; on a slow device that outlives --stall-timeout and used to end
+    the job. While the runner says it compiles, the watch waits, up to COMPILE_GRACE times
+    the timeout; a step that is not compiling is reported as before."""
+    from msinfer.server.lockstep import COMPILE_GRACE, StepWatch
+
+    stalls, compiling = [], [True]
+    watch = StepWatch(0.2, stalls.append, rank=1, compiling=lambda: compiling[0])
+    watch.start(4)
+    deadline = time.monotonic() + 0.2 * 3
+    while time.monotonic() < deadline:  # three timeouts: still compiling, no stall
+        assert stalls == []
+        time.sleep(0.05)
+    compiling[0] = False  # compiled; the step goes on past its bound: a stall
+    wait_for(lambda: stalls, 3)
+    assert stalls[0].startswith("rank 1: step 4 has not completed in")
+    stalls.clear()
+    compiling[0] = True
+    watch = StepWatch(0.1, stalls.append, rank=1, compiling=lambda: compiling[0])
+    watch.start(5)  # a compile that outlives its own bound is a stall too
+    wait_for(lambda: stalls, 0.1 * COMPILE_GRACE + 3)
+    assert "compil" in stalls[0]
+
+
+def test_the_runner_says_when_a_call_compiles(tiny_checkpoint):
+    """ExplicitRunner: a call that builds a graph (the first prompt-logprobs head after a
+    lazy start) is `compiling` while it runs; a call of graphs already built is not."""
+    from msinfer import LLM, SamplingParams
+
+    model_dir, _ = tiny_checkpoint(layers=2, hidden=64, heads=4, kv_heads=2, vocab=512)
+    llm = LLM(model_dir, max_len=64, max_num_seqs=2, max_prefill_tokens=16,
+              compile_cache=False)
+    runner = llm.engine.runner
+    seen = []
+    run = runner._run
+
+    def watched(*args, **kwargs):
+        out = run(*args, **kwargs)
+        seen.append(runner.compiling_since is not None)  # before the call's end clears it
+        return out
+    runner._run = watched
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1)
+    llm.generate([list(range(3, 15))], params)
+    assert seen[0] and runner.compiling_since is None
+    seen.clear()
+    llm.generate([list(range(3, 15))], params)
+    assert seen and not any(seen)

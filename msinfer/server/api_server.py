@@ -67,6 +67,15 @@ def _warmup(llm, options, on_shape=None):
                       "(development only)", len(llm.engine.runner.shapes()))
 
 
+def _compiling(llm):
+    """Whether this rank's runner compiles a graph in the step in progress (None: cannot
+    say): the stall watch waits for a compile (lockstep.StepWatch)."""
+    runner = getattr(llm.engine, "runner", None)
+    if runner is None:
+        return None
+    return lambda: runner.compiling_since is not None
+
+
 def _die(message):
     log.get().error("%s: leaving the job", message)
     os._exit(1)
@@ -97,7 +106,7 @@ def _follow(llm, channel, options):
         _die_after(channel.link, message)
     _ignore_signals()
     channel.watch(_die)
-    watch = StepWatch(options.stall_timeout, leave, rank)
+    watch = StepWatch(options.stall_timeout, leave, rank, _compiling(llm))
     _warmup(llm, options)
     try:
         follow(llm.engine, channel, rank, watch)
@@ -128,7 +137,8 @@ def _replica(llm, links, options):
         _die_after(front, message)
     _ignore_signals()
     loop = EngineLoop(llm.engine, channel, on_step=uplink.on_step, replica=replica,
-                      watch=StepWatch(options.stall_timeout, fail, rank))
+                      watch=StepWatch(options.stall_timeout, fail, rank,
+                                           _compiling(llm)))
     channel.watch(fail)
     start_heartbeats([front], stopped.is_set)
 
@@ -210,7 +220,8 @@ def _front(llm, links, options):
 
     loop = EngineLoop(llm.engine, channel, replica=0,
                       on_step=metrics.observer(0),
-                      watch=StepWatch(options.stall_timeout, rank_gone, 0))
+                      watch=StepWatch(options.stall_timeout, rank_gone, 0,
+                                      _compiling(llm)))
     router = Router(loop, remotes, llm.engine)
     config = ServerConfig(model_names=names, max_model_len=llm.engine.max_model_len,
                           api_key=options.api_key, max_queue=options.max_queue,

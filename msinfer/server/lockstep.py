@@ -48,12 +48,21 @@ class _Submission:
     accepted: concurrent.futures.Future
 
 
+# A step that compiles a graph (its first use) may run this many stall timeouts before the
+# watch calls it a stall: compiling on a slow device takes minutes, a stall timeout is set
+# for steps
+COMPILE_GRACE = 10
+
+
 class StepWatch:
     """Calls `on_stall(message)` (from its thread) once one step has run longer than
-    `timeout` seconds: a peer stopped, or a collective waits for a rank that will not come."""
+    `timeout` seconds: a peer stopped, or a collective waits for a rank that will not come.
+    While `compiling()` (the runner compiles a graph in this step) it waits up to
+    COMPILE_GRACE timeouts."""
 
-    def __init__(self, timeout, on_stall, rank):
+    def __init__(self, timeout, on_stall, rank, compiling=None):
         self.timeout, self.on_stall, self.rank = timeout, on_stall, rank
+        self.compiling = compiling
         self._since = None  # monotonic start of the step in progress
         self._step = None
         threading.Thread(target=self._watch, daemon=True, name="msinfer-step-watch").start()
@@ -71,11 +80,19 @@ class StepWatch:
     def _watch(self):
         while True:
             time.sleep(min(0.5, self.timeout / 4))
-            if self.stalled_for() > self.timeout:
-                self.on_stall(f"rank {self.rank}: step {self._step} has not completed in "
-                              f"{self.timeout:.0f}s (a rank of its group stopped or stalled; "
-                              f"--stall-timeout)")
+            stalled = self.stalled_for()
+            if stalled <= self.timeout:
+                continue
+            if self.compiling is not None and self.compiling():
+                if stalled <= self.timeout * COMPILE_GRACE:
+                    continue
+                self.on_stall(f"rank {self.rank}: step {self._step} has been compiling a "
+                              f"graph for {stalled:.0f}s ({COMPILE_GRACE} x --stall-timeout)")
                 return
+            self.on_stall(f"rank {self.rank}: step {self._step} has not completed in "
+                          f"{self.timeout:.0f}s (a rank of its group stopped or stalled; "
+                          f"--stall-timeout)")
+            return
 
 
 class EngineLoop:
