@@ -436,22 +436,24 @@ def test_a_step_that_compiles_a_graph_is_not_a_stall_until_the_compile_bound():
     the timeout; a step that is not compiling is reported as before."""
     from msinfer.server.lockstep import COMPILE_GRACE, StepWatch
 
-    stalls, compiling = [], [True]
-    watch = StepWatch(0.2, stalls.append, rank=1, compiling=lambda: compiling[0])
+    stalls, compiling, now = [], [True], [0.0]
+    watch = StepWatch(1.0, stalls.append, rank=1, compiling=lambda: compiling[0],
+                      clock=lambda: now[0], thread=False)
     watch.start(4)
-    deadline = time.monotonic() + 0.2 * 3
-    while time.monotonic() < deadline:  # three timeouts: still compiling, no stall
-        assert stalls == []
-        time.sleep(0.05)
-    compiling[0] = False  # compiled; the step goes on past its bound: a stall
-    wait_for(lambda: stalls, 3)
+    now[0] = 3.0  # three timeouts into the step, compiling: no stall
+    assert not watch.check() and stalls == []
+    compiling[0] = False  # compiled; the step has outlived its bound: a stall
+    assert watch.check()
     assert stalls[0].startswith("rank 1: step 4 has not completed in")
     stalls.clear()
     compiling[0] = True
-    watch = StepWatch(0.1, stalls.append, rank=1, compiling=lambda: compiling[0])
-    watch.start(5)  # a compile that outlives its own bound is a stall too
-    wait_for(lambda: stalls, 0.1 * COMPILE_GRACE + 3)
-    assert "compil" in stalls[0]
+    watch = StepWatch(1.0, stalls.append, rank=1, compiling=lambda: compiling[0],
+                      clock=lambda: now[0], thread=False)
+    watch.start(5)
+    now[0] += COMPILE_GRACE - 0.01
+    assert not watch.check()
+    now[0] += 0.02  # a compile that outlives its own bound is a stall too
+    assert watch.check() and "compiling a graph" in stalls[0]
 
 
 def test_the_runner_says_when_a_call_compiles(tiny_checkpoint):

@@ -55,44 +55,56 @@ COMPILE_GRACE = 10
 
 
 class StepWatch:
-    """Calls `on_stall(message)` (from its thread) once one step has run longer than
-    `timeout` seconds: a peer stopped, or a collective waits for a rank that will not come.
-    While `compiling()` (the runner compiles a graph in this step) it waits up to
-    COMPILE_GRACE timeouts."""
+    """Calls `on_stall(message)` once one step has run longer than `timeout` seconds: a peer
+    stopped, or a collective waits for a rank that will not come. While `compiling()` (the
+    runner compiles a graph in this step) it waits up to COMPILE_GRACE timeouts. A thread of
+    its own checks (`check`) every quarter timeout (at most 0.5 s); `clock` and `thread`
+    are for tests that decide the times themselves."""
 
-    def __init__(self, timeout, on_stall, rank, compiling=None):
+    def __init__(self, timeout, on_stall, rank, compiling=None, clock=time.monotonic,
+                 thread=True):
         self.timeout, self.on_stall, self.rank = timeout, on_stall, rank
         self.compiling = compiling
-        self._since = None  # monotonic start of the step in progress
+        self._clock = clock
+        self._since = None  # start of the step in progress, on `clock`
         self._step = None
-        threading.Thread(target=self._watch, daemon=True, name="msinfer-step-watch").start()
+        self._reported = False
+        if thread:
+            threading.Thread(target=self._watch, daemon=True, name="msinfer-step-watch").start()
 
     def start(self, step):
-        self._step, self._since = step, time.monotonic()
+        self._step, self._since = step, self._clock()
 
     def done(self):
         self._since = None
 
     def stalled_for(self):
         since = self._since
-        return 0.0 if since is None else time.monotonic() - since
+        return 0.0 if since is None else self._clock() - since
+
+    def check(self):
+        """Report the step in progress if it has stalled; True once reported (only once)."""
+        if self._reported:
+            return True
+        stalled = self.stalled_for()
+        if stalled <= self.timeout:
+            return False
+        if self.compiling is not None and self.compiling():
+            if stalled <= self.timeout * COMPILE_GRACE:
+                return False
+            message = (f"rank {self.rank}: step {self._step} has been compiling a graph for "
+                       f"{stalled:.0f}s ({COMPILE_GRACE} x --stall-timeout)")
+        else:
+            message = (f"rank {self.rank}: step {self._step} has not completed in "
+                       f"{self.timeout:.0f}s (a rank of its group stopped or stalled; "
+                       f"--stall-timeout)")
+        self._reported = True
+        self.on_stall(message)
+        return True
 
     def _watch(self):
-        while True:
+        while not self.check():
             time.sleep(min(0.5, self.timeout / 4))
-            stalled = self.stalled_for()
-            if stalled <= self.timeout:
-                continue
-            if self.compiling is not None and self.compiling():
-                if stalled <= self.timeout * COMPILE_GRACE:
-                    continue
-                self.on_stall(f"rank {self.rank}: step {self._step} has been compiling a "
-                              f"graph for {stalled:.0f}s ({COMPILE_GRACE} x --stall-timeout)")
-                return
-            self.on_stall(f"rank {self.rank}: step {self._step} has not completed in "
-                          f"{self.timeout:.0f}s (a rank of its group stopped or stalled; "
-                          f"--stall-timeout)")
-            return
 
 
 class EngineLoop:
