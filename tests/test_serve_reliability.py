@@ -268,8 +268,7 @@ def _replica_pair(**engine_options):
                 frame = uplink_link.recv(timeout=30)
             except PeerGone:
                 return
-            if "add" in frame:
-                uplink.add(remote_loop, frame["add"])
+            uplink.take(remote_loop, frame)  # as api_server._replica's reader
     threading.Thread(target=take, daemon=True).start()
     remote.ready = True
     return router, remote_loop, stop
@@ -281,9 +280,10 @@ def test_a_remote_replicas_refusals_reach_the_client_and_leave_nothing_owed():
     from msinfer.server.lockstep import ServerBusy
 
     router, remote_loop, stop = _replica_pair(step_delay=0.001)
+    loop_thread = threading.Thread(target=remote_loop.run, daemon=True)
     try:
         remote_loop.open()
-        threading.Thread(target=remote_loop.run, daemon=True).start()
+        loop_thread.start()
         params = SamplingParams(max_tokens=30)
         first = router.submit("dup", [5, 6], params, None, lambda out: None)
         assert first.result(5) == 1
@@ -297,6 +297,8 @@ def test_a_remote_replicas_refusals_reach_the_client_and_leave_nothing_owed():
         wait_for(lambda: set(router._owed) <= {"dup"})
         assert "late" not in router._owed
     finally:
+        remote_loop.drain(0)
+        loop_thread.join(5)  # before the links go
         stop.set()
 
 
@@ -479,3 +481,36 @@ def test_the_runner_says_when_a_call_compiles(tiny_checkpoint):
     seen.clear()
     llm.generate([list(range(3, 15))], params)
     assert seen and not any(seen)
+
+
+def test_rank_0s_abort_and_drain_reach_a_remote_replica():
+    """A client that leaves (Serving aborts through the router) frees its request on the
+    replica that runs it; a drain reaches the replica, whose loop aborts what still runs at
+    the deadline and stops; rank 0 hears both ends (finish_reason abort)."""
+    from msinfer.engine.sampling import SamplingParams
+
+    router, remote_loop, stop = _replica_pair(step_delay=0.02)
+    engine = remote_loop.engine
+    finished = {}
+
+    def sink(out):
+        if not isinstance(out, Exception) and out.finished:
+            finished[out.request_id] = out.finish_reason
+    try:
+        remote_loop.open()
+        loop_thread = threading.Thread(target=remote_loop.run, daemon=True)
+        loop_thread.start()
+        params = SamplingParams(max_tokens=80)
+        for rid in ("leaves", "stays"):
+            assert router.submit(rid, [3, 4], params, None, sink).result(5) == 1
+        wait_for(lambda: engine.steps >= 2)
+        router.abort("leaves")
+        wait_for(lambda: finished.get("leaves") == "abort")
+        assert engine.aborted_ids == ["leaves"] and "leaves" not in router._owed
+        router.drain(0)
+        wait_for(lambda: finished.get("stays") == "abort")
+        loop_thread.join(5)
+        assert not loop_thread.is_alive()  # drained: the replica's loop returned
+        assert engine.stats().num_blocks_used == 0 and not router._owed
+    finally:
+        stop.set()

@@ -151,13 +151,9 @@ def _replica(llm, links, options):
                     channel.fail(str(e))
                     _die(str(e))
                 return
-            if "add" in frame:
-                uplink.add(loop, frame["add"])
-            elif "abort" in frame:
-                loop.abort(frame["abort"])
-            elif "drain" in frame:
-                loop.drain(frame["drain"])
-            elif "fail" in frame:
+            if uplink.take(loop, frame):
+                continue
+            if "fail" in frame:
                 channel.fail(frame["fail"])
                 _die(f"the job failed: {frame['fail']}")
             elif "stop" in frame:

@@ -312,6 +312,19 @@ class ReplicaUplink:
         self._accepted = []  # request ids taken since the last report
         self._sent = {}  # request id -> (tokens sent, text sent)
 
+    def take(self, loop, frame):
+        """Apply one of rank 0's frames (add, abort, drain) to this replica's engine `loop`;
+        False for a frame that is not one of those (stop, fail: the caller's)."""
+        if "add" in frame:
+            self.add(loop, frame["add"])
+        elif "abort" in frame:
+            loop.abort(frame["abort"])
+        elif "drain" in frame:
+            loop.drain(frame["drain"])
+        else:
+            return False
+        return True
+
     def add(self, loop, add):
         """Submit rank 0's `add` frame to this replica's engine `loop`; rank 0 hears that it
         was taken (in the next report) or refused (at once)."""
