@@ -123,6 +123,35 @@ def test_seeded_sampling_and_logprobs(server):
     assert forced.usage.completion_tokens == 4
 
 
+def test_issue_38_fixes_on_the_real_engine(server):
+    """echo with max_tokens 0 and no logprobs echoes the prompt; a lone surrogate is a 400;
+    chat logprobs' bytes are the tokens' own (joined, they decode to the answer); cache_salt
+    keeps a prefix to requests of the same salt."""
+    echoed = post(server, {"model": NAME, "prompt": "echo me", "echo": True, "max_tokens": 0})
+    assert echoed.status_code == 200, echoed.text
+    assert echoed.json()["choices"][0]["text"] == "echo me"
+    assert echoed.json()["usage"]["completion_tokens"] == 0
+    lone = post(server, '{"model": "tiny", "prompt": "a\\ud800", "max_tokens": 1}')
+    assert lone.status_code == 400 and lone.json()["error"]["param"] == "prompt"
+    chat = server.client().chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "bytes"}], max_tokens=16,
+        temperature=1.0, seed=3, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    joined = bytes(b for entry in content for b in entry.bytes)
+    assert joined.decode(errors="replace") == chat.choices[0].message.content
+    prompt = list(range(5, 75))  # several full blocks
+
+    def cached(salt):
+        body = {"model": NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+        if salt:
+            body["cache_salt"] = salt
+        response = post(server, body)
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached("tenant-a") == 0 and cached("tenant-b") == 0
+    assert cached("tenant-a") > 0
+
+
 def post(server, body):
     return httpx.post(server.url + "/v1/completions", timeout=60,
                       content=body if isinstance(body, str) else json.dumps(body),
