@@ -257,12 +257,21 @@ def ignored_fields_headers(names):
     if not names:
         return {}
     # A field name is any JSON string: only printable ASCII goes into the log line and the
-    # header, the rest escaped; both are cut at 1 KiB.
-    value = ",".join("".join(c if " " <= c <= "~" else ascii(c)[1:-1] for c in name)
-                     for name in names)[:1024]
+    # header, the rest escaped; both are cut at 1 KiB. A header value cannot begin or end
+    # with a space: a name's end spaces are escaped too, and the cut value never ends in one.
+    value = ",".join(_printable(name) for name in names)[:1024].rstrip(" ")
     log.get().warning("The following fields were present in the request but ignored: %s",
                       value)
     return {IGNORED_FIELDS_HEADER: value}
+
+
+def _printable(name):
+    text = "".join(c if " " <= c <= "~" else ascii(c)[1:-1] for c in name)
+    if text.startswith(" "):
+        text = "\\x20" + text[1:]
+    if text.endswith(" "):
+        text = text[:-1] + "\\x20"
+    return text
 
 
 def sampling_params(body, max_tokens, logprobs, structured=None, prompt_logprobs=None):
