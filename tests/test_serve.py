@@ -291,6 +291,12 @@ def test_dp2_tp2_replicas_share_the_requests_and_a_diverging_rank_ends_the_job(
                          "--reasoning-parser", "qwen3"],
                         str(tmp_path / "dp2tp2.log"), ready_timeout=900, env=env)
     try:
+        # n=2 unseeded, the job's first request: one choice on each replica, each replica's
+        # first arrival; replicas keyed alike drew the same stream: identical choices
+        pair = job.client().completions.create(model=NAME, prompt="hi", n=2, max_tokens=12,
+                                               temperature=1.0, logprobs=1,
+                                               extra_body={"ignore_eos": True})
+        assert pair.choices[0].logprobs.tokens != pair.choices[1].logprobs.tokens
         # a shared "system prompt", so that the replicas' prefix caches serve it
         system = "Answer in one short sentence, kindly, and only about the question. "
         prompts = [f"{system}{PROMPTS[i % 4]} {i}" for i in range(32)]
@@ -311,13 +317,16 @@ def test_dp2_tp2_replicas_share_the_requests_and_a_diverging_rank_ends_the_job(
         offline = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0))
         assert [got[i][:2] for i in range(32)] == [(o.text, o.finish_reason) for o in offline]
         served = [job.metric("vllm:request_success_total", f'engine="{r}"') for r in (0, 1)]
-        assert min(served) > 0 and sum(served) == 32, served
+        assert min(served) > 0 and sum(served) == 32 + 2, served  # and the pair's two
         prompt_tokens = sum(g[2] for g in got.values())
         cached = sum(g[3] for g in got.values())
         assert cached > 0 and job.metric("vllm:prefix_cache_hits_total") == cached
         # each prompt token computed once, on one replica, or taken from its cache
-        assert job.metric("msinfer_prefill_tokens_computed_total") == prompt_tokens - cached
-        assert job.metric("vllm:prompt_tokens_total") == prompt_tokens
+        # (and the pair's prompt, shorter than a block, computed on both replicas)
+        paired = 2 * pair.usage.prompt_tokens
+        assert job.metric("msinfer_prefill_tokens_computed_total") == (
+            prompt_tokens - cached + paired)
+        assert job.metric("vllm:prompt_tokens_total") == prompt_tokens + paired
         check_qwen3_chat(job, llm, model_dir)
         # prompt logprobs come back from either replica (replicas.py carries them)
         for i in range(4):
