@@ -34,7 +34,7 @@ if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
   fi
 fi
-if ! .venv/bin/python -c "import msinfer, mindspore, mpi4py, torch, transformers, fastapi, uvicorn, prometheus_client, openai, httpx2, hypothesis, llguidance, jsonschema, lm_eval, tenacity, datasets, accelerate, xdist, zmq, msgpack, vllm_router" 2>/dev/null; then
+if ! .venv/bin/python -c "import msinfer, mindspore, mpi4py, torch, transformers, fastapi, uvicorn, prometheus_client, openai, httpx2, hypothesis, llguidance, jsonschema, lm_eval, tenacity, datasets, accelerate, xdist, zmq, msgpack, vllm_router, schemathesis" 2>/dev/null; then
   echo "== installing msinfer and its dependencies into .venv (MindSpore is about 2.5 GB)"
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -e ".[test]"

@@ -63,7 +63,8 @@ class LLM:
 
         from .engine.model_runner import build_runner
         from .layers.parallel_context import ParallelContext
-        from .parallel.distributed import init_distributed, job_seed, tensor_group
+        from .parallel.distributed import (init_distributed, job_seed, replica_seed,
+                                           tensor_group)
 
         self.model_dir = model_dir
         self.config = ModelConfig.from_model_dir(model_dir)
@@ -110,7 +111,9 @@ class LLM:
             runner, self.memory.layout, vocab_size=self.config.vocab_size,
             max_model_len=self.limits.max_len, eos_token_ids=self.eos_token_ids(),
             max_num_seqs=self.limits.max_num_seqs,
-            max_prefill_tokens=self.limits.max_prefill_tokens, seed=seed,
+            max_prefill_tokens=self.limits.max_prefill_tokens,
+            seed=replica_seed(seed, self.shard_plan.data_rank(self.dist.rank)
+                              if self.replicas > 1 else 0),
             tokenizer=(lambda: self.tokenizer) if self.has_tokenizer else None,
             prefix_caching=enable_prefix_caching)
         self._batches = 0

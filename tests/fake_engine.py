@@ -36,6 +36,9 @@ class ByteTokenizer:
     def decode(self, ids, skip_special_tokens=True):
         return bytes(i for i in ids if i < 256).decode(errors="replace")
 
+    def token_bytes(self, token_id):
+        return bytes([token_id]) if token_id < 256 else b""
+
     def token_to_id(self, token):
         return None  # no text is a token of its own (no <tool_call> or <think> tokens)
 

@@ -145,3 +145,36 @@ def test_lazy_warmup_compiles_nothing_at_start_and_says_so(small_checkpoint, mon
     calls = len(llm.engine.runner.shapes())
     assert (f"lazy warm-up: ready at once; each graph compiles on its first use (warm-up would "
             f"run {calls} calls)") in caplog.text
+
+
+def test_the_key_reads_the_weights_not_their_file_times(model, tmp_path, tiny_checkpoint):
+    """A copy of the checkpoint whose files have other times (cp, rsync without -t) keys the
+    same entry; other weights of the same size and time do not."""
+    import shutil
+
+    from msinfer.engine.compile_cache import weight_files
+    copy = tmp_path / "copy"
+    shutil.copytree(model, copy)
+    for name in os.listdir(copy):
+        os.utime(copy / name, ns=(1, 10 ** 18))  # other times, same bytes
+    assert weight_files(str(copy)) == weight_files(model)
+    other = tiny_checkpoint(layers=2, hidden=64, heads=4, kv_heads=2, vocab=512, seed=3)[0]
+    for name in os.listdir(other):  # the other weights, under this copy's names and times
+        if name.endswith(".safetensors"):
+            shutil.copyfile(os.path.join(other, name), copy / name)
+            os.utime(copy / name, ns=(1, 10 ** 18))
+    assert weight_files(str(copy)) != weight_files(model)
+
+
+def test_the_key_covers_the_cann_versions(tmp_path, monkeypatch):
+    """Graphs compiled by one CANN (its compiler, runtime, driver) are not loaded under
+    another: the version files of the toolkit that $ASCEND_HOME_PATH names enter the key."""
+    from msinfer.engine.compile_cache import cache_key
+    (tmp_path / "compiler").mkdir()
+    version = tmp_path / "compiler" / "version.info"
+    version.write_text("Version=8.0.RC2\n")
+    monkeypatch.setenv("ASCEND_HOME_PATH", str(tmp_path))
+    first = cache_key({"model": "m"})
+    assert cache_key({"model": "m"}) == first
+    version.write_text("Version=8.0.RC3\n")
+    assert cache_key({"model": "m"}) != first

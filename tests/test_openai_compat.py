@@ -58,6 +58,15 @@ def test_a_field_name_that_is_not_printable_ascii_is_escaped():
     assert header == "a\\r\\nb,\\xfc"
 
 
+def test_a_field_named_with_spaces_at_its_ends_is_named_in_a_valid_header(server):
+    """Found by tests/test_serve_fuzz.py: an unknown field " " made the header value " ",
+    which HTTP forbids (no leading or trailing whitespace): the response failed."""
+    response = raw(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1,
+                                               " ": 1, " pad ": 2})
+    assert response.status_code == 200, response.text
+    assert response.headers[IGNORED_FIELDS_HEADER] == "\\x20,\\x20pad\\x20"
+
+
 @pytest.mark.parametrize("extra", [
     {"stop": None}, {"n": 1}, {"n": None}, {"best_of": 1}, {"echo": False}, {"echo": None},
     {"logprobs": None}, {"temperature": None}, {"top_p": None}, {"seed": None},

@@ -99,3 +99,22 @@ def test_every_block_is_back_in_the_pool_and_the_pool_is_also_the_cache(llm, run
     assert blocks.num_used == 0 and not any(blocks.refs)
     assert blocks.num_free == blocks.num_usable
     assert blocks.free_named  # what the last calls computed stays cached while free
+
+
+def test_a_cache_salt_isolates_a_requests_prefix_cache(llm, runs):
+    """vLLM's cache_salt: the salt enters the first block's name, so only requests with the
+    same salt share cached blocks (with none, nothing salted); the tokens are the same."""
+    llm.engine.blocks.prefix_caching = True
+    prompt = np.random.default_rng(11).integers(5, 380, size=21).tolist()  # 5 full blocks
+
+    def cached(salt):
+        params = SamplingParams(max_tokens=2, temperature=0, cache_salt=salt)
+        return llm.generate([prompt], params)[0]
+    first = cached("tenant-a")
+    assert first.cached_tokens == 0
+    others = [cached("tenant-b"), cached(None)]
+    assert [o.cached_tokens for o in others] == [0, 0]  # another salt, or none: not shared
+    again = cached("tenant-a")
+    assert again.cached_tokens == 5 * BLOCK  # the same salt: shared
+    assert cached(None).cached_tokens == 5 * BLOCK  # the unsalted request's blocks are cached
+    assert {tuple(o.token_ids) for o in [first, again] + others} == {tuple(first.token_ids)}

@@ -123,6 +123,35 @@ def test_seeded_sampling_and_logprobs(server):
     assert forced.usage.completion_tokens == 4
 
 
+def test_issue_38_fixes_on_the_real_engine(server):
+    """echo with max_tokens 0 and no logprobs echoes the prompt; a lone surrogate is a 400;
+    chat logprobs' bytes are the tokens' own (joined, they decode to the answer); cache_salt
+    keeps a prefix to requests of the same salt."""
+    echoed = post(server, {"model": NAME, "prompt": "echo me", "echo": True, "max_tokens": 0})
+    assert echoed.status_code == 200, echoed.text
+    assert echoed.json()["choices"][0]["text"] == "echo me"
+    assert echoed.json()["usage"]["completion_tokens"] == 0
+    lone = post(server, '{"model": "tiny", "prompt": "a\\ud800", "max_tokens": 1}')
+    assert lone.status_code == 400 and lone.json()["error"]["param"] == "prompt"
+    chat = server.client().chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "bytes"}], max_tokens=16,
+        temperature=1.0, seed=3, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    joined = bytes(b for entry in content for b in entry.bytes)
+    assert joined.decode(errors="replace") == chat.choices[0].message.content
+    prompt = list(range(5, 75))  # several full blocks
+
+    def cached(salt):
+        body = {"model": NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+        if salt:
+            body["cache_salt"] = salt
+        response = post(server, body)
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached("tenant-a") == 0 and cached("tenant-b") == 0
+    assert cached("tenant-a") > 0
+
+
 def post(server, body):
     return httpx.post(server.url + "/v1/completions", timeout=60,
                       content=body if isinstance(body, str) else json.dumps(body),
@@ -262,6 +291,12 @@ def test_dp2_tp2_replicas_share_the_requests_and_a_diverging_rank_ends_the_job(
                          "--reasoning-parser", "qwen3"],
                         str(tmp_path / "dp2tp2.log"), ready_timeout=900, env=env)
     try:
+        # n=2 unseeded, the job's first request: one choice on each replica, each replica's
+        # first arrival; replicas keyed alike drew the same stream: identical choices
+        pair = job.client().completions.create(model=NAME, prompt="hi", n=2, max_tokens=12,
+                                               temperature=1.0, logprobs=1,
+                                               extra_body={"ignore_eos": True})
+        assert pair.choices[0].logprobs.tokens != pair.choices[1].logprobs.tokens
         # a shared "system prompt", so that the replicas' prefix caches serve it
         system = "Answer in one short sentence, kindly, and only about the question. "
         prompts = [f"{system}{PROMPTS[i % 4]} {i}" for i in range(32)]
@@ -282,13 +317,16 @@ def test_dp2_tp2_replicas_share_the_requests_and_a_diverging_rank_ends_the_job(
         offline = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0))
         assert [got[i][:2] for i in range(32)] == [(o.text, o.finish_reason) for o in offline]
         served = [job.metric("vllm:request_success_total", f'engine="{r}"') for r in (0, 1)]
-        assert min(served) > 0 and sum(served) == 32, served
+        assert min(served) > 0 and sum(served) == 32 + 2, served  # and the pair's two
         prompt_tokens = sum(g[2] for g in got.values())
         cached = sum(g[3] for g in got.values())
         assert cached > 0 and job.metric("vllm:prefix_cache_hits_total") == cached
         # each prompt token computed once, on one replica, or taken from its cache
-        assert job.metric("msinfer_prefill_tokens_computed_total") == prompt_tokens - cached
-        assert job.metric("vllm:prompt_tokens_total") == prompt_tokens
+        # (and the pair's prompt, shorter than a block, computed on both replicas)
+        paired = 2 * pair.usage.prompt_tokens
+        assert job.metric("msinfer_prefill_tokens_computed_total") == (
+            prompt_tokens - cached + paired)
+        assert job.metric("vllm:prompt_tokens_total") == prompt_tokens + paired
         check_qwen3_chat(job, llm, model_dir)
         # prompt logprobs come back from either replica (replicas.py carries them)
         for i in range(4):

@@ -192,17 +192,27 @@ def test_a_follower_hears_a_silent_leader_and_a_stop_frame_ends_it_without_alarm
 
 
 def test_a_step_that_outlives_the_stall_timeout_is_reported_once_with_rank_and_step():
-    stalls = []
-    watch = StepWatch(0.4, stalls.append, rank=3)
+    """On a clock of the test's own (no thread): what is a stall is decided by the step's
+    times, not by how the machine schedules sleeping threads."""
+    stalls, now = [], [100.0]
+    watch = StepWatch(0.4, stalls.append, rank=3, clock=lambda: now[0], thread=False)
     watch.start(7)
-    time.sleep(0.2)
+    now[0] += 0.39
+    assert not watch.check()
     watch.done()  # a quick step: nothing
-    time.sleep(0.5)
-    assert stalls == []
+    now[0] += 5
+    assert not watch.check() and stalls == []
     watch.start(8)
-    wait_for(lambda: stalls, 3)
-    time.sleep(0.5)
+    now[0] += 0.41
+    assert watch.check() and watch.check()
     assert len(stalls) == 1 and stalls[0].startswith("rank 3: step 8 has not completed in")
+
+
+def test_the_watch_thread_reports_a_stall():
+    stalls = []
+    StepWatch(0.2, stalls.append, rank=2).start(1)
+    wait_for(lambda: stalls, 5)
+    assert stalls[0].startswith("rank 2: step 1")
 
 
 def test_a_stranger_without_the_token_is_turned_away():
@@ -212,7 +222,8 @@ def test_a_stranger_without_the_token_is_turned_away():
                                 args=("127.0.0.1", port, {"token": 999, "rank": 1}))
     stranger.start()
     friend = []
-    t = threading.Thread(target=lambda: (time.sleep(0.3), friend.append(
+    # the friend connects once the stranger has been turned away: an order, not a delay
+    t = threading.Thread(target=lambda: (stranger.join(), friend.append(
         handoff._connect("127.0.0.1", port, {"token": 42, "rank": 1}))))
     t.start()
     accepted = handoff._accept(listener, [1], 42)
@@ -284,11 +295,7 @@ def test_the_router_sends_each_request_to_one_replica_and_a_remote_one_returns_i
             except handoff.PeerGone:  # the test is over
                 return
             if "add" in frame:
-                rid, ids, params, prompt = frame["add"]
-                try:
-                    remote_loop.submit(rid, ids, SamplingParams(**params), prompt, uplink.sink)
-                except ServerBusy:  # drained: the test is over
-                    return
+                uplink.add(remote_loop, frame["add"])
     threading.Thread(target=take, daemon=True).start()
     for loop in (local, remote_loop):
         loop.open()

@@ -26,8 +26,9 @@ MODEL = "fake-model"
 
 class RunningServer:
     def __init__(self, api_key=None, max_queue=64, max_request_bytes=None, llm=None,
-                 reasoning_parser=None, **engine_options):
-        """llm: an LLM (or what has its engine and tokenizer) to serve; default the fake."""
+                 reasoning_parser=None, front=None, **engine_options):
+        """llm: an LLM (or what has its engine and tokenizer) to serve; default the fake.
+        front: makes what the app talks to of the engine loop (a replicas.Router over it)."""
         self.llm = llm or fake_llm(**engine_options)
         self.engine = self.llm.engine
         self.metrics = ServerMetrics(MODEL, self.engine.stats(),
@@ -39,7 +40,8 @@ class RunningServer:
                               root="/models/fake", vocab_size=self.engine.vocab_size,
                               reasoning_parser=reasoning_parser,
                               max_num_seqs=getattr(self.engine, "max_num_seqs", None))
-        app = build_app(self.loop, self.llm.tokenizer, config, self.metrics)
+        self.front = front(self.loop) if front else self.loop
+        app = build_app(self.front, self.llm.tokenizer, config, self.metrics)
         listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{listener.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))

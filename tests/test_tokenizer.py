@@ -245,3 +245,15 @@ def test_find_stop_gives_the_earliest_start():
     assert find_stop("abcabc", ("bc", "abc")) == 0
     assert find_stop("no stops here", ("STOP",)) is None
     assert find_stop("anything", ()) is None
+
+
+def test_token_bytes_are_the_utf8_bytes_even_inside_a_character(model_dir):
+    """Chat logprobs' `bytes`: a byte-level token that ends inside a character (its text
+    U+FFFD) still has its own bytes; joined they are the text's UTF-8, as Python encodes it."""
+    tok = Tokenizer.from_model_dir(model_dir)
+    text = "naïve 東京 🙂 → ok"
+    ids = tok.encode(text)
+    assert any("\ufffd" in tok.decode([i]) for i in ids)  # some token splits a character
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    eos = tok.eos_token_ids[0]
+    assert tok.token_bytes(eos) == tok.decode([eos], skip_special_tokens=False).encode()

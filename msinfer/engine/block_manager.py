@@ -190,17 +190,20 @@ class BlockManager:
         change)."""
         if len(seq.block_names) < count:
             block_names(seq.token_slice(0, count * self.layout.block_size),
-                        self.layout.block_size, count, seq.block_names)
+                        self.layout.block_size, count, seq.block_names,
+                        salt=seq.params.cache_salt)
         return seq.block_names[:count]
 
 
-def block_names(tokens, block_size, count, names=None):
+def block_names(tokens, block_size, count, names=None, salt=None):
     """The names of the first `count` blocks of `tokens`, each a hash over the block's tokens
-    and the name before it; extends `names` (the first ones, already known) in place."""
+    and the name before it, the first over `salt` (a request's cache_salt) when given;
+    extends `names` (the first ones, already known) in place."""
     names = [] if names is None else names
+    first = b"" if salt is None else b"salt\0" + salt.encode("utf-8", "surrogatepass")
     while len(names) < count:
         i = len(names)
-        h = hashlib.blake2b(names[-1] if names else b"", digest_size=16)
+        h = hashlib.blake2b(names[-1] if names else first, digest_size=16)
         h.update(repr(list(tokens[i * block_size:(i + 1) * block_size])).encode())
         names.append(h.digest())
     return names

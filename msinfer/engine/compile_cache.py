@@ -8,7 +8,8 @@ read by a model of another hidden size returned NaN logits; the same shapes comp
 reverse order failed in a Reshape. Three rules make it safe:
 - one directory per job configuration: a key over everything that changes a graph or its
   order (the model's config and weight files, the plan and this rank, the dtype, the engine
-  limits that make the shapes, the processor, msinfer's source and MindSpore's version);
+  limits that make the shapes, the processor, msinfer's source, MindSpore's version and
+  CANN's and the driver's version files); the weights by their bytes, not their file times;
 - the cache is on only while warm-up compiles its shapes, always in the same order; graphs
   compiled before (the job seed's collective) or after (lazy compiles) never touch it;
 - once per process: MindSpore's count goes on across sessions and cannot be reset, so a
@@ -78,24 +79,66 @@ def source_digest() -> str:
     return _source_digest
 
 
+_SAMPLES = 16  # blocks read from each weight file for its fingerprint
+_SAMPLE_BYTES = 1 << 20
+
+
 def weight_files(model_dir: str) -> list:
-    """(name, size, mtime) of the checkpoint's weight files: a graph may hold weights
-    (semi_auto's Parameters), so another checkpoint of the same shape gets its own entry."""
+    """(name, size, fingerprint) of the checkpoint's weight and config files: a graph may
+    hold weights (semi_auto's Parameters), so other weights of the same shape get their own
+    entry. The fingerprint reads the bytes, not the file times (a copy without its times keys
+    the same entry): the whole of a small file, 16 spread 1 MiB blocks of a large one (the
+    safetensors header among them), so a start reads at most 16 MiB per file."""
     found = []
     for name in sorted(os.listdir(model_dir)):
         if name.endswith((".safetensors", ".bin", ".json")):
-            stat = os.stat(os.path.join(model_dir, name))
-            found.append([name, stat.st_size, stat.st_mtime_ns])
+            path = os.path.join(model_dir, name)
+            found.append([name, os.path.getsize(path), _fingerprint(path)])
+    return found
+
+
+def _fingerprint(path: str) -> str:
+    size = os.path.getsize(path)
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= _SAMPLES * _SAMPLE_BYTES:
+            digest.update(f.read())
+        else:
+            for i in range(_SAMPLES):
+                f.seek((size - _SAMPLE_BYTES) * i // (_SAMPLES - 1))
+                digest.update(f.read(_SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
+# CANN's version files, under its toolkit directory ($ASCEND_HOME_PATH): a graph compiled by
+# one compiler and runtime is not to be loaded by another
+_CANN_VERSION_FILES = ("version.cfg", "compiler/version.info", "runtime/version.info",
+                       "opp/version.info")
+_DRIVER_VERSION = "/usr/local/Ascend/driver/version.info"
+
+
+def cann_versions() -> dict:
+    """The contents of the CANN toolkit's and the driver's version files found ({} on a
+    machine without CANN)."""
+    home = (os.environ.get("ASCEND_HOME_PATH") or os.environ.get("ASCEND_TOOLKIT_HOME")
+            or "/usr/local/Ascend/ascend-toolkit/latest")
+    found = {}
+    for path in [os.path.join(home, name) for name in _CANN_VERSION_FILES] + [_DRIVER_VERSION]:
+        try:
+            with open(path, errors="replace") as f:
+                found[path] = f.read().strip()
+        except OSError:
+            pass
     return found
 
 
 def cache_key(material: dict) -> dict:
     """Everything the key covers: `material` (the job's configuration) plus the versions
-    and the machine."""
+    (msinfer's source, MindSpore, Python, CANN and the driver) and the machine."""
     import mindspore as ms
     return dict(material, msinfer_source=source_digest(),
                 mindspore=ms.__version__, python=platform.python_version(),
-                processor=_processor())
+                cann=cann_versions(), processor=_processor())
 
 
 class CompileCache:

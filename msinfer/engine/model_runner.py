@@ -87,6 +87,11 @@ class ModelRunner:
     def graphs(self) -> list:
         raise NotImplementedError
 
+    # monotonic start of the call in progress if it compiles a graph (its first use: a lazy
+    # start, or a head graph warm-up leaves out), else None; the server's stall watch waits
+    # for it (server/lockstep.py StepWatch)
+    compiling_since = None
+
     @property
     def compilations(self) -> int:
         """Graphs compiled so far."""
@@ -191,6 +196,7 @@ class ModelRunner:
         return bucket_for(max(count, 1), self.row_buckets)
 
     def _time(self, kind, start, tokens, compiled_before, shape):
+        self.compiling_since = None
         t = self.timings
         seconds = time.perf_counter() - start
         if self.compilations > compiled_before:  # a first call of this shape: say why it was slow
@@ -240,6 +246,7 @@ class ModelRunner:
         rows = np.zeros(size if kind == "decode" else self.prefill_rows(rows, size), np.int32)
         self._run(np.zeros(tokens, np.int32), np.zeros(tokens, np.int64),
                   np.full(tokens, self.write_slot, np.int64), slots, mask, rows, graph)
+        self.compiling_since = None
 
 
 class ExplicitRunner(ModelRunner):
@@ -339,7 +346,8 @@ class ExplicitRunner(ModelRunner):
             kinds = self.layer_classes[first:first + graph.layers]
             key = graph if kinds == self.layer_classes[:graph.layers] else (graph, kinds)
         cell = self.cells.get(key)
-        if cell is None:
+        if cell is None:  # its first call compiles it
+            self.compiling_since = self.compiling_since or time.monotonic()
             cell = self.cells[key] = self._build(graph, first)
         return cell
 
@@ -425,6 +433,7 @@ class SemiAutoRunner(ModelRunner):
         super().__init__(ctx, layout, max_num_seqs, max_prefill_tokens, max_model_len)
         self.model = model
         self.cell = semi_auto_cell(model, world_size)
+        self._shapes_run = set()  # (tokens, mask shape, rows) of the calls compiled
 
     @property
     def graphs(self):
@@ -441,6 +450,10 @@ class SemiAutoRunner(ModelRunner):
 
     def _run(self, ids, positions, write, context_slots, mask, rows, graph=None):
         cos, sin = self._rotary(positions)
+        shape = (len(ids), mask.shape, len(rows))
+        if shape not in self._shapes_run:  # the whole model's graph of a new shape compiles
+            self._shapes_run.add(shape)
+            self.compiling_since = self.compiling_since or time.monotonic()
         return self.cell(Tensor(ids), cos, sin, Tensor(write.astype(np.int32)),
                          Tensor(context_slots.astype(np.int32)), Tensor(mask),
                          Tensor(rows)).asnumpy()

@@ -61,6 +61,9 @@ class SamplingParams:
     # a grammar the output must follow, one key of {"json": schema, "json_object": True,
     # "regex": str, "choice": [str], "grammar": str} (engine/structured.py)
     structured_outputs: Optional[dict] = None
+    # vLLM's cache_salt: only requests with the same salt share prefix-cached blocks (it
+    # enters the first block's name, engine/block_manager.py); None: the unsalted cache
+    cache_salt: Optional[str] = None
 
     def __post_init__(self):
         self._check_lengths_and_sampling()
@@ -99,6 +102,9 @@ class SamplingParams:
             _bad("min_p", self.min_p, "must be in [0, 1]")
 
     def _check_stops_and_logprobs(self):
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
+                                            or not self.cache_salt):
+            _bad("cache_salt", self.cache_salt, "must be a non-empty string or None")
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         self.stop = tuple(self.stop)

@@ -26,6 +26,23 @@ _TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_tok
 _FALLBACK_EOS = ("<|endoftext|>", "<|im_end|>")
 
 
+def _byte_of_char():
+    """GPT-2's byte-level alphabet: the character each byte is written as, inverted."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _byte_of_char()
+
+
 class Tokenizer:
     def __init__(self, tokenizer: tokenizers.Tokenizer, eos_token_ids: tuple[int, ...],
                  chat_template: str | None = None, special_tokens: dict[str, str] | None = None,
@@ -75,6 +92,24 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for, also when they end inside a UTF-8 character (its
+        text then ends in U+FFFD): a byte-level BPE token's characters map back to bytes
+        (GPT-2's table), a byte-fallback token <0xAB> is that byte."""
+        token = self._tokenizer.id_to_token(int(token_id))
+        if token is None:
+            return b""
+        special = token_id in self._tokenizer.get_added_tokens_decoder()
+        if not special and type(self._tokenizer.decoder).__name__ == "ByteLevel" and all(
+                c in _BYTE_OF_CHAR for c in token):
+            return bytes(_BYTE_OF_CHAR[c] for c in token)
+        if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+            try:
+                return bytes([int(token[3:5], 16)])
+            except ValueError:
+                pass
+        return self.decode([token_id], skip_special_tokens=False).encode()
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **template_kwargs) -> str:

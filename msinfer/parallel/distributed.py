@@ -323,6 +323,14 @@ def job_seed(info: DistInfo) -> int:
     return broadcast_from_rank0(info, [seed])[0]
 
 
+def replica_seed(seed: int, replica: int) -> int:
+    """The seed of data replica `replica`'s engine: the job's seed (below 2**24) with the
+    replica above it. Its ranks share it (they must sample alike); replicas do not, or the
+    k-th unseeded request on every replica would draw the same stream (n=2 across two
+    replicas gave identical choices). Replica 0 keeps the job's seed."""
+    return seed + (replica << 24)
+
+
 def broadcast_from_rank0(info: DistInfo, values: list[int]) -> list[int]:
     """Rank 0's `values` on every rank of the job, through one AllReduce over the job to
     which the other ranks add zeros (the values they pass only give the length).

@@ -68,6 +68,15 @@ def _warmup(llm, options, on_shape=None):
                       "(development only)", len(llm.engine.runner.shapes()))
 
 
+def _compiling(llm):
+    """Whether this rank's runner compiles a graph in the step in progress (None: cannot
+    say): the stall watch waits for a compile (lockstep.StepWatch)."""
+    runner = getattr(llm.engine, "runner", None)
+    if runner is None:
+        return None
+    return lambda: runner.compiling_since is not None
+
+
 def _die(message):
     log.get().error("%s: leaving the job", message)
     os._exit(1)
@@ -98,7 +107,7 @@ def _follow(llm, channel, options):
         _die_after(channel.link, message)
     _ignore_signals()
     channel.watch(_die)
-    watch = StepWatch(options.stall_timeout, leave, rank)
+    watch = StepWatch(options.stall_timeout, leave, rank, _compiling(llm))
     _warmup(llm, options)
     try:
         follow(llm.engine, channel, rank, watch)
@@ -115,7 +124,6 @@ def _follow(llm, channel, options):
 
 def _replica(llm, links, options):
     """Lead replica `rank // group`: rank 0's requests in, this group's outputs out."""
-    from ..engine.sampling import SamplingParams
     from .replicas import ReplicaUplink
 
     rank, front, channel = llm.dist.rank, links.front, links.channel
@@ -133,7 +141,8 @@ def _replica(llm, links, options):
         from .kv_events import publish
         publish(llm.engine, options.kv_events_config, rank=replica)
     loop = EngineLoop(llm.engine, channel, on_step=uplink.on_step, replica=replica,
-                      watch=StepWatch(options.stall_timeout, fail, rank))
+                      watch=StepWatch(options.stall_timeout, fail, rank,
+                                           _compiling(llm)))
     channel.watch(fail)
     start_heartbeats([front], stopped.is_set)
 
@@ -146,19 +155,9 @@ def _replica(llm, links, options):
                     channel.fail(str(e))
                     _die(str(e))
                 return
-            if "add" in frame:
-                request_id, ids, params, prompt = frame["add"]
-                try:
-                    loop.submit(request_id, ids, SamplingParams(**params), prompt, uplink.sink)
-                except ServerBusy as e:
-                    front.send({"refused": [request_id, str(e)]})
-            elif "abort" in frame:
-                loop.abort(frame["abort"])
-            elif "drain" in frame:
-                loop.drain(frame["drain"])
-            elif "reset_prefix_cache" in frame:
-                loop.reset_prefix_cache()
-            elif "fail" in frame:
+            if uplink.take(loop, frame):
+                continue
+            if "fail" in frame:
                 channel.fail(frame["fail"])
                 _die(f"the job failed: {frame['fail']}")
             elif "stop" in frame:
@@ -221,7 +220,8 @@ def _front(llm, links, options):
 
     loop = EngineLoop(llm.engine, channel, replica=0,
                       on_step=metrics.observer(0),
-                      watch=StepWatch(options.stall_timeout, rank_gone, 0))
+                      watch=StepWatch(options.stall_timeout, rank_gone, 0,
+                                      _compiling(llm)))
     router = Router(loop, remotes, llm.engine)
     kv_endpoints = ()
     if options.kv_events_config:
@@ -245,10 +245,22 @@ def _front(llm, links, options):
                             name="msinfer-http", daemon=True)
     http.start()
 
+    warm, signals = threading.Event(), []
+
     def drain(sig, frame):
-        logger.info("%s: draining (new requests get 503; in-flight ones have %.0fs)",
-                    signal.Signals(sig).name, options.shutdown_timeout)
-        router.drain(options.shutdown_timeout)
+        """The first signal drains; a second ends the drain: in-flight requests are aborted
+        at once, or, still warming up, the job ends (non-zero) without waiting for it."""
+        signals.append(sig)
+        name = signal.Signals(sig).name
+        if len(signals) == 1:
+            logger.info("%s: draining (new requests get 503; in-flight ones have %.0fs)",
+                        name, options.shutdown_timeout)
+            router.drain(options.shutdown_timeout)
+        elif not warm.is_set():
+            _die(f"{name}: a second signal during warm-up")
+        else:
+            logger.info("%s: a second signal: aborting in-flight requests now", name)
+            router.drain(0)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, drain)
@@ -263,8 +275,10 @@ def _front(llm, links, options):
     start = time.monotonic()
     _warmup(llm, options, lambda text: setattr(router, "warming", f"warming up: {text}"))
     router.warming = None
+    warm.set()
     loop.open()
-    while not router.ready and not router.failure:  # the other replicas warm up too
+    # the other replicas warm up too; a drain (a signal during warm-up) does not wait for them
+    while not (router.ready or router.failure or router.draining):
         time.sleep(0.1)
     logger.info("serve: warm after %.1fs; listening on http://%s:%d (model %s, %d replica%s)",
                 time.monotonic() - start, options.host, listener.getsockname()[1], names[0],

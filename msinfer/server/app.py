@@ -32,7 +32,8 @@ _KEYED_PATHS = ("/v1", "/tokenize", "/detokenize", "/tokenizer_info")
 
 def build_app(engine_loop, tokenizer, config, metrics):
     """The FastAPI app over `engine_loop` (config: a serving.ServerConfig)."""
-    app = FastAPI(title="msinfer", docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json as vLLM serves it (what clients and API fuzzers read); no docs pages
+    app = FastAPI(title="msinfer", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     serving = Serving(engine_loop, tokenizer, config, metrics)
     completion, chat = ServingCompletion(serving), ServingChat(serving)
     tokens = ServingTokenize(serving)

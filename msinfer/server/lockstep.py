@@ -48,34 +48,63 @@ class _Submission:
     accepted: concurrent.futures.Future
 
 
-class StepWatch:
-    """Calls `on_stall(message)` (from its thread) once one step has run longer than
-    `timeout` seconds: a peer stopped, or a collective waits for a rank that will not come."""
+# A step that compiles a graph (its first use) may run this many stall timeouts before the
+# watch calls it a stall: compiling on a slow device takes minutes, a stall timeout is set
+# for steps
+COMPILE_GRACE = 10
 
-    def __init__(self, timeout, on_stall, rank):
+
+class StepWatch:
+    """Calls `on_stall(message)` once one step has run longer than `timeout` seconds: a peer
+    stopped, or a collective waits for a rank that will not come. While `compiling()` (the
+    runner compiles a graph in this step) it waits up to COMPILE_GRACE timeouts. A thread of
+    its own checks (`check`) every quarter timeout (at most 0.5 s); `clock` and `thread`
+    are for tests that decide the times themselves."""
+
+    def __init__(self, timeout, on_stall, rank, compiling=None, clock=time.monotonic,
+                 thread=True):
         self.timeout, self.on_stall, self.rank = timeout, on_stall, rank
-        self._since = None  # monotonic start of the step in progress
+        self.compiling = compiling
+        self._clock = clock
+        self._since = None  # start of the step in progress, on `clock`
         self._step = None
-        threading.Thread(target=self._watch, daemon=True, name="msinfer-step-watch").start()
+        self._reported = False
+        if thread:
+            threading.Thread(target=self._watch, daemon=True, name="msinfer-step-watch").start()
 
     def start(self, step):
-        self._step, self._since = step, time.monotonic()
+        self._step, self._since = step, self._clock()
 
     def done(self):
         self._since = None
 
     def stalled_for(self):
         since = self._since
-        return 0.0 if since is None else time.monotonic() - since
+        return 0.0 if since is None else self._clock() - since
+
+    def check(self):
+        """Report the step in progress if it has stalled; True once reported (only once)."""
+        if self._reported:
+            return True
+        stalled = self.stalled_for()
+        if stalled <= self.timeout:
+            return False
+        if self.compiling is not None and self.compiling():
+            if stalled <= self.timeout * COMPILE_GRACE:
+                return False
+            message = (f"rank {self.rank}: step {self._step} has been compiling a graph for "
+                       f"{stalled:.0f}s ({COMPILE_GRACE} x --stall-timeout)")
+        else:
+            message = (f"rank {self.rank}: step {self._step} has not completed in "
+                       f"{self.timeout:.0f}s (a rank of its group stopped or stalled; "
+                       f"--stall-timeout)")
+        self._reported = True
+        self.on_stall(message)
+        return True
 
     def _watch(self):
-        while True:
+        while not self.check():
             time.sleep(min(0.5, self.timeout / 4))
-            if self.stalled_for() > self.timeout:
-                self.on_stall(f"rank {self.rank}: step {self._step} has not completed in "
-                              f"{self.timeout:.0f}s (a rank of its group stopped or stalled; "
-                              f"--stall-timeout)")
-                return
 
 
 class EngineLoop:
@@ -154,11 +183,18 @@ class EngineLoop:
         return done
 
     def drain(self, timeout):
-        """Stop accepting; in-flight requests get `timeout` seconds, then are aborted."""
+        """Stop accepting; in-flight requests get `timeout` seconds, then are aborted. A drain
+        already under way keeps its deadline if that is nearer (a second SIGTERM ends it
+        sooner, never later)."""
         with self._cond:
             self._accepting = False
-            self._stop_at = time.monotonic() + timeout
+            deadline = time.monotonic() + timeout
+            self._stop_at = deadline if self._stop_at is None else min(self._stop_at, deadline)
             self._cond.notify()
+
+    @property
+    def draining(self):
+        return self._stop_at is not None
 
     def fail(self, message):
         """A rank is gone or out of step: refuse everything from now on."""

@@ -21,12 +21,38 @@ from ..engine.tokenizer import prompt_list
 MAX_STOP_STRINGS = 16
 MAX_N = 16  # choices per prompt (n); each is a sequence of its own in the engine
 MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 128  # stop_token_ids per request (each is checked every step)
 MAX_LOGPROBS = 20  # top entries per token (logprobs, top_logprobs, prompt_logprobs): vLLM's
 
 
 def _extras(model, prefix=""):
     """The dotted names of the fields `model` (a pydantic model) was given but does not know."""
     return [prefix + name for name in (model.model_extra or {})]
+
+
+def lone_surrogate(model):
+    """The name of `model`'s first field holding a string with a lone UTF-16 surrogate (JSON
+    allows "\\ud800"; no tokenizer can encode it), else None."""
+    for name in type(model).model_fields:
+        if _has_surrogate(getattr(model, name)):
+            return name
+    return None
+
+
+def _has_surrogate(value):
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, BaseModel):
+        return lone_surrogate(value) is not None
+    if isinstance(value, dict):
+        return any(_has_surrogate(k) or _has_surrogate(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(_has_surrogate(v) for v in value)
+    return False
 
 
 class StreamOptions(BaseModel):
@@ -61,6 +87,8 @@ class _Request(BaseModel):
     # vLLM's: each prompt token's logprob and this many most likely ones at its position
     # (-1, vLLM's whole vocabulary, is refused: out_of_bounds)
     prompt_logprobs: Optional[int] = Field(default=None, ge=-1)
+    # vLLM's: only requests with the same salt share prefix-cached blocks
+    cache_salt: Optional[str] = Field(default=None, max_length=1024)
     # Fields (vLLM's and OpenAI's) msinfer knows but does not do yet: only the values that
     # ask for nothing are accepted (unsupported())
     include_stop_str_in_output: bool = False
@@ -119,6 +147,9 @@ class _Request(BaseModel):
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             return "prompt_logprobs", (f"prompt_logprobs={self.prompt_logprobs}: must be "
                                        f"0..{MAX_LOGPROBS}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            return "stop_token_ids", (f"{len(self.stop_token_ids)} stop_token_ids; at most "
+                                      f"{MAX_STOP_TOKEN_IDS} are accepted")
         stops = self.stop_strings()
         if len(stops) > MAX_STOP_STRINGS:
             return "stop", (f"{len(stops)} stop strings; at most {MAX_STOP_STRINGS} are "
@@ -132,6 +163,10 @@ class _Request(BaseModel):
     def sequences_per_prompt(self):
         """Sequences the engine runs for each prompt."""
         return self.n
+
+    def sequences(self):
+        """Sequences the engine runs for the whole request, and the field that sets it."""
+        return self.sequences_per_prompt(), "n"
 
     def stop_strings(self):
         if self.stop is None:
@@ -191,6 +226,10 @@ class CompletionRequest(_Request):
 
     def sequences_per_prompt(self):
         return max(self.n, self.best_of or 1)
+
+    def sequences(self):
+        prompts = len(self.prompts())
+        return prompts * self.sequences_per_prompt(), "prompt" if prompts > 1 else "n"
 
     def prompt_logprobs_count(self):
         """Top entries per prompt token the engine computes: echo with logprobs needs the

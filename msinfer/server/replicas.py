@@ -17,7 +17,9 @@ import threading
 
 from ..engine import EngineStats, RequestOutput
 from ..engine.block_manager import block_names
+from ..engine.sampling import SamplingParams
 from ..errors import MsinferError
+from .handoff import PeerGone
 from .lockstep import ServerBusy
 
 _PREFIX_MEMORY = 1 << 16  # block names the router remembers a replica for (LRU)
@@ -62,6 +64,10 @@ class Router:
     def failure(self):
         return self._failed or self.local.failure
 
+    @property
+    def draining(self):
+        return self.local.draining
+
     def queue_depth(self):
         return self.local.queue_depth() + sum(r.queue_depth() for r in self.remotes)
 
@@ -78,7 +84,7 @@ class Router:
             refused = concurrent.futures.Future()
             refused.set_exception(e)
             return refused
-        names = self._prefix_names(prompt_token_ids)
+        names = self._prefix_names(prompt_token_ids, params.cache_salt)
         with self._lock:
             replica = self._choose(names)
             self._owed[request_id] = (replica, len(prompt_token_ids) + params.max_tokens)
@@ -98,19 +104,28 @@ class Router:
             sink(out)
         target = self.local if replica == 0 else self.remotes[replica - 1]
         try:
-            return target.submit(request_id, prompt_token_ids, params, prompt, counted)
+            accepted = target.submit(request_id, prompt_token_ids, params, prompt, counted)
         except ServerBusy:
-            with self._lock:
-                self._owed.pop(request_id, None)
+            self._forget(request_id)
             raise
 
-    def _prefix_names(self, ids):
+        def refused(future):  # a refused request is owed nothing
+            if future.exception() is not None:
+                self._forget(request_id)
+        accepted.add_done_callback(refused)
+        return accepted
+
+    def _forget(self, request_id):
+        with self._lock:
+            self._owed.pop(request_id, None)
+
+    def _prefix_names(self, ids, salt=None):
         """The names of the prompt's full blocks a replica's prefix cache could hold
-        (engine/block_manager.py names them alike)."""
+        (engine/block_manager.py names them alike, with the request's cache_salt)."""
         if self.replicas == 1 or not self.engine.blocks.prefix_caching:
             return []
         size = self.engine.layout.block_size
-        return block_names(ids, size, (len(ids) - 1) // size)
+        return block_names(ids, size, (len(ids) - 1) // size, salt=salt)
 
     def _choose(self, names):
         """The least loaded replica (tokens still owed, then free KV blocks), unless one that
@@ -173,25 +188,46 @@ class RemoteReplica:
         self.ready = False  # warm, taking requests
         self.done = threading.Event()  # drained and stopped
         self._requests = {}  # request id -> _Mirror
+        self._pending = {}  # request id -> Future: sent, not yet taken or refused
         self._lock = threading.Lock()
 
     def queue_depth(self):
-        return self.stats.num_waiting if self.stats else 0
+        """What waits there: sent since its last report, plus its engine's waiting then."""
+        with self._lock:
+            sent = len(self._pending)
+        return sent + (self.stats.num_waiting if self.stats else 0)
 
     def submit(self, request_id, prompt_token_ids, params, prompt, sink):
+        """The future resolves when the replica's report says it took the request, or fails
+        with its refusal (MsinferError: the request's fault; ServerBusy: the replica's)."""
         accepted = concurrent.futures.Future()
         with self._lock:
             self._requests[request_id] = _Mirror(prompt, list(prompt_token_ids), sink)
-        self.link.send({"add": [request_id, list(prompt_token_ids), dataclasses.asdict(params),
-                                prompt]})
-        accepted.set_result(self.index)
+            self._pending[request_id] = accepted
+        try:
+            self.link.send({"add": [request_id, list(prompt_token_ids),
+                                    dataclasses.asdict(params), prompt]})
+        except PeerGone as e:
+            self._drop(request_id)
+            raise ServerBusy(f"replica {self.index}: {e}") from None
         return accepted
 
+    def _drop(self, request_id):
+        with self._lock:
+            return (self._requests.pop(request_id, None),
+                    self._pending.pop(request_id, None))
+
     def abort(self, request_id):
-        self.link.send({"abort": request_id})
+        try:
+            self.link.send({"abort": request_id})
+        except PeerGone:
+            pass  # a replica that is gone runs nothing; rank 0 fails its requests
 
     def drain(self, timeout):
-        self.link.send({"drain": timeout})
+        try:
+            self.link.send({"drain": timeout})
+        except PeerGone:
+            pass
 
     def stop(self, message=None):
         """After the job's last step (or its failure: `message`), best effort."""
@@ -200,28 +236,44 @@ class RemoteReplica:
     def fail_all(self, message):
         with self._lock:
             requests, self._requests = self._requests, {}
-        for mirror in requests.values():
-            mirror.sink(ServerBusy(message))
+            pending, self._pending = self._pending, {}
+        for request_id, mirror in requests.items():
+            future = pending.get(request_id)
+            if future is not None:
+                future.set_exception(ServerBusy(message))
+            else:
+                mirror.sink(ServerBusy(message))
 
     def on_frame(self, link, frame):
         if "report" in frame:
             report = frame["report"]
+            for request_id in report.get("accepted", ()):
+                future = self._drop_pending(request_id)
+                if future is not None:
+                    future.set_result(self.index)
             for entry in report["outputs"]:
                 self._apply(entry)
             self.stats = EngineStats(*report["stats"])
             if self.on_step is not None:
                 self.on_step(report["handoff"], report["step_seconds"], self.stats)
         elif "refused" in frame:
-            request_id, message = frame["refused"]
-            with self._lock:
-                mirror = self._requests.pop(request_id, None)
-            if mirror is not None:
-                mirror.sink(ServerBusy(f"replica {self.index}: {message}"))
+            request_id, message, kind = frame["refused"]
+            mirror, future = self._drop(request_id)
+            error = (MsinferError(message) if kind == "invalid"
+                     else ServerBusy(f"replica {self.index}: {message}"))
+            if future is not None:
+                future.set_exception(error)
+            elif mirror is not None:
+                mirror.sink(error)
         elif "ready" in frame:
             self.stats = EngineStats(*frame["ready"])
             self.ready = True
         elif "done" in frame:
             self.done.set()
+
+    def _drop_pending(self, request_id):
+        with self._lock:
+            return self._pending.pop(request_id, None)
 
     def _apply(self, entry):
         (request_id, tokens, keep, text, finished, reason, logprobs, error, cached,
@@ -266,7 +318,43 @@ class ReplicaUplink:
     def __init__(self, link):
         self.link = link
         self._outputs = []
+        self._accepted = []  # request ids taken since the last report
         self._sent = {}  # request id -> (tokens sent, text sent)
+
+    def take(self, loop, frame):
+        """Apply one of rank 0's frames (add, abort, drain, reset_prefix_cache) to this
+        replica's engine `loop`;
+        False for a frame that is not one of those (stop, fail: the caller's)."""
+        if "add" in frame:
+            self.add(loop, frame["add"])
+        elif "abort" in frame:
+            loop.abort(frame["abort"])
+        elif "drain" in frame:
+            loop.drain(frame["drain"])
+        elif "reset_prefix_cache" in frame:
+            loop.reset_prefix_cache()
+        else:
+            return False
+        return True
+
+    def add(self, loop, add):
+        """Submit rank 0's `add` frame to this replica's engine `loop`; rank 0 hears that it
+        was taken (in the next report) or refused (at once)."""
+        request_id, ids, params, prompt = add
+        try:
+            accepted = loop.submit(request_id, ids, SamplingParams(**params), prompt, self.sink)
+        except ServerBusy as e:
+            self.link.send({"refused": [request_id, str(e), "busy"]})
+            return
+        accepted.add_done_callback(lambda future: self._taken(request_id, future))
+
+    def _taken(self, request_id, future):
+        error = future.exception()
+        if error is None:  # on the loop's thread, before the step's report
+            self._accepted.append(request_id)
+            return
+        kind = "invalid" if isinstance(error, MsinferError) else "busy"
+        self.link.send({"refused": [request_id, str(error), kind]})
 
     def sink(self, out):
         if isinstance(out, Exception):
@@ -275,10 +363,12 @@ class ReplicaUplink:
 
     def on_step(self, handoff, step_seconds, stats):
         """After each pass of the loop (step_seconds None when no step ran)."""
-        if not self._outputs and step_seconds is None:
+        if not self._outputs and not self._accepted and step_seconds is None:
             return
         outputs, self._outputs = self._outputs, []
-        self.link.send({"report": {"outputs": [self._entry(out) for out in outputs],
+        accepted, self._accepted = self._accepted, []
+        self.link.send({"report": {"accepted": accepted,
+                                   "outputs": [self._entry(out) for out in outputs],
                                    "stats": dataclasses.astuple(stats),
                                    "step_seconds": step_seconds, "handoff": handoff}})
 

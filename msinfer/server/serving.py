@@ -79,6 +79,7 @@ class Serving:
         if body.model not in config.model_names:
             raise ApiError(404, f"The model `{body.model}` does not exist.",
                            param="model", code="model_not_found")
+        refuse_lone_surrogates(body)
         refused = body.unsupported() or body.out_of_bounds(config.max_num_seqs)
         if refused:
             raise ApiError(400, f"{refused[0]}: {refused[1]}", param=refused[0])
@@ -86,8 +87,14 @@ class Serving:
             raise ApiError(503, "the server is not accepting requests: "
                            + (engine_loop.failure or "warming up or shutting down"),
                            "service_unavailable", headers={"Retry-After": "5"})
+        # a request's sequences all wait in the queue at once: they count against --max-queue
+        sequences, field = body.sequences()
+        if sequences > config.max_queue:
+            raise ApiError(400, f"{sequences} sequences in one request (prompts x n, or "
+                           f"best_of); the server queues at most {config.max_queue} "
+                           f"(--max-queue)", param=field)
         depth = engine_loop.queue_depth()
-        if depth >= config.max_queue:
+        if depth + sequences > config.max_queue:
             raise ApiError(503, f"{depth} requests are waiting (--max-queue "
                            f"{config.max_queue}); retry later", "service_unavailable",
                            headers={"Retry-After": "1"})
@@ -109,8 +116,10 @@ class Serving:
         # best_of sequences per prompt run, and the n best return (_best_of)
         per_prompt = fmt.body.sequences_per_prompt()
         choices = [(text, ids, j) for text, ids in prompts for j in range(per_prompt)]
+        # every sequence is submitted before any is awaited: the engine loop's next step
+        # takes them all (awaiting each in turn took one step per sequence)
+        accepted = []
         for index, (text, ids, j) in enumerate(choices):
-            request_id = f"{fmt.id}-{index}"
             choice_params = (params if j == 0 or params.seed is None
                              else dataclasses.replace(params, seed=params.seed + j))
 
@@ -119,25 +128,16 @@ class Serving:
                     loop.call_soon_threadsafe(outputs.put_nowait, (index, out))
                 except RuntimeError:
                     pass  # the event loop is closed: the server is going down
-            streams.append(RequestStream(request_id, ids, choice_params, arrival, self.metrics,
-                                         first_choice=j == 0, prompt_text=text))
+            streams.append(RequestStream(f"{fmt.id}-{index}", ids, choice_params, arrival,
+                                         self.metrics, first_choice=j == 0, prompt_text=text))
             try:
-                accepted = self.engine_loop.submit(request_id, ids, choice_params, text, sink)
+                accepted.append(asyncio.wrap_future(self.engine_loop.submit(
+                    streams[-1].request_id, ids, choice_params, text, sink)))
             except ServerBusy as e:
                 self._abort(streams[:-1])
                 raise ApiError(503, str(e), "service_unavailable",
                                headers={"Retry-After": "5"}) from None
-            try:
-                streams[-1].replica = await asyncio.wrap_future(accepted) or 0
-            except MsinferError as e:
-                self._abort(streams[:-1])
-                raise ApiError(400, str(e), param="prompt") from None
-            except ServerBusy as e:
-                self._abort(streams[:-1])
-                raise ApiError(503, str(e), "service_unavailable") from None
-            except asyncio.CancelledError:
-                self._abort(streams)
-                raise
+        await self._accepted(streams, accepted)
         if fmt.body.stream:
             return StreamingResponse(self._stream(fmt, streams, outputs, request),
                                      media_type="text/event-stream",
@@ -146,6 +146,27 @@ class Serving:
         if isinstance(response, Response):
             return response
         return JSONResponse(response.model_dump(mode="json"), headers=headers)
+
+    async def _accepted(self, streams, accepted):
+        """Wait until the engine loops took every sequence (each stream learns its replica);
+        if one was refused, abort the others and answer for the refusal."""
+        try:
+            results = await asyncio.gather(*accepted, return_exceptions=True)
+        except asyncio.CancelledError:
+            self._abort(streams)
+            raise
+        refused = next((r for r in results if isinstance(r, BaseException)), None)
+        if refused is None:
+            for stream, replica in zip(streams, results):
+                stream.replica = replica or 0
+            return
+        self._abort(streams)
+        if isinstance(refused, MsinferError):
+            raise ApiError(400, str(refused), param="prompt") from None
+        if isinstance(refused, ServerBusy):
+            raise ApiError(503, str(refused), "service_unavailable",
+                           headers={"Retry-After": "5"}) from None
+        raise refused
 
     def _abort(self, streams):
         for stream in streams:
@@ -223,6 +244,13 @@ class Serving:
                             _usage(streams))
 
 
+def refuse_lone_surrogates(body):
+    field = p.lone_surrogate(body)
+    if field is not None:
+        raise ApiError(400, f"{field}: a string holds a lone UTF-16 surrogate (an escape such "
+                            f"as \\ud800 with no pair), which is no character", param=field)
+
+
 IGNORED_FIELDS_HEADER = "X-Msinfer-Ignored-Fields"
 
 
@@ -231,12 +259,21 @@ def ignored_fields_headers(names):
     if not names:
         return {}
     # A field name is any JSON string: only printable ASCII goes into the log line and the
-    # header, the rest escaped; both are cut at 1 KiB.
-    value = ",".join("".join(c if " " <= c <= "~" else ascii(c)[1:-1] for c in name)
-                     for name in names)[:1024]
+    # header, the rest escaped; both are cut at 1 KiB. A header value cannot begin or end
+    # with a space: a name's end spaces are escaped too, and the cut value never ends in one.
+    value = ",".join(_printable(name) for name in names)[:1024].rstrip(" ")
     log.get().warning("The following fields were present in the request but ignored: %s",
                       value)
     return {IGNORED_FIELDS_HEADER: value}
+
+
+def _printable(name):
+    text = "".join(c if " " <= c <= "~" else ascii(c)[1:-1] for c in name)
+    if text.startswith(" "):
+        text = "\\x20" + text[1:]
+    if text.endswith(" "):
+        text = text[:-1] + "\\x20"
+    return text
 
 
 def sampling_params(body, max_tokens, logprobs, structured=None, prompt_logprobs=None):
@@ -251,7 +288,8 @@ def sampling_params(body, max_tokens, logprobs, structured=None, prompt_logprobs
                       presence_penalty=body.presence_penalty or 0.0,
                       frequency_penalty=body.frequency_penalty or 0.0,
                       repetition_penalty=body.repetition_penalty or 1.0,
-                      min_tokens=body.min_tokens, logit_bias=body.logit_bias or None)
+                      min_tokens=body.min_tokens, logit_bias=body.logit_bias or None,
+                      cache_salt=body.cache_salt)
         if logprobs is not None:
             kwargs["logprobs"] = logprobs
         if structured is not None:
@@ -283,6 +321,13 @@ def tokenize(step, value):
 
 def token_text(tokenizer, token_id):
     return tokenizer.decode([token_id])
+
+
+def token_bytes(tokenizer, token_id):
+    """The bytes of one token (a byte-level token may end inside a UTF-8 character, which its
+    text shows as U+FFFD); from its text for tokenizers that cannot say."""
+    own = getattr(tokenizer, "token_bytes", None)
+    return own(token_id) if own is not None else token_text(tokenizer, token_id).encode()
 
 
 def vllm_prompt_logprobs(tokenizer, prompt_logprobs, top):

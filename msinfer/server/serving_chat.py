@@ -8,8 +8,8 @@ from . import protocol as p
 from .context_length import check_context
 from .guided import structured_outputs
 from .reasoning import StreamSplitter, prompt_opens_thinking, split_whole
-from .serving import (ApiError, request_check, sampling_params, token_text, tokenize,
-                      vllm_prompt_logprobs)
+from .serving import (ApiError, request_check, sampling_params, token_bytes, token_text,
+                      tokenize, vllm_prompt_logprobs)
 from .tool_calls import ToolCallStream, check_tools, forcing_grammar, new_call_id, parse_whole
 
 
@@ -84,7 +84,8 @@ class ChatFormat:
 
     def _entry(self, token_id, logprob):
         token = token_text(self.tokenizer, token_id)
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+        return {"token": token, "logprob": logprob,
+                "bytes": list(token_bytes(self.tokenizer, token_id))}
 
     def opening_chunks(self, n):
         return [self._chunk([p.ChatStreamChoice(index=i, delta=p.ChatDelta(role="assistant",

@@ -29,8 +29,10 @@ class ServingCompletion:
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         for _, ids in prompts:
             check_context(len(ids), max_tokens, serving.config.max_model_len, "prompt")
-        params = sampling_params(body, max_tokens, logprobs, structured,
-                                 body.prompt_logprobs_count())
+        prompt_logprobs = body.prompt_logprobs_count()
+        if max_tokens == 0 and prompt_logprobs is None:  # echo alone: the prompt is scored
+            prompt_logprobs = 0  # (one prefill), nothing generated, no logprobs returned
+        params = sampling_params(body, max_tokens, logprobs, structured, prompt_logprobs)
         serving.metrics.observe_request_params(body.n)
         return await serving.generate(fmt, prompts, params, request, headers)
 

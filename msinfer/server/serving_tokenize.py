@@ -11,7 +11,7 @@ import pydantic
 from fastapi.exceptions import RequestValidationError
 
 from . import protocol as p
-from .serving import ApiError, ignored_fields_headers, tokenize
+from .serving import ApiError, ignored_fields_headers, refuse_lone_surrogates, tokenize
 
 # The special tokens /tokenizer_info reports (null when the checkpoint names none); lm-eval
 # reads eos_token, bos_token and pad_token.
@@ -26,6 +26,7 @@ class ServingTokenize:
         if body.model is not None and body.model not in self.serving.config.model_names:
             raise ApiError(404, f"The model `{body.model}` does not exist.",
                            param="model", code="model_not_found")
+        refuse_lone_surrogates(body)
         refused = body.unsupported()
         if refused:
             raise ApiError(400, f"{refused[0]}: {refused[1]}", param=refused[0])

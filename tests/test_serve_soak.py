@@ -1,0 +1,187 @@
+"""A bounded soak of `msinfer serve`'s HTTP side over two data replicas (replica 0 local,
+replica 1 behind a real host link, each its own engine loop and fake engine,
+tests/fake_engine.py): mixed lengths, completions and chat, streamed and whole, n = 1 or 2,
+10% of clients leaving mid-stream, 5% invalid requests. Every valid request completes with
+the text its prompt determines or gets a clean error; every invalid one gets an OpenAI
+error; every engine request runs once, on one replica; afterwards no KV block is in use,
+nothing is owed, nothing waits.
+
+CI runs SOAK_REQUESTS (200); $MSINFER_SOAK_REQUESTS sets another size, and
+$MSINFER_SOAK_RESULTS a JSON file for the figures (bench/results/soak_fake.json)."""
+import asyncio
+import collections
+import dataclasses
+import json
+import os
+import random
+import socket
+import threading
+import time
+
+import httpx2 as httpx
+
+from fake_engine import FakeEngine, expected_ids
+from msinfer.server import handoff, replicas
+from msinfer.server.lockstep import EngineLoop
+from test_serve_protocol import MODEL, RunningServer
+
+SOAK_REQUESTS = int(os.environ.get("MSINFER_SOAK_REQUESTS", "200"))
+CONCURRENCY = 16
+
+
+def two_replicas():
+    """A RunningServer whose front is a Router over its own loop and replica 1's."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    b = socket.create_connection(listener.getsockname())
+    a, _ = listener.accept()
+    listener.close()
+    front, uplink_link = handoff.Link(a, 1), handoff.Link(b, 0)
+    engine = FakeEngine(step_delay=0.002, num_blocks=64, max_num_seqs=8, max_model_len=200)
+    uplink = replicas.ReplicaUplink(uplink_link)
+    remote_loop = EngineLoop(engine, handoff.Leader([]), on_step=uplink.on_step)
+    remote = replicas.RemoteReplica(1, front)
+    stop = threading.Event()
+    threading.Thread(target=handoff.watch_links, daemon=True,
+                     args=([front], stop.is_set, lambda m: None, 60, remote.on_frame)).start()
+
+    def take():
+        while not stop.is_set():
+            try:
+                uplink.take(remote_loop, uplink_link.recv(timeout=60))
+            except handoff.PeerGone:
+                return
+    threading.Thread(target=take, daemon=True).start()
+    remote_loop.open()
+    threading.Thread(target=remote_loop.run, daemon=True).start()
+    remote.on_frame(front, {"ready": dataclasses.astuple(engine.stats())})
+    server = RunningServer(front=lambda loop: replicas.Router(loop, [remote], loop.engine),
+                           max_queue=1024, step_delay=0.002, num_blocks=64, max_num_seqs=8,
+                           max_model_len=200)
+    return server, [server.engine, engine], remote_loop, stop
+
+
+def plan(count, rng):
+    """The requests: (kind, body, how) with how in valid / leave / invalid."""
+    requests = []
+    for i in range(count):
+        roll = rng.random()
+        how = "invalid" if roll < 0.05 else "leave" if roll < 0.15 else "valid"
+        chat = rng.random() < 0.4
+        text = f"{i} " + "abcdefgh"[:rng.randint(1, 8)] * rng.randint(1, 6)
+        body = {"model": MODEL, "max_tokens": rng.randint(1, 40), "n": rng.choice([1, 1, 2]),
+                "stream": how == "leave" or rng.random() < 0.5, "ignore_eos": True}
+        if chat:
+            body["messages"] = [{"role": "user", "content": text}]
+        else:
+            body["prompt"] = text
+        if how == "invalid":
+            body.update(rng.choice([{"max_tokens": -1}, {"model": "nope"},
+                                    {"temperature": "hot"}, {"n": 99}]))
+        if how == "leave":
+            body["max_tokens"] = 60
+        requests.append(("chat" if chat else "completions", body, how))
+    return requests
+
+
+def expected_text(kind, body):
+    if kind == "chat":
+        prompt = f"<user>{body['messages'][0]['content']}\n<assistant>"
+    else:
+        prompt = body["prompt"]
+    return bytes(expected_ids(list(prompt.encode()), body["max_tokens"])).decode(
+        errors="replace")
+
+
+async def one(client, kind, body, how):
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    if how == "leave":
+        async with client.stream("POST", path, json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    return "left", r.status_code, None  # leave after the first chunk
+        return "left", r.status_code, None
+    if not body["stream"]:
+        r = await client.post(path, json=body)
+        return how, r.status_code, r.json()
+    texts = collections.defaultdict(str)
+    events = []
+    async with client.stream("POST", path, json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return how, r.status_code, r.json()
+        async for line in r.aiter_lines():
+            if line:
+                events.append(line)
+    assert events[-1] == "data: [DONE]", events[-3:]
+    finish = {}
+    for line in events[:-1]:
+        event = json.loads(line[6:])
+        for choice in event.get("choices", []):
+            piece = choice.get("text") if kind == "completions" else (
+                choice["delta"].get("content") or "")
+            texts[choice["index"]] += piece or ""
+            if choice.get("finish_reason"):
+                finish[choice["index"]] = choice["finish_reason"]
+    return how, r.status_code, {"choices": [{"text": texts[i], "finish_reason": finish.get(i)}
+                                            for i in sorted(texts)]}
+
+
+def test_a_soak_of_mixed_requests_over_two_replicas_loses_and_leaks_nothing():
+    server, engines, remote_loop, stop = two_replicas()
+    added = collections.Counter()
+    for engine in engines:
+        add = engine.add_request
+
+        def counting(request_id, *args, add=add, **kwargs):
+            added[request_id] += 1
+            return add(request_id, *args, **kwargs)
+        engine.add_request = counting
+    requests = plan(SOAK_REQUESTS, random.Random(38))
+    outcomes = collections.Counter()
+
+    async def run():
+        gate = asyncio.Semaphore(CONCURRENCY)
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            async def guarded(request):
+                async with gate:
+                    return await one(client, *request)
+            return await asyncio.gather(*(guarded(r) for r in requests))
+    start = time.monotonic()
+    try:
+        results = asyncio.run(run())
+        seconds = time.monotonic() - start
+        for (kind, body, how), (_, status, reply) in zip(requests, results):
+            outcomes[f"{how} {status}"] += 1
+            if how == "invalid":
+                assert 400 <= status < 500 and reply["error"]["message"], (body, reply)
+            elif how == "valid":
+                assert status == 200, (body, reply)
+                want = expected_text(kind, body)
+                choices = reply["choices"]
+                assert len(choices) == body["n"], (body, reply)
+                for choice in choices:
+                    text = choice["text"] if "text" in choice else choice["message"]["content"]
+                    assert text == want and choice["finish_reason"] == "length", (body, choice)
+        # every engine request ran once, on one replica; none is left anywhere
+        assert max(added.values()) == 1
+        valid = sum(body["n"] for _, body, how in requests if how == "valid")
+        assert len(added) >= valid
+        deadline = time.monotonic() + 10
+        while any(e.running or e.waiting for e in engines) or server.front._owed:
+            assert time.monotonic() < deadline, "requests still held after the soak"
+            time.sleep(0.05)
+        assert all(e.stats().num_blocks_used == 0 for e in engines)
+        assert server.front.queue_depth() == 0
+        per_replica = [e.prompt_tokens > 0 for e in engines]
+        assert all(per_replica), "both replicas served"
+    finally:
+        remote_loop.drain(0)
+        stop.set()
+        server.stop()
+    figures = {"requests": len(requests), "seconds": round(seconds, 2),
+               "requests_per_second": round(len(requests) / seconds, 1),
+               "engine_requests": len(added), "outcomes": dict(sorted(outcomes.items()))}
+    print("\nsoak:", json.dumps(figures))
+    if os.environ.get("MSINFER_SOAK_RESULTS"):
+        with open(os.environ["MSINFER_SOAK_RESULTS"], "w") as f:
+            json.dump(figures, f, indent=1)
