@@ -214,8 +214,9 @@ def main(argv=None):
         "# Sparse-layer expert forms at decode (MindSpore CPU)", "",
         f"`python bench/moe_forms.py`: {record['machine']['cpu']}, "
         f"{record['machine']['cores']} cores, load average {load_start} at the start, "
-        f"{record['machine']['load_average_at_end']} at the end; MindSpore {ms.__version__}. The experts part of {LAYERS} layers ({K} of "
-        f"{E} experts of {I}, hidden {H}), median ms per call of {args.reps} alternated.", "",
+        f"{record['machine']['load_average_at_end']} at the end; MindSpore {ms.__version__}. "
+        f"The experts part of {LAYERS} layers ({K} of {E} experts of {I}, hidden {H}), median "
+        f"ms per call of {args.reps} alternated.", "",
         "| tokens | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for key, row in results.items():
         lines.append(f"| {key[6:]} | " + " | ".join(str(row[n]) for n in names) + " |")
