@@ -25,7 +25,7 @@ of a call:
   experts side by side, as by a dense MLP k experts wide (one batched matmul per projection,
   a token per batch; the down projection sums the k experts' outputs, weighted before it).
   Its shapes follow the tokens, so it runs in graphs of dynamic rows; it copies an expert's
-  slice once per pair, which for a few tokens is what reading the weights costs anyway.
+  slice once per pair.
 - grouped (`_grouped`: graphs of static rows with more pairs than experts, i.e. prefill
   chunks): the pairs sorted by expert, each expert's run padded to whole blocks of `block`
   rows, one batched matmul over the blocks (each block's expert gathered once), the rows
@@ -33,8 +33,9 @@ of a call:
   routing, so its shapes are fixed by the graph's rows; block = P // experts keeps that
   within about two blocks per expert.
 Both copy the routed experts' weights (ops.Gather), the cost that decode pays over a dense MLP
-of the same active size on CPU: MindSpore 2.10 has no CPU kernel that multiplies by experts
-where they lie (docs/moe.md: the forms measured, bench/moe_forms.py).
+of the same active size on CPU; MindSpore 2.10 has no CPU grouped matmul, and the CPU ops
+that read experts in place (SelectExtView per pair, SparseTensorDenseMatmul) measured slower
+than the copy (bench/moe_forms.py, docs/moe.md).
 
 On Ascend (`uses_moe_primitives`, the one place the form is chosen by hardware) the experts
 are MindSpore's MoE primitives instead (`PrimitiveExperts`), which have kernels there only;
