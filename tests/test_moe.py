@@ -282,10 +282,9 @@ def test_ascend_runs_the_experts_by_moe_primitives_and_cpu_by_its_own_forms(monk
 
     def stand_in(real, compute):
         def call(*args, **kwargs):
-            inspect.signature(real).bind(*args, **kwargs)  # TypeError if it does not fit
-            calls.append(real.__name__)
-            bound = inspect.signature(real).bind(*args, **kwargs)
+            bound = inspect.signature(real).bind(*args, **kwargs)  # TypeError if unfit
             bound.apply_defaults()
+            calls.append(real.__name__)
             return compute(**{k: v.asnumpy() if isinstance(v, Tensor) else v
                               for k, v in bound.arguments.items()})
         return call
