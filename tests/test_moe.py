@@ -245,6 +245,97 @@ def test_the_sparse_layer_sums_each_tokens_routed_experts_whatever_the_routing(
     np.testing.assert_allclose(got, routed, rtol=1e-4, atol=1e-5)
 
 
+
+def test_ascend_runs_the_experts_by_moe_primitives_and_cpu_by_its_own_forms(monkeypatch):
+    """The Ascend form cannot run here (no kernels on CPU): what it decides is checked. The
+    Ascend profiles pick it, CPU does not; it calls MoeInitRoutingV2, GroupedMatmul and
+    MoeTokenUnpermute with arguments their installed signatures take; and with numpy stand-ins
+    written from their documentation, its bookkeeping (casts, cumulative run ends, the gate/up
+    layout weight_layout gives it, the routing weights) sums each token's routed experts."""
+    import inspect
+
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from msinfer.hardware import PROFILES
+    from msinfer.layers import moe
+    from msinfer.layers.parallel_context import ParallelContext
+    from msinfer.models import moe_family
+
+    assert [p for p in PROFILES if moe.uses_moe_primitives(PROFILES[p].device_target)] == [
+        "atlas-300i-duo", "atlas-300i-duo-48g", "atlas-800i-a2"]
+    assert not moe.uses_moe_primitives()  # this process: CPU
+
+    raw = dict(model_type="qwen3_moe", vocab_size=64, hidden_size=16, intermediate_size=32,
+               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+               num_experts=6, num_experts_per_tok=3, moe_intermediate_size=8,
+               norm_topk_prob=True)
+    config = ModelConfig.from_dict(raw)
+    plan = Strategy(world_size=1, tensor=1, rules=Strategy.default().rules).resolve(config)
+    ctx = ParallelContext(config=config, plan=plan, dtype=ms.float32)
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((5, 16)).astype(np.float32)
+    router = rng.standard_normal((6, 16)).astype(np.float32)
+    gate_up = rng.standard_normal((6, 16, 16)).astype(np.float32) / 4
+    down = rng.standard_normal((6, 16, 8)).astype(np.float32) / 3
+    calls = []
+
+    def stand_in(real, compute):
+        def call(*args, **kwargs):
+            bound = inspect.signature(real).bind(*args, **kwargs)  # TypeError if unfit
+            bound.apply_defaults()
+            calls.append(real.__name__)
+            return compute(**{k: v.asnumpy() if isinstance(v, Tensor) else v
+                              for k, v in bound.arguments.items()})
+        return call
+
+    def init_routing(x, expert_idx, active_num, expert_capacity, expert_num, drop_pad_mode,
+                     expert_tokens_count_or_cumsum_flag, expert_tokens_before_capacity_flag):
+        assert (active_num, drop_pad_mode, expert_tokens_count_or_cumsum_flag) == (0, 0, 1)
+        assert expert_idx.dtype == np.int32
+        pairs = expert_idx.reshape(-1)
+        order = np.argsort(pairs, kind="stable")  # pair order[j] is row j
+        row_of_pair = np.empty_like(order)
+        row_of_pair[order] = np.arange(len(order))
+        ends = np.cumsum(np.bincount(pairs, minlength=expert_num))
+        k = expert_idx.shape[1]
+        return (Tensor(x[order // k]), Tensor(row_of_pair.astype(np.int32)),
+                Tensor(ends.astype(np.int32)))
+
+    def grouped(x, weight, group_list, split_item, group_type, transpose_b, **_):
+        assert (split_item, group_type, transpose_b) == (3, 0, False)
+        assert group_list.dtype == np.int64
+        (x,), (w,) = [t.asnumpy() for t in x], [t.asnumpy() for t in weight]
+        starts = np.concatenate([[0], group_list[:-1]])
+        y = np.concatenate([x[s:e] @ w[n] for n, (s, e) in enumerate(zip(starts, group_list))])
+        return [Tensor(y)]
+
+    def unpermute(permuted_tokens, sorted_indices, probs, **_):
+        k = probs.shape[1]
+        rows = permuted_tokens[sorted_indices].reshape(len(probs), k, -1)
+        return Tensor((rows * probs[..., None]).sum(1))
+
+    monkeypatch.setattr(moe, "uses_moe_primitives", lambda device_target=None: True)
+    monkeypatch.setattr(moe, "moe_init_routing_v2",
+                        stand_in(moe.moe_init_routing_v2, init_routing))
+    monkeypatch.setattr(moe, "grouped_matmul", stand_in(moe.grouped_matmul, grouped))
+    monkeypatch.setattr(moe, "moe_token_unpermute",
+                        stand_in(moe.moe_token_unpermute, unpermute))
+    monkeypatch.setattr(moe_family, "uses_moe_primitives", moe.uses_moe_primitives)
+    layer = moe.SparseMoE(ctx, "model.layers.0.mlp")
+    assert layer.primitives is not None and not layer.grouped
+    stacked = "model.layers.0.mlp.experts.gate_up_proj.weight"
+    held_gate_up = moe_family.weight_layout(ctx, stacked, gate_up.reshape(-1, 16))
+    assert held_gate_up.shape == (6, 16, 16) and np.array_equal(held_gate_up[2], gate_up[2].T)
+    down_in_out = np.ascontiguousarray(down.transpose(0, 2, 1))  # as loaded
+    weights, ids = layer._route(Tensor(x), Tensor(router))
+    got = layer.primitives.construct(Tensor(x), weights, ids, Tensor(held_gate_up),
+                                     Tensor(down_in_out)).asnumpy()
+    assert calls == ["moe_init_routing_v2", "grouped_matmul", "grouped_matmul",
+                     "moe_token_unpermute"]
+    np.testing.assert_allclose(got, reference_moe(x.astype(np.float64), router, gate_up, down,
+                                                  3, True), rtol=1e-4, atol=1e-5)
+
 # ---- two ranks ----
 
 @pytest.fixture(scope="module")

@@ -25,20 +25,38 @@ of a call:
   experts side by side, as by a dense MLP k experts wide (one batched matmul per projection,
   a token per batch; the down projection sums the k experts' outputs, weighted before it).
   Its shapes follow the tokens, so it runs in graphs of dynamic rows; it copies an expert's
-  slice once per pair, which for a few tokens is what reading the weights costs anyway.
+  slice once per pair.
 - grouped (`_grouped`: graphs of static rows with more pairs than experts, i.e. prefill
   chunks): the pairs sorted by expert, each expert's run padded to whole blocks of `block`
   rows, one batched matmul over the blocks (each block's expert gathered once), the rows
   summed back to their tokens. At most ceil(P / block) + min(experts, P) blocks whatever the
   routing, so its shapes are fixed by the graph's rows; block = P // experts keeps that
   within about two blocks per expert.
+Both copy the routed experts' weights (ops.Gather), the cost that decode pays over a dense MLP
+of the same active size on CPU; MindSpore 2.10 has no CPU grouped matmul, and the CPU ops
+that read experts in place (SelectExtView per pair, SparseTensorDenseMatmul) measured slower
+than the copy (bench/moe_forms.py, docs/moe.md).
+
+On Ascend (`uses_moe_primitives`, the one place the form is chosen by hardware) the experts
+are MindSpore's MoE primitives instead (`PrimitiveExperts`), which have kernels there only;
+the forms above are the reference, and what every other backend runs.
 """
 import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
-from mindspore.ops.auto_generate import SiLU
+from mindspore.ops import moe_init_routing_v2, moe_token_unpermute
+from mindspore.ops.auto_generate import SiLU, grouped_matmul
 
 from .mlp import SwiGLU
+
+
+def uses_moe_primitives(device_target=None) -> bool:
+    """Whether the experts run as MindSpore's MoE primitives (`PrimitiveExperts`): on Ascend,
+    where MoeInitRoutingV2, GroupedMatmul and MoeTokenUnpermute have kernels (on CPU none of
+    them has one). device_target: a hardware profile's, or this process's MindSpore's."""
+    if device_target is None:
+        device_target = ms.get_context("device_target")
+    return device_target == "Ascend"
 
 
 class SparseMoE(nn.Cell):
@@ -78,9 +96,11 @@ class SparseMoE(nn.Cell):
         self.halves = ops.Split(-1, 2)
         self.sigmoid = ops.Sigmoid()
         self.num_experts = self.local_experts if self.expert_parallel else moe.num_experts
+        self.primitives = (PrimitiveExperts(self.num_experts) if uses_moe_primitives()
+                           else None)
         rows = ctx.graph.rows if ctx.graph is not None else 0
         self.pairs = rows * self.top_k  # 0: rows not fixed when the graph is built
-        self.grouped = self.pairs > self.num_experts
+        self.grouped = self.primitives is None and self.pairs > self.num_experts
         if self.grouped:
             self.block = self.pairs // self.num_experts
             self.blocks = -(-self.pairs // self.block) + min(self.num_experts, self.pairs)
@@ -122,6 +142,8 @@ class SparseMoE(nn.Cell):
             held = ops.logical_and(local >= 0, local < self.local_experts)
             weights = weights * held.astype(weights.dtype)
             ids = ops.where(held, local, ops.zeros_like(local))
+        if self.primitives is not None:
+            return self.primitives(x, weights, ids, w_gate_up, w_down)
         if self.grouped:
             return self._grouped(x, weights.reshape(-1), ids.reshape(-1), w_gate_up, w_down)
         return self._by_token(x, weights, ids, w_gate_up, w_down)
@@ -171,3 +193,32 @@ class SparseMoE(nn.Cell):
                              self.pick(w_down, block_expert, 0))
         y = y.reshape(rows, self.hidden) * weight.expand_dims(-1)
         return ops.unsorted_segment_sum(y, target, self.rows + 1)[:self.rows]
+
+
+class PrimitiveExperts(nn.Cell):
+    """The experts by MindSpore's MoE primitives (Ascend; not run on hardware yet: docs/moe.md),
+    as vllm-ascend's 310P MoE chains their torch_npu twins: MoeInitRoutingV2 sorts the (token,
+    expert) pairs by expert (x's rows in that order, each pair's row in it, where each
+    expert's run ends), GroupedMatmul multiplies each run by its expert's weights where they
+    lie, MoeTokenUnpermute puts the rows back and sums each token's k, weighted. Weights as
+    GroupedMatmul takes them, (experts, in, out): gate/up (experts, hidden, 2I) (laid out so at
+    load: models/moe_family.weight_layout), down (experts, I, hidden)."""
+
+    def __init__(self, num_experts):
+        super().__init__()
+        self.num_experts = num_experts
+        self.halves = ops.Split(-1, 2)
+        self.silu = SiLU()
+
+    def construct(self, x, weights, ids, w_gate_up, w_down):
+        """x: (tokens, hidden); weights, ids: (tokens, k), ids this rank's experts' numbers."""
+        rows, row_of_pair, run_ends = moe_init_routing_v2(
+            x, ids.astype(ms.int32), active_num=0, expert_capacity=0,
+            expert_num=self.num_experts, drop_pad_mode=0,
+            expert_tokens_count_or_cumsum_flag=1, expert_tokens_before_capacity_flag=False)
+        run_ends = run_ends.astype(ms.int64)  # GroupedMatmul's group_list: cumulative ends
+        gate, up = self.halves(grouped_matmul([rows], [w_gate_up], group_list=run_ends,
+                                              split_item=3, group_type=0)[0])
+        y = grouped_matmul([self.silu(gate) * up], [w_down], group_list=run_ends,
+                           split_item=3, group_type=0)[0]
+        return moe_token_unpermute(y, row_of_pair, probs=weights)

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..layers.cpu_forms import matmul_forms
 from ..layers.mlp import SwiGLU
-from ..layers.moe import SparseMoE
+from ..layers.moe import SparseMoE, uses_moe_primitives
 from ..parallel.strategy import first_layer
 from . import qwen2
 
@@ -46,12 +46,13 @@ def weight_names(config, classes) -> list:
 def weight_layout(ctx, name, array):
     """A loaded weight in the layout this process's graphs take: a sparse layer's stacked
     experts (loaded as their parts' rows one after another) as (experts, 2I, hidden) for
-    gate/up and (experts, I, hidden) for down (layers/moe.py); the shared expert's projections
-    as the dense MLP's; the rest as the dense family's."""
+    gate/up ((experts, hidden, 2I) where the MoE primitives run them) and (experts, I, hidden)
+    for down (layers/moe.py); the shared expert's projections as the dense MLP's; the rest as
+    the dense family's."""
     if name.endswith(_STACKED):
         experts = len(ctx.plan.local_experts(name, ctx.tensor_rank))
         stacked = array.reshape(experts, -1, array.shape[-1])
-        if name.endswith(_STACKED[1]):  # down as (experts, I, hidden): x @ W per expert
+        if name.endswith(_STACKED[1]) or uses_moe_primitives():  # as x @ W per expert
             return np.ascontiguousarray(stacked.transpose(0, 2, 1))
         return stacked
     forms = matmul_forms(ctx)
