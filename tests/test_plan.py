@@ -132,8 +132,9 @@ def test_cpu_workspace_reserves_two_layers_of_the_largest_call():
     cpu = plan_for("qwen2-0.5b", "qwen2_tp1.yaml", hardware="cpu", **limits)
     config = load_config("qwen2-0.5b")
     shard = Strategy.default().resolve(config, "explicit")
-    one = largest_call_bytes(shard, 4, 1024, 256, 16)
-    assert largest_call_bytes(shard, 4, 1024, 256, 16, layers=2) == 2 * one
+    sizes = EngineLimits(max_model_len=1024, max_prefill_tokens=256, max_num_seqs=16)
+    one = largest_call_bytes(shard, 4, sizes)
+    assert largest_call_bytes(shard, 4, sizes, layers=2) == 2 * one
     logits = 16 * config.vocab_size * 4
     assert cpu.devices[0].workspace_bytes == get_profile("cpu").runtime_reserve_bytes + \
         2 * one + logits
@@ -182,8 +183,8 @@ def test_a_chunk_too_big_for_a_32k_context_names_the_longest_max_len_that_fits()
     limits = dict(max_len=32768, max_prefill_tokens=8192)
     plan = plan_for("qwen2-72b", "qwen2_tp4.yaml", **limits)
     message = plan.errors[0]
-    assert "no tensor degree up to 8 fits max-len 32768" in message
-    longest = int(re.search(r"with --max-len (\d+) it fits at tensor 4", message).group(1))
+    assert "no tensor degree up to 8 fits max-model-len 32768" in message
+    longest = int(re.search(r"with --max-model-len (\d+) it fits at tensor 4", message).group(1))
     assert plan_for("qwen2-72b", "qwen2_tp4.yaml", **dict(limits, max_len=longest)).fits
     assert not plan_for("qwen2-72b", "qwen2_tp4.yaml", **dict(limits, max_len=longest + 1)).fits
 

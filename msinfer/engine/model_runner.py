@@ -37,6 +37,7 @@ from ..layers.parallel_context import ParallelContext
 from ..layers.rotary import rotary_tables
 from ..models.families import family_of
 from ..models.loader import full_shapes, rank_weights
+from ..engine_config import EngineLimits
 from ..planning.kv_layout import TRASH_BLOCK, CacheLayout
 from ..planning.shapes import ExplicitGraphs, Graph, ShapeBuckets, bucket_for, round_up
 from ..planning.workspace import stack_layers
@@ -51,21 +52,19 @@ class ModelRunner:
     # Whether every call computes logits rows (a whole-model graph always has its lm_head).
     needs_rows = False
 
-    def __init__(self, ctx: ParallelContext, layout: CacheLayout, max_num_seqs: int,
-                 max_prefill_tokens: int, max_model_len: int):
+    def __init__(self, ctx: ParallelContext, layout: CacheLayout, limits: EngineLimits):
         config = ctx.config
         self.ctx = ctx
         self.layout = layout
         self.dtype = ctx.dtype
         self.num_layers = config.num_layers
         self.family = family_of(config)  # models/qwen2.py, qwen3.py: the model's Cells
-        cos, sin = rotary_tables(config.head_dim, config.rope_theta, max_model_len,
+        cos, sin = rotary_tables(config.head_dim, config.rope_theta, limits.max_model_len,
                                  config.rope_scaling)
         host = np.float16 if str(ctx.dtype) == "Float16" else np.float32
         self.cos, self.sin = cos.astype(host), sin.astype(host)
         self.buckets = ShapeBuckets.for_engine(
-            max_num_seqs, max_prefill_tokens, max_model_len,
-            step=ctx.plan.data if ctx.mode == "semi_auto" else 1)
+            limits, step=ctx.plan.data if ctx.mode == "semi_auto" else 1)
         self.batch_buckets = self.buckets.batch
         self.context_buckets = self.buckets.context
         self.chunk_buckets = self.buckets.chunk
@@ -248,14 +247,13 @@ class ExplicitRunner(ModelRunner):
     lm_head graph. Each of those is a graph of dynamic shape (planning/shapes.py `Graph`),
     built and compiled when a call first needs it; warm-up runs one call for each."""
 
-    def __init__(self, ctx, layout, max_num_seqs, max_prefill_tokens, max_model_len, weights,
-                 min_layers_per_graph=1, layer_peak_growth=1.0, dynamic=False):
+    def __init__(self, ctx, layout, limits, weights, min_layers_per_graph=1,
+                 layer_peak_growth=1.0):
         """weights: {name: Tensor} of this rank's slices, in the layouts the graphs take
         (the family's weight_layout). `min_layers_per_graph`, `layer_peak_growth`: the
         hardware profile's.
-        `dynamic`: graphs of dynamic shape (EngineLimits.graph_shapes), else one per call
-        shape."""
-        super().__init__(ctx, layout, max_num_seqs, max_prefill_tokens, max_model_len)
+        limits.graph_shapes "dynamic": graphs of dynamic shape, else one per call shape."""
+        super().__init__(ctx, layout, limits)
         config = ctx.config
         family = self.family
         self.caches = [(new_cache(layout.rows_shape, ctx.dtype),
@@ -270,10 +268,9 @@ class ExplicitRunner(ModelRunner):
         self.layer_args = [(k, v, *w) for (k, v), w in zip(self.caches, self.layer_weights)]
         # What the planner reserves for activations: each graph stays within it.
         self.layers_per_call = stack_layers(ctx.plan, DTYPE_BYTES[str(ctx.dtype).lower()],
-                                            max_model_len, max_prefill_tokens, max_num_seqs,
-                                            min_layers_per_graph, layer_peak_growth)
+                                            limits, min_layers_per_graph, layer_peak_growth)
         self.graph_of = ExplicitGraphs(self.buckets, self.layers_per_call, matmul_forms(ctx),
-                                       dynamic)
+                                       limits.graph_shapes == "dynamic")
         self.cells = {}  # Graph -> its Cell, built when a call first needs it
 
     @property
@@ -420,9 +417,8 @@ class SemiAutoRunner(ModelRunner):
         largest = bucket_for(min(size, self.row_buckets[-1]), self.row_buckets)
         return size if count > largest else largest
 
-    def __init__(self, ctx, layout, max_num_seqs, max_prefill_tokens, max_model_len, model,
-                 world_size=1):
-        super().__init__(ctx, layout, max_num_seqs, max_prefill_tokens, max_model_len)
+    def __init__(self, ctx, layout, limits, model, world_size=1):
+        super().__init__(ctx, layout, limits)
         self.model = model
         self.cell = semi_auto_cell(model, world_size)
 
@@ -454,19 +450,16 @@ def build_runner(model_dir, ctx, layout, limits, world_size, profile):
     names = family.weight_names(config)
     host_dtype = np.float16 if ctx.dtype == ms.float16 else np.float32  # numpy has no bf16
     weights = rank_weights(model_dir, ctx.plan, ctx.tensor_rank, names, host_dtype)
-    sizes = dict(max_num_seqs=limits.max_num_seqs, max_prefill_tokens=limits.max_prefill_tokens,
-                 max_model_len=limits.max_len)
     if ctx.mode == "semi_auto":
         model = family.Model(ctx, layout, full_shapes(config, names))
-        runner = SemiAutoRunner(ctx, layout, model=model, world_size=world_size, **sizes)
+        runner = SemiAutoRunner(ctx, layout, limits, model=model, world_size=world_size)
         runner.load(weights, world_size)
         return runner
     loaded = {name: host_tensor(family.weight_layout(ctx, name, array), ctx.dtype)
               for name, array in weights}
-    return ExplicitRunner(ctx, layout, weights=loaded,
+    return ExplicitRunner(ctx, layout, limits, weights=loaded,
                           min_layers_per_graph=profile.min_layers_per_graph,
-                          layer_peak_growth=profile.layer_peak_growth,
-                          dynamic=limits.graph_shapes == "dynamic", **sizes)
+                          layer_peak_growth=profile.layer_peak_growth)
 
 
 def host_tensor(array, dtype):

@@ -7,7 +7,7 @@ semi_auto compiles one whole-model graph per call shape (MindSpore lays out a gr
 static shapes). Explicit mode compiles graphs of dynamic shape (`Cell.set_inputs` with None
 for the context axis, and the rows of all but decode steps): one per `Graph`, which holds only
 what a graph fixes when it is built (the kind of call, layers per graph, matmul forms, a
-decode step's batch), so their number does not grow with max_len."""
+decode step's batch), so their number does not grow with max_model_len."""
 from __future__ import annotations
 
 import dataclasses
@@ -42,11 +42,12 @@ class ShapeBuckets:
     rows: tuple  # lm_head rows (the batch buckets)
 
     @classmethod
-    def for_engine(cls, max_num_seqs, max_prefill_tokens, max_len, step=1):
-        """`step`: semi_auto splits the tokens of the dense layers over the data replicas
-        (and MindSpore refuses a split that does not divide): every token and row count is a
-        multiple of it."""
-        batch = power_buckets(step, round_up(max_num_seqs, step))
+    def for_engine(cls, limits, step=1):
+        """The buckets of the engine's EngineLimits `limits`. `step`: semi_auto splits the
+        tokens of the dense layers over the data replicas (and MindSpore refuses a split that
+        does not divide): every token and row count is a multiple of it."""
+        max_prefill_tokens, max_len = limits.max_prefill_tokens, limits.max_model_len
+        batch = power_buckets(step, round_up(limits.max_num_seqs, step))
         # Powers of 2, not 4: a 128-token prompt ran as a padded 256-token chunk at 0.58x the
         # speed (bench/README.md); the cost is two more chunk sizes to compile.
         chunk = power_buckets(round_up(min(16, max_prefill_tokens), step),
@@ -85,8 +86,8 @@ class ExplicitGraphs:
     dynamic: one `Graph` per kind of call (a decode step's batch bucket, a full prefill
     chunk, a chunk of each bucket up to SHORT_CHUNK tokens, any other prefill chunk; the full
     chunk and the largest batch also over a short context where more layers fit there) and
-    matmul form, so that their number does not grow with max_len (12 for the 0.5B shape on
-    CPU). Every graph is dynamic in its context; the embedding, the lm_head and the chunks
+    matmul form, so that their number does not grow with max_model_len (12 for the 0.5B
+    shape on CPU). Every graph is dynamic in its context; the embedding, the lm_head and the chunks
     between SHORT_CHUNK tokens and the largest also in their rows. Decode steps, short chunks
     and full chunks keep their rows static: with every axis dynamic, MindSpore's CPU runtime
     re-infers and resizes each of a layer's ~100 kernels at every launch, at a cost that
@@ -127,8 +128,8 @@ class ExplicitGraphs:
             # batch if its short contexts fit at least twice the layers its long ones do, also
             # have a stack of the most layers they may run, for the contexts where that fits:
             # a long prompt's chunks ran at 0.87-0.92x the tokens/s in stacks of 2 layers where
-            # static graphs ran 6 (0.5B shape, max_len 4096, bench/README.md). One decode batch
-            # only, to keep the count small.
+            # static graphs ran 6 (0.5B shape, max_model_len 4096, bench/README.md). One
+            # decode batch only, to keep the count small.
             full = buckets.chunk[-1]
             fits = [layers_for(full, 1, t) for t in buckets.context if t >= full]
             self.fewest["full"], self.most = min(fits), {"full": max(fits)}
