@@ -432,9 +432,9 @@ class LLMEngine:
         gc.freeze()
         try:
             for shape in shapes:  # progress in graphs: a call may compile several
-                self.runner.compile_shape(*shape)
+                self.runner.compile_shape(shape)
                 progress.step(self.runner.compilations,
-                              f"{shape[0]} {shape[1]} x {shape[2]}, {shape[3]} rows")
+                              f"{shape.kind} {shape.size} x {shape.context}, {shape.rows} rows")
         finally:
             if not frozen_before:
                 gc.unfreeze()

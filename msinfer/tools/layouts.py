@@ -476,7 +476,7 @@ def record(config, plan, dtype, ir_dir):
     for kind, size in steps:
         folder = os.path.join(ir_dir, kind)
         with dumping_ir(folder):
-            runner.compile_shape(kind, size, runner.context_buckets[0])
+            runner.compile_shape(runner.shape_plan.at(kind, size, runner.context_buckets[0]))
         with open(os.path.join(folder, stage_dumps(folder)[-1])) as f:
             calls += parse_ir(f.read(), kind)
     return calls
