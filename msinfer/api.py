@@ -19,7 +19,7 @@ from .engine.tokenizer import encode_prompts
 from .engine_config import EngineConfig, engine_config
 from .errors import MsinferError, NonFiniteLogits
 from .hardware import choose_hardware, get_profile
-from .parallel.strategy import Strategy, decide_parallel_mode, load_strategy
+from .parallel.strategy import decide_parallel_mode, strategy_of
 from .planning.memory import engine_memory
 from .planning.planner import check_plan_or_raise
 
@@ -77,7 +77,7 @@ class LLM:
         self.config = cfg.model_config
         hardware, self.hardware_choice = choose_hardware(cfg.parallel.hardware)
         self.profile = get_profile(hardware)
-        self.strategy = _strategy(cfg.parallel)
+        self.strategy = strategy_of(cfg.parallel.strategy, cfg.parallel.tensor_parallel_size)
         self.parallel_mode = decide_parallel_mode(cfg.parallel.parallel_mode, self.strategy)
         self.limits = cfg.limits
         # The planner's check, here too, so every entry point refuses an illegal or oversized
@@ -251,14 +251,6 @@ def _log_start(llm, report):
                 layout.num_blocks - 1, layout.block_size, layout.usable_tokens,
                 layout.total_bytes / 2 ** 30, limits.max_prefill_tokens, limits.max_num_seqs,
                 limits.max_model_len)
-
-
-def _strategy(parallel):
-    """The strategy file's plan; else tensor_parallel_size's shipped plan (Strategy.default
-    holds strategies/qwen2_tpN.yaml's rules), else one device."""
-    if parallel.strategy:
-        return load_strategy(parallel.strategy)
-    return Strategy.default(tensor=parallel.tensor_parallel_size or 1)
 
 
 def _describe(plan):
