@@ -122,6 +122,7 @@ class ParallelConfig:
     def __post_init__(self):
         tp = self.tensor_parallel_size
         if tp is not None:
+            positive_int(tp, "tensor_parallel_size")
             if self.strategy is not None:
                 raise MsinferError(f"give a strategy file or tensor_parallel_size "
                                    f"{tp}, not both (the file names its tensor degree)")

@@ -217,6 +217,7 @@ def test_engine_config_takes_vllm_names_and_the_older_ones_alike(tmp_path):
     (dict(max_num_seqs=0), "max_num_seqs must be a positive integer, got 0"),
     (dict(tensor_parallel_size=3), "tensor_parallel_size 3: a shipped strategy exists for 1, "
                                    "2, 4, 8"),
+    (dict(tensor_parallel_size=True), "tensor_parallel_size must be a positive integer"),
     (dict(tensor_parallel_size=2, strategy="s.yaml"), "give a strategy file or "
                                                       "tensor_parallel_size 2, not both"),
     (dict(hardware="tpu"), "hardware 'tpu': one of auto"),
