@@ -31,6 +31,7 @@ import numpy as np
 from mindspore import Tensor, ops
 
 from .. import log
+from ..engine_config import EngineLimits
 from ..hardware import DTYPE_BYTES
 from ..layers.attention import new_cache
 from ..layers.cpu_forms import matmul_forms
@@ -38,7 +39,6 @@ from ..layers.parallel_context import ParallelContext
 from ..layers.rotary import rotary_tables
 from ..models.families import family_of
 from ..models.loader import full_shapes, rank_weights
-from ..engine_config import EngineLimits
 from ..planning.kv_layout import TRASH_BLOCK, CacheLayout
 from ..planning.shapes import ExplicitGraphs, Graph, ShapeBuckets, ShapePlan
 from ..planning.workspace import stack_layers
