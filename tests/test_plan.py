@@ -363,3 +363,20 @@ def test_llm_runs_the_plan_check_itself_before_touching_a_device(small_checkpoin
 
     with pytest.raises(PlanRefused, match="does not fit: rank 0 needs"):
         LLM(small_checkpoint, max_num_seqs=100_000, max_len=4096)
+
+
+def test_plan_takes_tensor_parallel_size_for_the_shipped_strategy(capsys):
+    """`msinfer plan -tp 4` plans what `--strategy strategies/qwen2_tp4.yaml` does."""
+    from msinfer.cli.main import main
+
+    reports = []
+    for placement in (["--tensor-parallel-size", "4"], ["--strategy", os.path.join(
+            STRATEGIES, "qwen2_tp4.yaml")]):
+        code = main(["plan", "--model", "qwen2-72b", "--hardware", "atlas-300i-duo", "--json",
+                     *placement])
+        report = json.loads(capsys.readouterr().out)
+        reports.append({k: v for k, v in report.items() if k != "strategy"})
+        assert code == 0
+    assert reports[0] == reports[1]
+    assert main(["plan", "--model", "qwen2-72b", "--hardware", "cpu"]) == 2
+    assert "give --strategy FILE or --tensor-parallel-size N" in capsys.readouterr().err

@@ -3,19 +3,41 @@ reads them from the rank command)."""
 from ..config import PRESETS
 from ..engine_config import (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS,
                              DEFAULT_MAX_PREFILL_TOKENS, GRAPH_SHAPES, SHIPPED_TENSOR_DEGREES,
-                             EngineLimits, parse_bytes)
+                             EngineLimits, ParallelConfig, parse_bytes)
+from ..errors import MsinferError
 from ..hardware import AUTO, HARDWARE_CHOICES
 from ..planning.memory import KV_CACHE_UTILIZATION
 
 
-def add_model_and_strategy(parser):
+def add_model_and_strategy(parser, tensor_parallel=False):
     """--model (a checkpoint directory or a preset) and --strategy, both required: the
-    commands that check a plan without loading weights (plan, layouts)."""
+    commands that check a plan without loading weights (plan, layouts). `tensor_parallel`:
+    --tensor-parallel-size N may stand for --strategy (job_strategy)."""
     parser.add_argument("--model", required=True,
                         help="model directory (with config.json) or a preset: "
                              + ", ".join(sorted(PRESETS)))
-    parser.add_argument("--strategy", required=True,
+    parser.add_argument("--strategy", required=not tensor_parallel,
                         help="strategy file, e.g. strategies/qwen2_tp4.yaml")
+    if tensor_parallel:
+        add_tensor_parallel_size(parser)
+
+
+def add_tensor_parallel_size(parser):
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",
+                        help="as vLLM's: the shipped strategy strategies/qwen2_tpN.yaml (N in "
+                             + ", ".join(map(str, SHIPPED_TENSOR_DEGREES))
+                             + "), instead of --strategy")
+
+
+def job_strategy(strategy, tensor_parallel_size):
+    """The Strategy of a strategy file, else of --tensor-parallel-size's shipped plan; both,
+    neither, or a size not shipped: MsinferError (engine_config.ParallelConfig's rule)."""
+    from ..parallel.strategy import strategy_of
+
+    parallel = ParallelConfig(strategy=strategy, tensor_parallel_size=tensor_parallel_size)
+    if not parallel.strategy and not parallel.tensor_parallel_size:
+        raise MsinferError("give --strategy FILE or --tensor-parallel-size N")
+    return strategy_of(parallel.strategy, parallel.tensor_parallel_size)
 
 
 def add_hardware_argument(parser, required=False):
@@ -35,10 +57,7 @@ def add_llm_arguments(parser, parallel_modes):
     --parallel-mode, --rank-table), --dtype and the engine knobs."""
     parser.add_argument("--model", required=True, help="checkpoint directory")
     parser.add_argument("--strategy", default=None, help="strategy YAML (default: one device)")
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",
-                        help="as vLLM's: the shipped strategy strategies/qwen2_tpN.yaml (N in "
-                             + ", ".join(map(str, SHIPPED_TENSOR_DEGREES))
-                             + "), instead of --strategy")
+    add_tensor_parallel_size(parser)
     add_hardware_argument(parser)
     parser.add_argument("--parallel-mode", choices=parallel_modes, default=None,
                         help="default: the strategy's parallel_mode, else explicit")

@@ -61,15 +61,15 @@ HCCL_TIMEOUTS = {
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from .args import add_tensor_parallel_size
+
     p = subparsers.add_parser(
         "launch", help="check the plan, then run a sharded job under mpirun or msrun",
         description="Plan, then start NPROC ranks that each run the given msinfer command.")
     p.add_argument("--nproc", type=int, required=True, help="processes (= world_size)")
     p.add_argument("--strategy", default=None,
                    help="strategy YAML (or the rank command's --strategy)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",
-                   help="instead of --strategy, as vLLM's: the shipped "
-                        "strategies/qwen2_tpN.yaml (N in 1, 2, 4, 8), passed on to the ranks")
+    add_tensor_parallel_size(p)
     p.add_argument("--hardware", default=None, choices=HARDWARE_CHOICES, metavar="NAME",
                    help="hardware profile, or auto: the Ascend chips npu-smi lists, else cpu "
                         "(default: the rank command's --hardware, else auto); the ranks get "
@@ -199,10 +199,12 @@ def _with_option(argv, option, value):
 def _check_plan(args, command, rank, profile):
     from ..config import load_config
     from ..planning.planner import check_plan_or_raise, format_plan
-    from .args import limits_from_args
+    from .args import job_strategy, limits_from_args
     from .plan import with_hardware_choice
 
-    strategy = _job_strategy(args, rank)
+    strategy = job_strategy(getattr(rank, "strategy", None) or args.strategy,
+                            (getattr(rank, "tensor_parallel_size", None)
+                             or args.tensor_parallel_size))
     if args.nproc != strategy.world_size:
         raise MsinferError(f"--nproc {args.nproc} but {strategy.source} has world_size "
                            f"{strategy.world_size}")
@@ -214,22 +216,6 @@ def _check_plan(args, command, rank, profile):
                                parallel_mode=getattr(rank, "parallel_mode", None))
     print(with_hardware_choice(format_plan(plan), profile.name, args.hardware_choice),
           file=sys.stderr, flush=True)
-
-
-def _job_strategy(args, rank):
-    """The strategy file (launch's or the rank command's --strategy), else the shipped plan
-    of --tensor-parallel-size; never both (engine_config.ParallelConfig's rule)."""
-    from ..engine_config import ParallelConfig
-    from ..parallel.strategy import strategy_of
-
-    parallel = ParallelConfig(
-        strategy=getattr(rank, "strategy", None) or args.strategy,
-        tensor_parallel_size=(getattr(rank, "tensor_parallel_size", None)
-                              or args.tensor_parallel_size))
-    if not parallel.strategy and not parallel.tensor_parallel_size:
-        raise MsinferError("give --strategy FILE or --tensor-parallel-size N (launch's or the "
-                           "rank command's)")
-    return strategy_of(parallel.strategy, parallel.tensor_parallel_size)
 
 
 def _mpirun_command(args, rank_args):
