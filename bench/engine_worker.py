@@ -33,7 +33,7 @@ class MsinferSide:
                      "workspace_bytes": memory.workspace_bytes,
                      "kv_blocks": memory.layout.num_blocks - 1,
                      "kv_tokens": memory.layout.usable_tokens,
-                     "block_size": memory.layout.block_size, "max_len": limits.max_len,
+                     "block_size": memory.layout.block_size, "max_len": limits.max_model_len,
                      "max_num_seqs": limits.max_num_seqs,
                      "max_prefill_tokens": limits.max_prefill_tokens}
 

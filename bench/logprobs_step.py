@@ -53,11 +53,13 @@ class StubRunner:
 
 def stub_engine(batch):
     from msinfer.engine import LLMEngine
+    from msinfer.engine_config import EngineLimits
     from msinfer.planning.kv_layout import CacheLayout
     layout = CacheLayout(num_layers=1, kv_heads=1, head_dim=4, block_size=16,
                          num_blocks=batch * 64 + 2, dtype_bytes=4)
-    return LLMEngine(StubRunner(batch), layout, vocab_size=VOCAB, max_model_len=1024,
-                     eos_token_ids=[], max_num_seqs=batch, max_prefill_tokens=256, seed=0)
+    limits = EngineLimits(max_model_len=1024, max_num_seqs=batch, max_prefill_tokens=256)
+    return LLMEngine(StubRunner(batch), layout, limits, vocab_size=VOCAB, eos_token_ids=[],
+                     seed=0)
 
 
 def timed_steps(engine, batch, logprobs, steps, prefix):

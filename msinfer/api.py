@@ -12,53 +12,61 @@ import functools
 import os
 
 from . import log
-from .config import ModelConfig, eos_token_ids
+from .config import eos_token_ids
 from .engine import LLMEngine, RequestOutput
 from .engine.sampling import SamplingParams
 from .engine.tokenizer import encode_prompts
+from .engine_config import EngineConfig, engine_config
 from .errors import MsinferError, NonFiniteLogits
-from .hardware import AUTO, choose_hardware, get_profile
-from .parallel.strategy import Strategy, decide_parallel_mode, load_strategy
-from .planning.memory import EngineLimits, engine_memory
+from .hardware import choose_hardware, get_profile
+from .parallel.strategy import decide_parallel_mode, strategy_of
+from .planning.memory import engine_memory
 from .planning.planner import check_plan_or_raise
 
-__all__ = ["LLM", "RequestOutput", "NonFiniteLogits"]
+__all__ = ["LLM", "EngineConfig", "RequestOutput", "NonFiniteLogits"]
 
 
 class LLM:
-    """A Qwen2 checkpoint loaded for compiled (GRAPH_MODE) inference, sharded per `strategy`.
+    """A Qwen2 checkpoint loaded for compiled (GRAPH_MODE) inference, sharded per its strategy.
 
+    `LLM(model_dir, **settings)` or `LLM(engine_config)`: the settings are EngineConfig's
+    (msinfer/engine_config.py, which validates them once), vLLM's names where vLLM has them:
     model_dir: a Hugging Face Qwen2 directory (config.json, *.safetensors, tokenizer.json).
-    strategy: a strategy YAML path (see strategies/); None runs on one device.
+    strategy: a strategy YAML path (see strategies/); None runs on one device, or on
+        tensor_parallel_size ranks (1, 2, 4 or 8) with the shipped strategies/qwen2_tpN.yaml.
     hardware: a profile name from msinfer.hardware, or "auto" (the default): the profile of
         the Ascend chips `npu-smi info` lists, else cpu (logged at start).
     parallel_mode: "explicit" or "semi_auto"; default: the strategy's, else explicit
         (strategy.decide_parallel_mode).
-    max_len: the longest sequence (prompt + generated), like vLLM's max_model_len; default
+    max_model_len (older name: max_len): the longest sequence (prompt + generated); default
         min(max_position_embeddings, 4096).
     kv_cache_memory: bytes of KV cache per rank, an int or a string with a unit ("2GiB",
         "512MiB", as --kv-cache-memory takes); default: what the planner leaves free on the
-        device (capped at max_num_seqs sequences of max_len).
+        device (capped at max_num_seqs sequences of max_model_len).
     block_size: tokens per KV cache block; max_prefill_tokens: tokens per prefill chunk;
     max_num_seqs: sequences decoded together.
     enable_prefix_caching: reuse the KV blocks of prompt prefixes computed before (on by
         default, as vLLM's; engine/block_manager.py).
     dtype: compute dtype override (the hardware's policy decides otherwise).
     graph_shapes: explicit mode's compiled graphs, "dynamic" (the default: a few, as many at
-        any max_len) or "static" (one per call shape: 7x as many for the 0.5B shape's defaults,
-        a slower start, about the same speed; docs/engine.md, "Compiled graphs").
+        any max_model_len) or "static" (one per call shape: 7x as many for the 0.5B shape's
+        defaults, a slower start, about the same speed; docs/engine.md, "Compiled graphs").
     compile_cache: where `warmup()` keeps compiled graphs for the next start of the same
         configuration (engine/compile_cache.py): a directory; None (the default):
         $MSINFER_COMPILE_CACHE, else ~/.cache/msinfer/compile; False: none.
     """
 
-    def __init__(self, model_dir: str, strategy: str | None = None, hardware: str = AUTO,
-                 parallel_mode: str | None = None, max_len: int | None = None,
-                 dtype: str | None = None, rank_table: str | None = None,
-                 kv_cache_memory: int | str | None = None, block_size: int | None = None,
-                 max_prefill_tokens: int | None = None, max_num_seqs: int | None = None,
-                 enable_prefix_caching: bool = True, compile_cache: str | bool | None = None,
-                 graph_shapes: str | None = None):
+    def __init__(self, model_dir: str | EngineConfig, **settings):
+        if isinstance(model_dir, EngineConfig):
+            if settings:
+                raise MsinferError(f"LLM(engine_config) takes no more settings, got "
+                                   f"{', '.join(sorted(settings))}")
+            self.engine_config = model_dir
+        else:
+            self.engine_config = engine_config(model_dir, **settings)
+        self._start(self.engine_config)
+
+    def _start(self, cfg: EngineConfig):
         import mindspore as ms
 
         from .engine.model_runner import build_runner
@@ -66,28 +74,23 @@ class LLM:
         from .parallel.distributed import (init_distributed, job_seed, replica_seed,
                                            tensor_group)
 
-        self.model_dir = model_dir
-        self.config = ModelConfig.from_model_dir(model_dir)
-        hardware, self.hardware_choice = choose_hardware(hardware)
+        self.model_dir = cfg.model
+        self.config = cfg.model_config
+        hardware, self.hardware_choice = choose_hardware(cfg.parallel.hardware)
         self.profile = get_profile(hardware)
-        self.strategy = load_strategy(strategy) if strategy else Strategy.default()
-        self.parallel_mode = decide_parallel_mode(parallel_mode, self.strategy)
-        self.limits = EngineLimits.for_model(self.config, max_len=max_len,
-                                             block_size=block_size,
-                                             max_prefill_tokens=max_prefill_tokens,
-                                             max_num_seqs=max_num_seqs,
-                                             kv_cache_memory=kv_cache_memory,
-                                             graph_shapes=graph_shapes)
+        self.strategy = strategy_of(cfg.parallel.strategy, cfg.parallel.tensor_parallel_size)
+        self.parallel_mode = decide_parallel_mode(cfg.parallel.parallel_mode, self.strategy)
+        self.limits = cfg.limits
         # The planner's check, here too, so every entry point refuses an illegal or oversized
         # plan before any device or collective is touched.
         report = check_plan_or_raise(self.config, self.strategy, self.profile, self.limits,
-                                     dtype=dtype, parallel_mode=self.parallel_mode)
+                                     dtype=cfg.dtype, parallel_mode=self.parallel_mode)
         self.dtype_reason = report.dtype_reason
         self.compute_dtype = report.dtype  # "float32", "float16" or "bfloat16"
         self.shard_plan = self.strategy.resolve(self.config, self.parallel_mode)
 
         self.dist = init_distributed(self.profile.device_target, self.strategy.world_size,
-                                     rank_table)
+                                     cfg.parallel.rank_table)
         if self.dist.world_size == 1:
             log.setup()
         # The job's seed, agreed by a stand-alone AllReduce graph; the semi_auto context is set
@@ -104,29 +107,27 @@ class LLM:
         self.memory = engine_memory(self.shard_plan, self.profile, report.dtype, self.limits,
                                     self.tensor_rank)
         _log_start(self, report)
-        runner = build_runner(model_dir, ctx, self.memory.layout, self.limits,
+        runner = build_runner(cfg.model, ctx, self.memory.layout, self.limits,
                               self.dist.world_size, self.profile)
         self._tokenizer = None
         self.engine = LLMEngine(
-            runner, self.memory.layout, vocab_size=self.config.vocab_size,
-            max_model_len=self.limits.max_len, eos_token_ids=self.eos_token_ids(),
-            max_num_seqs=self.limits.max_num_seqs,
-            max_prefill_tokens=self.limits.max_prefill_tokens,
+            runner, self.memory.layout, self.limits, vocab_size=self.config.vocab_size,
+            eos_token_ids=self.eos_token_ids(),
             seed=replica_seed(seed, self.shard_plan.data_rank(self.dist.rank)
                               if self.replicas > 1 else 0),
             tokenizer=(lambda: self.tokenizer) if self.has_tokenizer else None,
-            prefix_caching=enable_prefix_caching)
+            prefix_caching=cfg.enable_prefix_caching)
         self._batches = 0
-        self._compile_cache_root = compile_cache
 
     @functools.cached_property
     def compile_cache(self):
         """This configuration's compile cache entry (engine/compile_cache.py), None without
         one; built when first asked for (warm-up), not at every start."""
-        if self._compile_cache_root is False:
+        root = self.engine_config.compile_cache
+        if root is False:
             return None
         from .engine.compile_cache import CompileCache, default_root, weight_files
-        return CompileCache(self._compile_cache_root or default_root(), dict(
+        return CompileCache(root or default_root(), dict(
             config=dataclasses.asdict(self.config), weights=weight_files(self.model_dir),
             strategy=dataclasses.asdict(self.strategy), mode=self.parallel_mode,
             rank=self.dist.rank, world_size=self.dist.world_size, dtype=self.compute_dtype,
@@ -251,7 +252,7 @@ def _log_start(llm, report):
                 "chunks of %d tokens; up to %d sequences of up to %d tokens",
                 layout.num_blocks - 1, layout.block_size, layout.usable_tokens,
                 layout.total_bytes / 2 ** 30, limits.max_prefill_tokens, limits.max_num_seqs,
-                limits.max_len)
+                limits.max_model_len)
 
 
 def _describe(plan):

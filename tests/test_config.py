@@ -1,6 +1,8 @@
 """Reading Hugging Face Qwen2/Qwen2.5/Qwen3 configs in both spellings, and refusing the ones
 msinfer cannot run."""
+import dataclasses
 import json
+import re
 
 import pytest
 
@@ -189,3 +191,76 @@ def test_preset_names_load_without_files():
     assert load_config("qwen2-72b").num_layers == 80
     with pytest.raises(MsinferError, match="not a built-in model .*qwen2-0.5b"):
         load_config("qwen2-9000b")
+
+
+# ---- EngineConfig: one builder of the engine's settings, vLLM's names and the older ones ----
+
+def test_engine_config_takes_vllm_names_and_the_older_ones_alike(tmp_path):
+    from msinfer.engine_config import engine_config
+
+    model = write_config(tmp_path, BASE)
+    new = engine_config(model, max_model_len=64, max_num_seqs=2, kv_cache_memory="64KiB")
+    old = engine_config(model, max_len=64, max_num_seqs=2, kv_cache_memory=65536)
+    assert new == old and new.max_model_len == new.limits.max_model_len == 64
+    assert new.limits.kv_cache_memory == 65536 and new.limits.max_prefill_tokens == 64
+    assert engine_config(model).max_model_len == min(BASE["max_position_embeddings"], 4096)
+    assert engine_config(model, tensor_parallel_size=4).parallel.tensor_parallel_size == 4
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        new.limits.max_num_seqs = 3
+
+
+@pytest.mark.parametrize("settings,message", [
+    (dict(max_len=64, max_model_len=128), "max_model_len 128 and its older name max_len 64"),
+    (dict(max_model_lenn=64), "unknown engine setting 'max_model_lenn' (did you mean "
+                              "'max_model_len'?)"),
+    (dict(max_model_len=10 ** 6), "max_model_len 1000000 exceeds the model's"),
+    (dict(max_num_seqs=0), "max_num_seqs must be a positive integer, got 0"),
+    (dict(tensor_parallel_size=3), "tensor_parallel_size 3: a shipped strategy exists for 1, "
+                                   "2, 4, 8"),
+    (dict(tensor_parallel_size=True), "tensor_parallel_size must be a positive integer"),
+    (dict(tensor_parallel_size=2, strategy="s.yaml"), "give a strategy file or "
+                                                      "tensor_parallel_size 2, not both"),
+    (dict(hardware="tpu"), "hardware 'tpu': one of auto"),
+    (dict(graph_shapes="some"), "graph_shapes must be one of dynamic, static"),
+])
+def test_engine_config_refuses_bad_settings_by_name(tmp_path, settings, message):
+    from msinfer.engine_config import engine_config
+
+    with pytest.raises(MsinferError, match=re.escape(message)):
+        engine_config(write_config(tmp_path, BASE), **settings)
+
+
+def test_cli_flags_and_their_aliases_build_the_same_engine_config(tmp_path):
+    """generate and serve build LLM from one EngineConfig.from_args; --max-len and vLLM's
+    --max-model-len are one flag, --tensor-parallel-size / -tp one more."""
+    from msinfer.cli.main import build_parser
+    from msinfer.engine_config import EngineConfig
+
+    model = write_config(tmp_path, BASE)
+    parser = build_parser()
+    configs = [EngineConfig.from_args(parser.parse_args([command, "--model", model, *flags]))
+               for command in ("generate", "serve")
+               for flags in (["--max-len", "96", "-tp", "2"],
+                             ["--max-model-len", "96", "--tensor-parallel-size", "2"])]
+    assert all(c == configs[0] for c in configs[:2]) and configs[0].max_model_len == 96
+    assert configs[0].parallel.tensor_parallel_size == 2 and configs[0].compile_cache is None
+    serve = EngineConfig.from_args(parser.parse_args(
+        ["serve", "--model", model, "--no-compile-cache", "--no-prefix-caching"]))
+    assert serve.compile_cache is False and serve.enable_prefix_caching is False
+
+
+@pytest.mark.parametrize("tensor", [1, 2, 4, 8])
+def test_tensor_parallel_size_is_the_shipped_strategy(tensor):
+    """--tensor-parallel-size N runs Strategy.default(tensor=N): the same shard plan as
+    strategies/qwen2_tpN.yaml, slice for slice."""
+    import os
+
+    from msinfer.parallel.strategy import Strategy, load_strategy
+
+    config = load_config("qwen2-72b")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    shipped = load_strategy(os.path.join(root, "strategies", f"qwen2_tp{tensor}.yaml"))
+    plans = [s.resolve(config, "explicit") for s in (shipped, Strategy.default(tensor=tensor))]
+    for name in config.parameter_shapes():
+        for rank in range(tensor):
+            assert plans[0].slices(name, rank) == plans[1].slices(name, rank), (name, rank)

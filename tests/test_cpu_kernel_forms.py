@@ -56,7 +56,7 @@ def expanded(tmp_path_factory, tiny_checkpoint, hf_model):
 def compiled_calls(llm, kind, size, folder):
     """The primitive calls of the graphs (embedding, layers, lm_head) one call compiles."""
     with dumping_ir(folder):
-        llm.engine.runner.compile_shape(kind, size, CONTEXT)
+        llm.engine.runner.compile_shape(llm.engine.runner.shape_plan.at(kind, size, CONTEXT))
     calls = []
     for name in stage_dumps(folder):
         with open(os.path.join(folder, name)) as f:

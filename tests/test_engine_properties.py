@@ -25,6 +25,7 @@ from msinfer.engine.block_manager import BlockManager
 from msinfer.engine.sampling import SamplingParams
 from msinfer.engine.scheduler import Schedule, Scheduler
 from msinfer.engine.sequence import Sequence, Status
+from msinfer.engine_config import EngineLimits
 from msinfer.planning.kv_layout import TRASH_BLOCK, CacheLayout
 
 DRAIN_STEPS = 10_000  # far above what the largest drawn workload needs
@@ -48,8 +49,9 @@ class EngineMachine(RuleBasedStateMachine):
         self.max_total = min(self.max_model_len, usable)
         self.blocks = BlockManager(self.layout, prefix_caching=prefix_caching)
         self.content = {}  # block -> {slot: token written there}
-        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_prefill_tokens,
-                                   max_context=self.max_model_len)
+        self.scheduler = Scheduler(self.blocks, EngineLimits(
+            max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens,
+            max_model_len=self.max_model_len))
         self.finish_chance = finish_per_mille / 1000
         self.rng = rng
         self.unfinished = []  # in arrival order

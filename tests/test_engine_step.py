@@ -13,6 +13,7 @@ from msinfer.engine.block_manager import BlockManager
 from msinfer.engine.sampling import SamplingParams
 from msinfer.engine.scheduler import Scheduler
 from msinfer.engine.sequence import Sequence
+from msinfer.engine_config import EngineLimits
 from msinfer.planning.kv_layout import CacheLayout
 
 VOCAB = 64
@@ -43,9 +44,9 @@ class LetterTokenizer:
 def engine(**kwargs):
     layout = CacheLayout(num_layers=1, kv_heads=1, head_dim=4, block_size=16,
                          num_blocks=2 * MAX_LEN // 16 + 2, dtype_bytes=4)
-    return LLMEngine(StubRunner(), layout, vocab_size=VOCAB, max_model_len=MAX_LEN,
-                     eos_token_ids=[VOCAB + 1], max_num_seqs=4, max_prefill_tokens=64, seed=0,
-                     tokenizer=LetterTokenizer, **kwargs)
+    limits = EngineLimits(max_model_len=MAX_LEN, max_num_seqs=4, max_prefill_tokens=64)
+    return LLMEngine(StubRunner(), layout, limits, vocab_size=VOCAB, eos_token_ids=[VOCAB + 1],
+                     seed=0, tokenizer=LetterTokenizer, **kwargs)
 
 
 def test_the_stub_engine_generates_the_next_letters_and_stops_at_a_stop_string():
@@ -117,7 +118,8 @@ def test_the_schedule_digest_covers_the_tokens_each_rank_holds():
     def rank(last):
         layout = CacheLayout(num_layers=1, kv_heads=1, head_dim=4, block_size=4,
                              num_blocks=16, dtype_bytes=4)
-        scheduler = Scheduler(BlockManager(layout), max_num_seqs=4, max_prefill_tokens=64)
+        scheduler = Scheduler(BlockManager(layout),
+                              EngineLimits(max_num_seqs=4, max_prefill_tokens=64))
         seqs = [Sequence(n, [1, 2, 3, 4, 5], SamplingParams()) for n in "ab"]
         for s in seqs:
             scheduler.add(s)

@@ -102,7 +102,7 @@ def test_more_prompts_than_max_num_seqs_run_as_slots_free_up(llm):
 @pytest.mark.parametrize("argv, message", [
     (["--prompt", ""], "empty"),
     (["--prompt-ids", "1,2,3", "--max-tokens", "70", "--max-len", "64"],
-     "prompt of 3 tokens + max_tokens 70 = 73 exceeds the longest sequence, max_len 64"),
+     "prompt of 3 tokens + max_tokens 70 = 73 exceeds the longest sequence, max_model_len 64"),
     (["--prompt", "hi", "--kv-cache-memory", "lots"], "--kv-cache-memory 'lots'"),
     (["--prompt", "hi", "--max-num-seqs", "0"], "max_num_seqs must be a positive integer"),
     (["--prompt", "hi", "--max-len", "100000"], "exceeds the model's max_position_embeddings"),
@@ -138,7 +138,7 @@ def test_a_kv_cache_smaller_than_one_max_len_sequence_is_refused_by_the_plan(mod
                            "--max-len", "64", "--block-size", "4", "--kv-cache-memory", "8KiB")
     assert code == 1  # a legal request the memory cannot hold, as `msinfer plan` says
     assert ("kv_cache_memory 8192 bytes holds a KV cache of 12 tokens per rank, less than one "
-            "sequence of max-len 64") in err
+            "sequence of max-model-len 64") in err
     code, _, err = run_cli(capsys, "generate", "--model", model_dir, "--prompt", "hi",
                            "--kv-cache-memory", "100")
     assert code == 1 and "holds a KV cache of 0 tokens" in err

@@ -199,6 +199,7 @@ def test_semi_auto_model_with_tp4_shard_annotations_matches_hf_standalone(
 
     from msinfer.engine import LLMEngine
     from msinfer.engine.model_runner import SemiAutoRunner
+    from msinfer.engine_config import EngineLimits
     from msinfer.layers.parallel_context import ParallelContext
     from msinfer.models.loader import Checkpoint
     from msinfer.models.qwen2 import Qwen2Model, layer_weight_names
@@ -237,11 +238,11 @@ def test_semi_auto_model_with_tp4_shard_annotations_matches_hf_standalone(
     assert model.k_caches[0].shape == (layout.num_slots, config.num_kv_heads, config.head_dim)
     for name, array in full.items():
         model.weights[name].set_data(ms.Tensor(array))
-    runner = SemiAutoRunner(ctx, layout, max_num_seqs=4, max_prefill_tokens=16, max_model_len=128,
-                            model=model)
+    limits = EngineLimits(max_num_seqs=4, max_prefill_tokens=16, max_model_len=128)
+    runner = SemiAutoRunner(ctx, layout, limits, model=model)
     assert all(b % data == 0 for b in runner.batch_buckets + runner.chunk_buckets)
-    engine = LLMEngine(runner, layout, vocab_size=config.vocab_size, max_model_len=128,
-                       eos_token_ids=(), max_num_seqs=4, max_prefill_tokens=16, seed=0)
+    engine = LLMEngine(runner, layout, limits, vocab_size=config.vocab_size, eos_token_ids=(),
+                       seed=0)
     hf = hf_model(model_dir)
     prompts = prompts_for(config.vocab_size, seed=9)
     for i, prompt in enumerate(prompts):

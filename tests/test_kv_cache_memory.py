@@ -87,10 +87,9 @@ def test_serve_passes_bytes_to_the_engine(model_dir, monkeypatch):
     seen = {}
 
     class Recorder:
-        def __init__(self, model, **kwargs):
-            seen.update(kwargs)
-            self.limits = EngineLimits.for_model(load_config(model),
-                                                 kv_cache_memory=kwargs["kv_cache_memory"])
+        def __init__(self, engine_config):
+            seen["kv_cache_memory"] = engine_config.limits.kv_cache_memory
+            self.limits = engine_config.limits
 
     monkeypatch.setattr(msinfer.api, "LLM", Recorder)
     monkeypatch.setattr(msinfer.server.api_server, "serve", lambda llm, options: 0)

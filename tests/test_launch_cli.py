@@ -347,3 +347,27 @@ time.sleep(60)
         time.sleep(0.05)
     else:
         assert not os.path.exists(f"/proc/{child}"), "the child outlived its launcher"
+
+
+def test_tensor_parallel_size_stands_for_the_shipped_strategy(model_dir, capsys):
+    """vLLM's --tensor-parallel-size N, on launch or in the rank command, plans and runs the
+    shipped strategies/qwen2_tpN.yaml plan; with a strategy file too, or a size not shipped,
+    or another --nproc, it is refused before launch."""
+    rank = ("generate", "--model", model_dir, "--prompt", "hi")
+    code, command, _, err = dry_run(capsys, "--nproc", "4", "-tp", "4", "--hardware", "cpu",
+                                    rank=rank)
+    assert code == 0 and "FITS" in err and "tensor 4" in err
+    assert command[command.index("-m"):] == ["-m", "msinfer", *rank, "--tensor-parallel-size",
+                                             "4", "--hardware", "cpu"]
+    code, command, _, err = dry_run(capsys, "--nproc", "4", "--hardware", "cpu",
+                                    rank=(*rank, "--tensor-parallel-size", "4"))
+    assert code == 0 and "FITS" in err and "--strategy" not in command
+    for launch, message in (
+            (("--nproc", "2", "-tp", "4"), "--nproc 2 but <default tensor=4 data=1> has "
+                                           "world_size 4"),
+            (("--nproc", "4", "-tp", "4", "--strategy", TP4), "give a strategy file or "
+                                                              "tensor_parallel_size 4, not both"),
+            (("--nproc", "3", "-tp", "3"), "tensor_parallel_size 3: a shipped strategy exists"),
+            (("--nproc", "4"), "give --strategy FILE or --tensor-parallel-size N")):
+        code, _, _, err = dry_run(capsys, *launch, "--hardware", "cpu", rank=rank)
+        assert code != 0 and message in err, err

@@ -132,8 +132,9 @@ def test_cpu_workspace_reserves_two_layers_of_the_largest_call():
     cpu = plan_for("qwen2-0.5b", "qwen2_tp1.yaml", hardware="cpu", **limits)
     config = load_config("qwen2-0.5b")
     shard = Strategy.default().resolve(config, "explicit")
-    one = largest_call_bytes(shard, 4, 1024, 256, 16)
-    assert largest_call_bytes(shard, 4, 1024, 256, 16, layers=2) == 2 * one
+    sizes = EngineLimits(max_model_len=1024, max_prefill_tokens=256, max_num_seqs=16)
+    one = largest_call_bytes(shard, 4, sizes)
+    assert largest_call_bytes(shard, 4, sizes, layers=2) == 2 * one
     logits = 16 * config.vocab_size * 4
     assert cpu.devices[0].workspace_bytes == get_profile("cpu").runtime_reserve_bytes + \
         2 * one + logits
@@ -182,8 +183,8 @@ def test_a_chunk_too_big_for_a_32k_context_names_the_longest_max_len_that_fits()
     limits = dict(max_len=32768, max_prefill_tokens=8192)
     plan = plan_for("qwen2-72b", "qwen2_tp4.yaml", **limits)
     message = plan.errors[0]
-    assert "no tensor degree up to 8 fits max-len 32768" in message
-    longest = int(re.search(r"with --max-len (\d+) it fits at tensor 4", message).group(1))
+    assert "no tensor degree up to 8 fits max-model-len 32768" in message
+    longest = int(re.search(r"with --max-model-len (\d+) it fits at tensor 4", message).group(1))
     assert plan_for("qwen2-72b", "qwen2_tp4.yaml", **dict(limits, max_len=longest)).fits
     assert not plan_for("qwen2-72b", "qwen2_tp4.yaml", **dict(limits, max_len=longest + 1)).fits
 
@@ -362,3 +363,20 @@ def test_llm_runs_the_plan_check_itself_before_touching_a_device(small_checkpoin
 
     with pytest.raises(PlanRefused, match="does not fit: rank 0 needs"):
         LLM(small_checkpoint, max_num_seqs=100_000, max_len=4096)
+
+
+def test_plan_takes_tensor_parallel_size_for_the_shipped_strategy(capsys):
+    """`msinfer plan -tp 4` plans what `--strategy strategies/qwen2_tp4.yaml` does."""
+    from msinfer.cli.main import main
+
+    reports = []
+    for placement in (["--tensor-parallel-size", "4"], ["--strategy", os.path.join(
+            STRATEGIES, "qwen2_tp4.yaml")]):
+        code = main(["plan", "--model", "qwen2-72b", "--hardware", "atlas-300i-duo", "--json",
+                     *placement])
+        report = json.loads(capsys.readouterr().out)
+        reports.append({k: v for k, v in report.items() if k != "strategy"})
+        assert code == 0
+    assert reports[0] == reports[1]
+    assert main(["plan", "--model", "qwen2-72b", "--hardware", "cpu"]) == 2
+    assert "give --strategy FILE or --tensor-parallel-size N" in capsys.readouterr().err

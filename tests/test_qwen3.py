@@ -27,6 +27,7 @@ from test_hf_parity import (ENGINE, NEW_TOKENS, assert_matches_hf, greedy,  # no
 from msinfer import LLM, SamplingParams  # noqa: E402
 from msinfer.cli.main import main  # noqa: E402
 from msinfer.config import PRESETS, ModelConfig  # noqa: E402
+from msinfer.engine_config import EngineLimits  # noqa: E402
 from msinfer.errors import MsinferError  # noqa: E402
 from msinfer.parallel.strategy import Strategy, load_strategy  # noqa: E402
 from msinfer.tools.tiny_model import random_tensor  # noqa: E402
@@ -189,10 +190,10 @@ def test_semi_auto_qwen3_model_with_tp4_shard_annotations_matches_hf_standalone(
     assert model.layer.q_norm.to_float.in_strategy == ((1, tensor, 1),)
     for name, array in full.items():
         model.weights[name].set_data(ms.Tensor(array))
-    runner = SemiAutoRunner(ctx, layout, max_num_seqs=4, max_prefill_tokens=16,
-                            max_model_len=128, model=model)
-    engine = LLMEngine(runner, layout, vocab_size=config.vocab_size, max_model_len=128,
-                       eos_token_ids=(), max_num_seqs=4, max_prefill_tokens=16, seed=0)
+    limits = EngineLimits(max_num_seqs=4, max_prefill_tokens=16, max_model_len=128)
+    runner = SemiAutoRunner(ctx, layout, limits, model=model)
+    engine = LLMEngine(runner, layout, limits, vocab_size=config.vocab_size, eos_token_ids=(),
+                       seed=0)
     prompts = prompts_for(config.vocab_size, seed=9)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, greedy(config.vocab_size, 12))
@@ -243,7 +244,7 @@ def test_plan_qwen3_32b_tp4_on_300i_duo_at_its_native_40960(capsys):
                  "--max-len", "40960", "--json"])
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["fits"], report["errors"]
-    assert report["dtype"] == "float16" and report["max_len"] == 40960
+    assert report["dtype"] == "float16" and report["max_model_len"] == 40960
     # 64 layers x K and V x 2 KV heads per rank x head_dim 128 x 2 bytes
     assert report["kv_bytes_per_token"] == 64 * 2 * 2 * 128 * 2
     weights = PRESETS["qwen3-32b"].num_parameters() * 2
@@ -255,10 +256,10 @@ def test_plan_qwen25_yarn_reaches_131072_and_the_native_preset_refuses_it(capsys
     tp4 = os.path.join(STRATEGIES, "qwen2_tp4.yaml")
     args = ["--strategy", tp4, "--hardware", "atlas-800i-a2", "--max-len", "131072", "--json"]
     assert main(["plan", "--model", "qwen2.5-7b-yarn", *args]) == 0
-    assert json.loads(capsys.readouterr().out)["max_len"] == 131072
+    assert json.loads(capsys.readouterr().out)["max_model_len"] == 131072
     assert main(["plan", "--model", "qwen2.5-7b", *args]) == 2
     err = capsys.readouterr().err
-    assert "max_len 131072 exceeds the model's max_position_embeddings 32768" in err
+    assert "max_model_len 131072 exceeds the model's max_position_embeddings 32768" in err
 
 
 def deploy_guide_plan_rows():
@@ -296,7 +297,7 @@ def test_the_deploy_guides_qwen3_and_qwen25_plans_are_what_the_planner_says(caps
         free = min(d["capacity_bytes"] - d["total_bytes"] for d in report["devices"]) / 2**30
         assert "free" not in verdict or f"{free:.2f} free" in verdict
     else:
-        assert any("with tensor: 8" in e and "--max-len 50672" in e for e in report["errors"])
+        assert any("with tensor: 8" in e and "--max-model-len 50672" in e for e in report["errors"])
 
 
 @pytest.mark.parametrize("config, field", [

@@ -13,6 +13,7 @@ from msinfer.engine.block_manager import BlockManager
 from msinfer.engine.sampling import SamplingParams
 from msinfer.engine.scheduler import Scheduler
 from msinfer.engine.sequence import Sequence, Status
+from msinfer.engine_config import EngineLimits
 from msinfer.errors import MsinferError
 from msinfer.planning.kv_layout import TRASH_BLOCK, CacheLayout
 
@@ -92,8 +93,8 @@ def test_block_manager_never_hands_out_the_trash_block_and_takes_blocks_back():
 
 
 def test_chunks_fill_the_budget_in_arrival_order_and_long_prompts_continue():
-    scheduler = Scheduler(BlockManager(layout(blocks=64)), max_num_seqs=8,
-                          max_prefill_tokens=16)
+    scheduler = Scheduler(BlockManager(layout(blocks=64)), EngineLimits(
+                          max_num_seqs=8, max_prefill_tokens=16))
     for i, n in enumerate((10, 30, 3)):
         scheduler.add(seq(f"s{i}", n))
     first = scheduler.schedule()
@@ -110,8 +111,8 @@ def test_chunks_fill_the_budget_in_arrival_order_and_long_prompts_continue():
 
 
 def test_max_num_seqs_and_free_blocks_gate_admission_and_nothing_overtakes_the_head():
-    scheduler = Scheduler(BlockManager(layout(blocks=5)), max_num_seqs=2,
-                          max_prefill_tokens=64)
+    scheduler = Scheduler(BlockManager(layout(blocks=5)), EngineLimits(
+                          max_num_seqs=2, max_prefill_tokens=64))
     scheduler.add(seq("big", 12))  # 3 of the 4 usable blocks
     scheduler.add(seq("too-big-now", 8))  # 2 blocks: does not fit yet
     scheduler.add(seq("small", 2))  # would fit, but must not overtake
@@ -121,8 +122,8 @@ def test_max_num_seqs_and_free_blocks_gate_admission_and_nothing_overtakes_the_h
 
 
 def test_a_sequence_out_of_blocks_preempts_the_latest_admitted_which_resumes_first():
-    scheduler = Scheduler(BlockManager(layout(blocks=5)), max_num_seqs=4,
-                          max_prefill_tokens=64)
+    scheduler = Scheduler(BlockManager(layout(blocks=5)), EngineLimits(
+                          max_num_seqs=4, max_prefill_tokens=64))
     a, b = seq("a", 4, max_tokens=10), seq("b", 4, max_tokens=10)
     scheduler.add(a)
     scheduler.add(b)
@@ -141,8 +142,8 @@ def test_a_sequence_out_of_blocks_preempts_the_latest_admitted_which_resumes_fir
 
 
 def test_finished_sequences_free_their_blocks_at_once():
-    scheduler = Scheduler(BlockManager(layout(blocks=16)), max_num_seqs=4,
-                          max_prefill_tokens=64)
+    scheduler = Scheduler(BlockManager(layout(blocks=16)), EngineLimits(
+                          max_num_seqs=4, max_prefill_tokens=64))
     scheduler.add(seq("a", 6))
     run_step(scheduler)
     used = scheduler.blocks.num_used
@@ -155,8 +156,8 @@ def test_same_requests_same_order_give_the_same_decisions():
     """Every rank replays the same add calls: the schedules must be identical."""
     def replay():
         rng = np.random.default_rng(0)
-        scheduler = Scheduler(BlockManager(layout(blocks=12)), max_num_seqs=3,
-                              max_prefill_tokens=8)
+        scheduler = Scheduler(BlockManager(layout(blocks=12)), EngineLimits(
+                              max_num_seqs=3, max_prefill_tokens=8))
         trace = []
         for step in range(60):
             if step % 3 == 0:
@@ -175,8 +176,8 @@ def test_chunks_of_one_step_attend_within_the_largest_context():
     """Packed chunks attend over their sequences' contexts side by side: together they stay
     within max_context (a long prompt's last chunk plus a new prompt once overflowed the
     runner's largest context bucket)."""
-    scheduler = Scheduler(BlockManager(layout(blocks=128)), max_num_seqs=8,
-                          max_prefill_tokens=32, max_context=128)
+    scheduler = Scheduler(BlockManager(layout(blocks=128)), EngineLimits(
+                          max_num_seqs=8, max_prefill_tokens=32, max_model_len=128))
     long, short = seq("long", 120), seq("short", 30)
     scheduler.add(long)
     long.computed = 100  # five chunks in: 20 pending, its chunk attends over 120 positions

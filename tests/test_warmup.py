@@ -107,6 +107,11 @@ def test_after_warmup_a_mixed_workload_compiles_nothing(model_dir, mode, max_len
     assert llm.compilations == before
 
 
+def call(shape):
+    """A GraphShape's call: (kind, size, context, lm_head rows)."""
+    return shape.kind, shape.size, shape.context, shape.rows
+
+
 def test_shapes_say_how_many_rows_each_call_computes(model_dir):
     from msinfer import LLM
 
@@ -116,33 +121,40 @@ def test_shapes_say_how_many_rows_each_call_computes(model_dir):
     # explicit mode warms up one call per graph: every decode batch (static rows), a short
     # prefill chunk and a full one (static rows, dynamic context), each running the lm_head on
     # its rows
-    assert [s[:4] for s in shapes if s[0] == "decode"] == [("decode", b, 64, b)
-                                                           for b in (1, 2, 4)]
-    assert [s[:4] for s in shapes if s[0] == "prefill"] == [("prefill", 16, 64, 1),
-                                                            ("prefill", 32, 64, 1)]
-    assert [(s[4].rows, s[4].context) for s in shapes if s[0] == "prefill"] == [(16, 0), (32, 0)]
-    assert [s[4] for s in shapes] == [g for g in runner.graph_of.all() if g.part == "layers"]
-    assert {s[:3] for s in shapes} == set(runner.graph_of.all().values())
+    assert [call(s) for s in shapes if s.kind == "decode"] == [("decode", b, 64, b)
+                                                               for b in (1, 2, 4)]
+    assert [call(s) for s in shapes if s.kind == "prefill"] == [("prefill", 16, 64, 1),
+                                                                ("prefill", 32, 64, 1)]
+    assert [(s.stack.rows, s.stack.context) for s in shapes if s.kind == "prefill"] == [
+        (16, 0), (32, 0)]
+    assert [s.stack for s in shapes] == [g for g in runner.graph_of.all() if g.part == "layers"]
+    assert {call(s)[:3] for s in shapes} == set(runner.graph_of.all().values())
+    plan = runner.shape_plan
     # explicit: any prefill row count is a decode batch's head graph
-    assert [runner.prefill_rows(n, 32) for n in (1, 2, 3, 4)] == [1, 2, 4, 4]
+    assert [plan.prefill_rows(n, 32) for n in (1, 2, 3, 4)] == [1, 2, 4, 4]
+    assert plan.prefill(20, 40, 3).head == plan.decode(3, 40).head == runner.graph_of.head(4)
+    assert plan.prefill(20, 40, 0).head is None and plan.prefill(20, 40, 0).rows == 0
     # a short chunk (up to 32 tokens) takes its bucket's static rows, here the full chunk's
     # (32); a context pads to a multiple of 64 slots within its bucket
-    assert [runner.padded_chunk(n) for n in (1, 5, 16, 17, 32)] == [16, 16, 16, 32, 32]
-    assert [runner.padded_context(n) for n in (1, 64, 65, 128)] == [64, 64, 128, 128]
+    assert [plan.padded_chunk(n) for n in (1, 5, 16, 17, 32)] == [16, 16, 16, 32, 32]
+    assert [plan.padded_context(n) for n in (1, 64, 65, 128)] == [64, 64, 128, 128]
     # chunks of up to 128: static rows up to 32, dynamic rows (their own tokens) above, and
     # the full chunk's static rows within 16 of it
     wide = LLM(model_dir, **DYNAMIC).engine.runner
-    assert [wide.padded_chunk(n) for n in (3, 20, 33, 60, 112, 113)] == [16, 32, 33, 60, 112,
-                                                                         128]
+    assert [wide.shape_plan.padded_chunk(n) for n in (3, 20, 33, 60, 112, 113)] == [
+        16, 32, 33, 60, 112, 128]
     assert [wide.graph_of.layers("prefill", n, 64).rows for n in (16, 32, 33, 112, 128)] == [
         16, 32, 0, 0, 128]
-    semi_auto = LLM(model_dir, parallel_mode="semi_auto", **ENGINE).engine.runner.shapes()
+    semi_auto_runner = LLM(model_dir, parallel_mode="semi_auto", **ENGINE).engine.runner
+    semi_auto = [call(s) for s in semi_auto_runner.shapes()]
+    # semi_auto: every prefill call computes its chunk's most rows, with or without logits
+    assert semi_auto_runner.shape_plan.prefill(20, 40, 0).rows == 4
     assert ("decode", 4, 128, 4) in semi_auto and ("prefill", 32, 64, 4) in semi_auto
     assert ("prefill", 32, 32, 4) not in semi_auto  # a context holds at least its chunk
     assert len(semi_auto) == 3 * 2 + 2 * 2  # batches 1, 2, 4 and chunks 16, 32 over 64, 128
     # explicit mode's static graphs: a call per shape too, which compiles its embedding (per
     # token count) and lm_head (per row count) on the way
     static = LLM(model_dir, **STATIC).engine.runner
-    assert [static.padded_chunk(n) for n in (1, 5, 17)] == [16, 16, 32]  # its bucket
-    assert [s[:3] for s in static.shapes()] == [s[:3] for s in semi_auto]
+    assert [static.shape_plan.padded_chunk(n) for n in (1, 5, 17)] == [16, 16, 32]  # its bucket
+    assert [call(s)[:3] for s in static.shapes()] == [s[:3] for s in semi_auto]
     assert static.graph_count == len(semi_auto) + len({1, 2, 4, 16, 32}) + len({1, 2, 4})

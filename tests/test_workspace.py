@@ -4,6 +4,7 @@ layer count, never fewer than one."""
 import pytest
 
 from msinfer.config import load_config
+from msinfer.engine_config import EngineLimits
 from msinfer.parallel.strategy import Strategy
 from msinfer.planning.workspace import largest_call_bytes, layer_activation_bytes, layers_per_graph
 
@@ -43,8 +44,8 @@ def test_a_floor_of_two_layers_per_graph_where_they_divide_and_fit(layers, layer
 def test_largest_prefill_chunk_runs_a_layer_per_graph_and_a_short_decode_four_graphs():
     config = load_config("qwen2-1.5b")
     shard = Strategy.default().resolve(config, "explicit")
-    budget = largest_call_bytes(shard, 4, max_len=4096, max_prefill_tokens=256,
-                                max_num_seqs=16)
+    budget = largest_call_bytes(shard, 4, EngineLimits(max_model_len=4096,
+                                                       max_prefill_tokens=256, max_num_seqs=16))
 
     def layers(tokens, groups, context):
         layer = layer_activation_bytes(shard, 4, tokens, groups, context)
@@ -80,9 +81,9 @@ def test_on_cpu_the_largest_calls_run_as_many_layers_per_graph_as_short_ones():
     cpu = get_profile("cpu")
     config = load_config("qwen2-0.5b")
     shard = Strategy.default().resolve(config, "explicit")
-    sizes = dict(max_len=4096, max_prefill_tokens=256, max_num_seqs=16)
-    layers_for = stack_layers(shard, 4, **sizes, min_layers=cpu.min_layers_per_graph,
+    sizes = EngineLimits(max_model_len=4096, max_prefill_tokens=256, max_num_seqs=16)
+    layers_for = stack_layers(shard, 4, sizes, min_layers=cpu.min_layers_per_graph,
                               growth=cpu.layer_peak_growth)
     assert layers_for(256, 1, 4096) == layers_for(16, 16, 4096) == layers_for(1, 1, 64) == 6
-    held = stack_layers(shard, 4, **sizes, min_layers=cpu.min_layers_per_graph)
+    held = stack_layers(shard, 4, sizes, min_layers=cpu.min_layers_per_graph)
     assert held(256, 1, 4096) == 2

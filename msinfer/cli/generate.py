@@ -7,7 +7,7 @@ import sys
 
 from ..errors import MsinferError
 from ..parallel.strategy import PARALLEL_MODES
-from .args import add_engine_arguments, add_hardware_argument
+from .args import add_llm_arguments
 
 
 def register(subparsers):
@@ -15,7 +15,6 @@ def register(subparsers):
         "generate", help="generate text from prompts",
         description="Generate from a Hugging Face Qwen2 checkpoint. Under mpirun/msrun every "
                     "rank runs this command; rank 0 prints.")
-    p.add_argument("--model", required=True, help="checkpoint directory")
     p.add_argument("--prompt", action="append", default=[],
                    help="a prompt (repeat for a batch)")
     p.add_argument("--prompt-ids", action="append", default=[], metavar="IDS",
@@ -29,13 +28,7 @@ def register(subparsers):
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--strategy", default=None, help="strategy YAML (default: one device)")
-    add_hardware_argument(p)
-    p.add_argument("--parallel-mode", choices=PARALLEL_MODES, default=None,
-                   help="default: the strategy's parallel_mode, else explicit")
-    add_engine_arguments(p)
-    p.add_argument("--dtype", default=None, help="compute dtype override")
-    p.add_argument("--rank-table", default=None, help="HCCL rank table (Ascend rank-table mode)")
+    add_llm_arguments(p, PARALLEL_MODES)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per prompt: prompt, token_ids, text")
     p.set_defaults(func=run)
@@ -51,18 +44,14 @@ def _parse_ids(text):
 def run(args):
     from ..api import LLM
     from ..engine.sampling import SamplingParams
+    from ..engine_config import EngineConfig
 
     if not args.prompt and not args.prompt_ids:
         raise MsinferError("give at least one --prompt or --prompt-ids")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             stop=tuple(args.stop), ignore_eos=args.ignore_eos)
-    llm = LLM(args.model, strategy=args.strategy, hardware=args.hardware,
-              parallel_mode=args.parallel_mode, max_len=args.max_len, dtype=args.dtype,
-              rank_table=args.rank_table, kv_cache_memory=args.kv_cache_memory,
-              block_size=args.block_size, max_prefill_tokens=args.max_prefill_tokens,
-              max_num_seqs=args.max_num_seqs, enable_prefix_caching=args.prefix_caching,
-              graph_shapes=args.graph_shapes)
+    llm = LLM(EngineConfig.from_args(args))
     prompts = list(args.prompt)
     if args.chat:
         prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}])

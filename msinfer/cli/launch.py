@@ -2,6 +2,7 @@
 
     msinfer launch --nproc 4 --strategy strategies/qwen2_tp4.yaml -- generate --model DIR ...
     msinfer launch --nproc 4 --strategy strategies/qwen2_tp4.yaml -- commtest
+    msinfer launch --nproc 4 --tensor-parallel-size 4 -- serve --model DIR   (vLLM's spelling)
 
 The rank command after `--` is any msinfer subcommand; for the ones that build a model
 (MODEL_COMMANDS) the planner runs first, on this machine, in the parallel mode the rank command
@@ -60,11 +61,15 @@ HCCL_TIMEOUTS = {
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from .args import add_tensor_parallel_size
+
     p = subparsers.add_parser(
         "launch", help="check the plan, then run a sharded job under mpirun or msrun",
         description="Plan, then start NPROC ranks that each run the given msinfer command.")
     p.add_argument("--nproc", type=int, required=True, help="processes (= world_size)")
-    p.add_argument("--strategy", required=True, help="strategy YAML")
+    p.add_argument("--strategy", default=None,
+                   help="strategy YAML (or the rank command's --strategy)")
+    add_tensor_parallel_size(p)
     p.add_argument("--hardware", default=None, choices=HARDWARE_CHOICES, metavar="NAME",
                    help="hardware profile, or auto: the Ascend chips npu-smi lists, else cpu "
                         "(default: the rank command's --hardware, else auto); the ranks get "
@@ -106,8 +111,9 @@ def run(args: argparse.Namespace) -> int:
                            f"the workers of one host (run it on each host instead)")
     args.rank_table = args.rank_table or _option_value(rank_args, "--rank-table")
     rank_table = _rank_table(args, profile)
-    for option, value in (("--strategy", args.strategy), ("--hardware", args.hardware),
-                          ("--rank-table", rank_table)):
+    tp = args.tensor_parallel_size and str(args.tensor_parallel_size)
+    for option, value in (("--strategy", args.strategy), ("--tensor-parallel-size", tp),
+                          ("--hardware", args.hardware), ("--rank-table", rank_table)):
         if value and _accepts(parser, option):
             rank_args = _with_option(rank_args, option, value)
     rank = parser.parse_args(rank_args[1:])
@@ -192,12 +198,13 @@ def _with_option(argv, option, value):
 
 def _check_plan(args, command, rank, profile):
     from ..config import load_config
-    from ..parallel.strategy import load_strategy
     from ..planning.planner import check_plan_or_raise, format_plan
-    from .args import limits_from_args
+    from .args import job_strategy, limits_from_args
     from .plan import with_hardware_choice
 
-    strategy = load_strategy(getattr(rank, "strategy", None) or args.strategy)
+    strategy = job_strategy(getattr(rank, "strategy", None) or args.strategy,
+                            (getattr(rank, "tensor_parallel_size", None)
+                             or args.tensor_parallel_size))
     if args.nproc != strategy.world_size:
         raise MsinferError(f"--nproc {args.nproc} but {strategy.source} has world_size "
                            f"{strategy.world_size}")

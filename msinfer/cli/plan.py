@@ -4,15 +4,15 @@ import json
 
 from ..config import load_config
 from ..hardware import DTYPE_BYTES, choose_hardware, get_profile
-from ..parallel.strategy import PARALLEL_MODES, load_strategy
+from ..parallel.strategy import PARALLEL_MODES
 from ..planning.planner import format_plan, make_plan
 from .args import (add_engine_arguments, add_hardware_argument, add_model_and_strategy,
-                   limits_from_args)
+                   job_strategy, limits_from_args)
 
 
 def _run(args):
     config = load_config(args.model)
-    strategy = load_strategy(args.strategy)
+    strategy = job_strategy(args.strategy, args.tensor_parallel_size)
     name, how = choose_hardware(args.hardware)
     plan = make_plan(config, strategy, get_profile(name), limits_from_args(config, args),
                      args.dtype, args.parallel_mode)
@@ -38,7 +38,7 @@ def register(subparsers):
         description="Says whether a shard plan is legal on the hardware and whether it fits: "
                     "memory per device, collectives per token, dtype, decode speed bound. "
                     "Exit 0 when it fits, 1 when it does not fit or is refused, 2 for bad input.")
-    add_model_and_strategy(parser)
+    add_model_and_strategy(parser, tensor_parallel=True)
     # Required: a plan is often made for another machine than this one; `auto` plans for
     # this host's chips.
     add_hardware_argument(parser, required=True)

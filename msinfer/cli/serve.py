@@ -9,9 +9,10 @@ how the job drains and stops: msinfer/server/api_server.py.
 import os
 
 from ..errors import MsinferError
+from ..parallel.strategy import PARALLEL_MODES
 from ..planning.memory import parse_bytes
 from ..server.reasoning import PARSERS
-from .args import add_engine_arguments, add_hardware_argument
+from .args import add_llm_arguments
 
 
 def register(subparsers):
@@ -20,7 +21,6 @@ def register(subparsers):
         description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, "
                     "/v1/models, /health, /metrics). Under mpirun/msrun every rank runs this "
                     "command; rank 0 listens.")
-    p.add_argument("--model", required=True, help="checkpoint directory")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: "
                    "127.0.0.1, this host only)")
     p.add_argument("--port", type=int, default=8000)
@@ -46,12 +46,7 @@ def register(subparsers):
                    help="publish KV-cache events as vLLM does (vLLM's KVEventsConfig, e.g. "
                         "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
                         "\"endpoint\": \"tcp://*:5557\"}'; docs/fleet.md)")
-    p.add_argument("--strategy", default=None, help="strategy YAML (default: one device)")
-    add_hardware_argument(p)
-    p.add_argument("--parallel-mode", choices=("explicit", "semi_auto"), default=None)
-    add_engine_arguments(p)
-    p.add_argument("--dtype", default=None, help="compute dtype override")
-    p.add_argument("--rank-table", default=None, help="HCCL rank table (Ascend rank-table mode)")
+    add_llm_arguments(p, PARALLEL_MODES)
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="keep warm-up's compiled graphs here; a restart of the same "
                         "configuration loads them (default: $MSINFER_COMPILE_CACHE, else "
@@ -87,16 +82,11 @@ def _check_args(args):
 
 def run(args):
     from ..api import LLM
+    from ..engine_config import EngineConfig
     from ..server.api_server import ServeOptions, serve
 
     _check_args(args)
-    llm = LLM(args.model, strategy=args.strategy, hardware=args.hardware,
-              parallel_mode=args.parallel_mode, max_len=args.max_len, dtype=args.dtype,
-              rank_table=args.rank_table, kv_cache_memory=args.kv_cache_memory,
-              block_size=args.block_size, max_prefill_tokens=args.max_prefill_tokens,
-              max_num_seqs=args.max_num_seqs, enable_prefix_caching=args.prefix_caching,
-              graph_shapes=args.graph_shapes,
-              compile_cache=False if args.no_compile_cache else args.compile_cache)
+    llm = LLM(EngineConfig.from_args(args))
     return serve(llm, ServeOptions(
         model_names=args.served_model_name or [args.model], host=args.host, port=args.port,
         api_key=args.api_key, max_queue=args.max_queue,

@@ -20,6 +20,7 @@ import gc
 import numpy as np
 
 from .. import log
+from ..engine_config import EngineLimits
 from ..errors import MsinferError
 from .block_manager import BlockManager
 from .sampling import Sampler, SamplingParams, logprobs_of_rows, request_logprobs
@@ -107,8 +108,8 @@ def check_request_limits(ids, params, vocab_size, max_model_len, layout, *, has_
     if total > max_model_len:
         raise MsinferError(
             f"{name}: prompt of {len(ids)} tokens + max_tokens {params.max_tokens} = "
-            f"{total} exceeds the longest sequence, max_len {max_model_len}; "
-            f"shorten the prompt, lower max_tokens or raise max_len")
+            f"{total} exceeds the longest sequence, max_model_len {max_model_len}; "
+            f"shorten the prompt, lower max_tokens or raise max_model_len")
     pool = layout.usable_tokens
     if total > pool:
         raise MsinferError(
@@ -126,20 +127,20 @@ def check_request_limits(ids, params, vocab_size, max_model_len, layout, *, has_
 
 
 class LLMEngine:
-    def __init__(self, runner, layout, vocab_size: int, max_model_len: int, eos_token_ids,
-                 max_num_seqs: int, max_prefill_tokens: int, seed: int, tokenizer=None,
-                 prefix_caching: bool = True):
-        """tokenizer: a callable returning the Tokenizer (loaded when first needed), or None
+    def __init__(self, runner, layout, limits: EngineLimits, vocab_size: int, eos_token_ids,
+                 seed: int, tokenizer=None, prefix_caching: bool = True):
+        """limits: the EngineConfig's (max_model_len, max_num_seqs, max_prefill_tokens).
+        tokenizer: a callable returning the Tokenizer (loaded when first needed), or None
         for checkpoints without tokenizer.json (token-id prompts, no text, no stop strings).
         prefix_caching: reuse computed full blocks of earlier prompts (block_manager.py)."""
         self.runner = runner
         self.layout = layout
+        self.limits = limits
         self.blocks = BlockManager(layout, prefix_caching=prefix_caching)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_prefill_tokens,
-                                   max_context=max_model_len)
+        self.scheduler = Scheduler(self.blocks, limits)
         self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
-        self.max_num_seqs = max_num_seqs
+        self.max_model_len = limits.max_model_len
+        self.max_num_seqs = limits.max_num_seqs
         self.eos_token_ids = set(eos_token_ids)
         self.seed = seed
         self._tokenizer = tokenizer
@@ -433,9 +434,9 @@ class LLMEngine:
         gc.freeze()
         try:
             for shape in shapes:  # progress in graphs: a call may compile several
-                self.runner.compile_shape(*shape)
+                self.runner.compile_shape(shape)
                 progress.step(self.runner.compilations,
-                              f"{shape[0]} {shape[1]} x {shape[2]}, {shape[3]} rows")
+                              f"{shape.kind} {shape.size} x {shape.context}, {shape.rows} rows")
         finally:
             if not frozen_before:
                 gc.unfreeze()

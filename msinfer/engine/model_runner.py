@@ -4,7 +4,8 @@ runs them and returns logits. Two runners behind one interface (`decode`, `prefi
 `shapes`, `compile_shape`, `compilations`): `ExplicitRunner` and `SemiAutoRunner`;
 `build_runner` makes the one a parallel mode needs.
 
-Every call is padded to a shape bucket (planning/shapes.py):
+Every call is padded to the GraphShape the planner's ShapePlan decides (planning/shapes.py:
+its shape bucket, and in explicit mode the graphs that run it); the runner only executes it:
 - decode: batch B (powers of two up to max_num_seqs) x context T (powers of two from 64 up to
   max_model_len): B sequences, one token each, each over its own T gathered cache slots;
 - prefill: chunk C tokens (16, 32, 64, ... up to max_prefill_tokens) x context T: the chunk's
@@ -14,7 +15,7 @@ In explicit mode a call is one embedding call, the decoder layers in stacks of k
 layers (each layer's weights and KV cache passed in; k the fewest for a pass in a few calls,
 within the planner's workspace for that shape: planning/workspace.py), and one lm_head call
 (none for a prefill call that completes no prompt). Those graphs are of dynamic shape, so
-their number does not grow with max_len (planning/shapes.ExplicitGraphs: dynamic in the
+their number does not grow with max_model_len (planning/shapes.ExplicitGraphs: dynamic in the
 context, and in the rows of the prefill chunks between the short and the full ones), and a
 call pads its context only to a multiple of 64 slots and such a chunk not at all (one within
 16 tokens of a full chunk takes the full chunk's graph, a short one its bucket's). semi_auto
@@ -30,6 +31,7 @@ import numpy as np
 from mindspore import Tensor, ops
 
 from .. import log
+from ..engine_config import EngineLimits
 from ..hardware import DTYPE_BYTES
 from ..layers.attention import new_cache
 from ..layers.cpu_forms import matmul_forms
@@ -38,38 +40,35 @@ from ..layers.rotary import rotary_tables
 from ..models.families import family_of
 from ..models.loader import full_shapes, rank_weights
 from ..planning.kv_layout import TRASH_BLOCK, CacheLayout
-from ..planning.shapes import ExplicitGraphs, Graph, ShapeBuckets, bucket_for, round_up
+from ..planning.shapes import ExplicitGraphs, Graph, ShapeBuckets, ShapePlan
 from ..planning.workspace import stack_layers
 
 MASKED = -1e30  # added to the float32 scores of context positions a query must not see
 
 
 class ModelRunner:
-    """What both runners share: shape buckets, a step's inputs built from the block tables,
-    timings, compiling ahead. A subclass runs the padded call (`_run`) and names its graphs."""
+    """What both runners share: a step's inputs built from the block tables, padded to the
+    GraphShape the planner's ShapePlan gives (`shape_plan`), timings, compiling ahead. A
+    subclass runs the padded call (`_run`)."""
 
-    # Whether every call computes logits rows (a whole-model graph always has its lm_head).
-    needs_rows = False
-
-    def __init__(self, ctx: ParallelContext, layout: CacheLayout, max_num_seqs: int,
-                 max_prefill_tokens: int, max_model_len: int):
+    def __init__(self, ctx: ParallelContext, layout: CacheLayout, limits: EngineLimits):
         config = ctx.config
         self.ctx = ctx
         self.layout = layout
         self.dtype = ctx.dtype
         self.num_layers = config.num_layers
         self.family = family_of(config)  # models/qwen2.py, qwen3.py: the model's Cells
-        cos, sin = rotary_tables(config.head_dim, config.rope_theta, max_model_len,
+        cos, sin = rotary_tables(config.head_dim, config.rope_theta, limits.max_model_len,
                                  config.rope_scaling)
         host = np.float16 if str(ctx.dtype) == "Float16" else np.float32
         self.cos, self.sin = cos.astype(host), sin.astype(host)
         self.buckets = ShapeBuckets.for_engine(
-            max_num_seqs, max_prefill_tokens, max_model_len,
-            step=ctx.plan.data if ctx.mode == "semi_auto" else 1)
+            limits, step=ctx.plan.data if ctx.mode == "semi_auto" else 1)
         self.batch_buckets = self.buckets.batch
         self.context_buckets = self.buckets.context
         self.chunk_buckets = self.buckets.chunk
         self.row_buckets = self.buckets.rows
+        self.shape_plan = ShapePlan(self.buckets)  # explicit mode's has its graphs
         # Block 0 (TRASH_BLOCK) is never handed out. Padded tokens write their K/V to its first
         # slot, whatever they compute (inf or NaN where activations overflow); padded context
         # positions read its second slot, which nothing writes: zeros, whose masked score is
@@ -108,8 +107,8 @@ class ModelRunner:
         """Logits (len(seqs), vocab) of the next token of each sequence (one pending token
         each: the last, at position length - 1)."""
         count = len(seqs)
-        batch = bucket_for(count, self.batch_buckets)
-        context = self.padded_context(max(s.length for s in seqs))
+        shape = self.shape_plan.decode(count, max(s.length for s in seqs))
+        batch, context = shape.size, shape.context
         ids = np.zeros(batch, np.int32)
         positions = np.zeros(batch, np.int64)
         write = np.full(batch, self.write_slot, np.int64)
@@ -125,7 +124,7 @@ class ModelRunner:
             mask[i, 0, :n] = 0.0
         rows = np.arange(batch, dtype=np.int32)
         start, compiled = time.perf_counter(), self.compilations
-        logits = self._run(ids, positions, write, slots.reshape(-1), mask, rows)[:count]
+        logits = self._run(ids, positions, write, slots.reshape(-1), mask, rows, shape)[:count]
         self._time("decode", start, count, compiled, f"batch {batch} x context {context}")
         return logits
 
@@ -136,8 +135,10 @@ class ModelRunner:
         prompt token before it (none at all: an empty array, and explicit mode skips the
         lm_head)."""
         total = sum(c.count for c in chunks)
-        size = self.padded_chunk(total)
-        context = self.padded_context(sum(c.start + c.count for c in chunks))
+        wanted = [c.logit_positions() for c in chunks]
+        shape = self.shape_plan.prefill(total, sum(c.start + c.count for c in chunks),
+                                        sum(map(len, wanted)))
+        size, context = shape.size, shape.context
         ids = np.zeros(size, np.int32)
         positions = np.zeros(size, np.int64)
         write = np.full(size, self.write_slot, np.int64)
@@ -158,42 +159,21 @@ class ModelRunner:
             slots[filled:filled + end] = seq_slots
             context_owner[filled:filled + end] = i
             context_position[filled:filled + end] = np.arange(end)
-            rows += [token + position - c.start for position in c.logit_positions()]
+            rows += [token + position - c.start for position in wanted[i]]
             token += c.count
             filled += end
         visible = ((owner[:, None] == context_owner[None, :])
                    & (context_position[None, :] <= positions[:, None]))
         mask = np.where(visible, 0.0, MASKED).astype(np.float32)[None]
         padded_rows = None  # no chunk completes its prompt: no logits are needed
-        if rows or self.needs_rows:
-            padded_rows = np.zeros(self.prefill_rows(len(rows), size), np.int32)
+        if shape.rows:
+            padded_rows = np.zeros(shape.rows, np.int32)
             padded_rows[:len(rows)] = rows
         start, compiled = time.perf_counter(), self.compilations
-        logits = self._run(ids, positions, write, slots, mask, padded_rows)
+        logits = self._run(ids, positions, write, slots, mask, padded_rows, shape)
         logits = logits[:len(rows)] if logits is not None else np.zeros((0, 0), np.float32)
         self._time("prefill", start, total, compiled, f"chunk {size} x context {context}")
         return logits
-
-    def padded_context(self, length):
-        """The context slots a call over `length` reads: its bucket (a graph per shape)."""
-        return bucket_for(length, self.context_buckets)
-
-    def padded_chunk(self, tokens):
-        """The tokens a prefill call of `tokens` runs: its bucket."""
-        return bucket_for(tokens, self.chunk_buckets)
-
-    def prefill_rows(self, count, size):
-        """The lm_head rows a prefill call of `size` tokens computes when it needs `count`
-        logits rows (one per chunk completing its prompt, more with prompt logprobs): the row
-        bucket of `count`. Explicit mode picks those rows before its head graph
-        (ExplicitRunner._run), which is then the decode step's graph of that batch: no graph
-        of its own for any (chunk, rows). More rows than the largest batch (prompt logprobs)
-        take a row per token: a head graph of `size` rows, compiled when first asked, never
-        by warm-up (few requests ask). One call reads the lm_head's weight once; the largest
-        batch's head in turn read it once per batch (151,936 x 896 float32 is 545 MB)."""
-        if count > self.row_buckets[-1]:
-            return size
-        return bucket_for(max(count, 1), self.row_buckets)
 
     def _time(self, kind, start, tokens, compiled_before, shape):
         self.compiling_since = None
@@ -210,42 +190,29 @@ class ModelRunner:
         return (Tensor(self.cos[positions][:, None, :]),
                 Tensor(self.sin[positions][:, None, :]))
 
-    def _run(self, ids, positions, write, context_slots, mask, rows, graph=None):
+    def _run(self, ids, positions, write, context_slots, mask, rows, shape):
         """mask (G, Q, T): G groups of Q queries, each over its own T context slots. Returns
-        the logits of `rows`; None when rows is None (the lm_head is skipped). `graph`: the
-        layer stack explicit mode runs instead of the one the shape picks (warm-up's)."""
+        the logits of `rows`; None when rows is None (the lm_head is skipped). `shape`: the
+        call's GraphShape (explicit mode runs its graphs)."""
         raise NotImplementedError
 
     # ---- compile ahead ----
 
     def shapes(self) -> list:
-        """Every (kind, tokens-or-batch, context, lm_head rows) this runner's calls can have:
-        what warm-up compiles, so that serving compiles nothing.
+        """Every GraphShape warm-up runs (ShapePlan.warmup), so that serving compiles
+        nothing."""
+        return self.shape_plan.warmup()
 
-        decode: every batch bucket B over every context bucket T, the lm_head on B rows.
-        prefill: every chunk bucket C over every context bucket T >= C (a chunk's context
-        holds at least its own tokens, and the smallest bucket holding them is never below
-        C's), and 1 to min(max_num_seqs, C) chunks completing their prompts, one lm_head row
-        each. Those row counts need no shapes of their own: explicit mode's head graph after
-        the rows are picked is the decode step's of that batch (prefill_rows), and semi_auto
-        pads every prefill call of C tokens to the most rows C can complete (its
-        prefill_rows), so each (C, T) is one whole-model graph."""
-        return [(kind, size, context, size if kind == "decode" else self.prefill_rows(1, size))
-                for kind, size, context in self.buckets.calls()]
-
-    def compile_shape(self, kind: str, size: int, context: int, rows: int = 1,
-                      graph=None) -> None:
-        """Runs one padded call of that shape, with the lm_head on `rows` rows (a decode step:
-        its batch), that writes only the trash block's write slot and reads its zero slot.
-        `graph`: explicit mode's layer stack to run it with (runner.shapes())."""
-        tokens = size
-        mask = np.zeros((size, 1, context) if kind == "decode" else (1, size, context),
-                        np.float32)
-        slots = np.full(size * context if kind == "decode" else context, self.zero_slot,
-                        np.int64)
-        rows = np.zeros(size if kind == "decode" else self.prefill_rows(rows, size), np.int32)
-        self._run(np.zeros(tokens, np.int32), np.zeros(tokens, np.int64),
-                  np.full(tokens, self.write_slot, np.int64), slots, mask, rows, graph)
+    def compile_shape(self, shape) -> None:
+        """Runs one padded call of `shape` (a GraphShape) that writes only the trash block's
+        write slot and reads its zero slot."""
+        size, context = shape.size, shape.context
+        decode = shape.kind == "decode"
+        mask = np.zeros((size, 1, context) if decode else (1, size, context), np.float32)
+        slots = np.full(size * context if decode else context, self.zero_slot, np.int64)
+        rows = np.zeros(shape.rows, np.int32) if shape.rows else None
+        self._run(np.zeros(size, np.int32), np.zeros(size, np.int64),
+                  np.full(size, self.write_slot, np.int64), slots, mask, rows, shape)
         self.compiling_since = None
 
 
@@ -255,14 +222,13 @@ class ExplicitRunner(ModelRunner):
     lm_head graph. Each of those is a graph of dynamic shape (planning/shapes.py `Graph`),
     built and compiled when a call first needs it; warm-up runs one call for each."""
 
-    def __init__(self, ctx, layout, max_num_seqs, max_prefill_tokens, max_model_len, weights,
-                 min_layers_per_graph=1, layer_peak_growth=1.0, dynamic=False):
+    def __init__(self, ctx, layout, limits, weights, min_layers_per_graph=1,
+                 layer_peak_growth=1.0):
         """weights: {name: Tensor} of this rank's slices, in the layouts the graphs take
         (the family's weight_layout). `min_layers_per_graph`, `layer_peak_growth`: the
         hardware profile's.
-        `dynamic`: graphs of dynamic shape (EngineLimits.graph_shapes), else one per call
-        shape."""
-        super().__init__(ctx, layout, max_num_seqs, max_prefill_tokens, max_model_len)
+        limits.graph_shapes "dynamic": graphs of dynamic shape, else one per call shape."""
+        super().__init__(ctx, layout, limits)
         config = ctx.config
         family = self.family
         self.caches = [(new_cache(layout.rows_shape, ctx.dtype),
@@ -277,10 +243,10 @@ class ExplicitRunner(ModelRunner):
         self.layer_args = [(k, v, *w) for (k, v), w in zip(self.caches, self.layer_weights)]
         # What the planner reserves for activations: each graph stays within it.
         self.layers_per_call = stack_layers(ctx.plan, DTYPE_BYTES[str(ctx.dtype).lower()],
-                                            max_model_len, max_prefill_tokens, max_num_seqs,
-                                            min_layers_per_graph, layer_peak_growth)
+                                            limits, min_layers_per_graph, layer_peak_growth)
         self.graph_of = ExplicitGraphs(self.buckets, self.layers_per_call, matmul_forms(ctx),
-                                       dynamic)
+                                       limits.graph_shapes == "dynamic")
+        self.shape_plan = ShapePlan(self.buckets, self.graph_of)
         self.cells = {}  # Graph -> its Cell, built when a call first needs it
 
     @property
@@ -302,41 +268,6 @@ class ExplicitRunner(ModelRunner):
     def _stack_kinds(self, count):
         return {self.layer_classes[first:first + count]
                 for first in range(0, self.num_layers, count)}
-
-    # Axes a graph takes whatever their size (ExplicitGraphs) are not padded to their bucket:
-    # a decode step over 1,100 tokens of context reads 1,152 slots (a multiple of
-    # CONTEXT_STEP), not 2,048; a prefill chunk between the short chunks' graphs and the
-    # full chunk's runs its own tokens, as rows cost their compute (bench/README.md,
-    # "Static and dynamic graphs"), except one within FULL_CHUNK_REACH tokens of a full chunk, which takes the full chunk's
-    # graph of static rows (faster than dynamic rows by more); a short chunk takes its
-    # bucket's static rows.
-    CONTEXT_STEP = 64
-    FULL_CHUNK_REACH = 16
-
-    def padded_context(self, length):
-        bucket = super().padded_context(length)
-        return (min(round_up(length, self.CONTEXT_STEP), bucket) if self.graph_of.dynamic
-                else bucket)
-
-    def padded_chunk(self, tokens):
-        if not self.graph_of.dynamic:
-            return super().padded_chunk(tokens)
-        full = self.chunk_buckets[-1]
-        if tokens > full - self.FULL_CHUNK_REACH:
-            return full
-        short = self.graph_of.short_chunks
-        return bucket_for(tokens, short) if short and tokens <= short[-1] else tokens
-
-    def shapes(self):
-        """One call for each layer stack (planning/shapes.py: ExplicitGraphs.all), with the
-        stack given, at the smallest context a call of that size has (a graph first picked
-        at a long context, for its fewer layers per graph, compiles as fast at a short one;
-        its context axis is dynamic): (kind, size, context, lm_head rows, stack). Their
-        decode steps run every lm_head and all run the embedding: running them compiles
-        every graph a call can need."""
-        return [(kind, size, context, size if kind == "decode" else 1, graph)
-                for graph, (kind, size, context) in self.graph_of.all().items()
-                if graph.part == "layers"]
 
     def cell(self, graph: Graph, first=0):
         """The Cell of `graph` (a layer stack's: for the layers from `first`), built with its
@@ -384,7 +315,7 @@ class ExplicitRunner(ModelRunner):
                             *self._stack_args(first, graph.layers))
         return cell
 
-    def _run(self, ids, positions, write, context_slots, mask, rows, graph=None):
+    def _run(self, ids, positions, write, context_slots, mask, rows, shape):
         cos, sin = self._rotary(positions)
         groups, queries, context = mask.shape
         # explicit mode's caches are rows of one head (kv_layout.py)
@@ -392,10 +323,9 @@ class ExplicitRunner(ModelRunner):
                 Tensor(self.layout.rows_by_head(context_slots, groups).astype(np.int32)),
                 Tensor(mask))
         tokens = len(ids)
-        graph = graph or self.graph_of.layers("decode" if queries == 1 else "prefill", tokens,
-                                              context)
+        graph = shape.stack
         count = graph.layers
-        x = self.cell(self.graph_of.embedding(tokens))(Tensor(ids), self.embed_weight)
+        x = self.cell(shape.embedding)(Tensor(ids), self.embed_weight)
         for first in range(0, self.num_layers, count):
             x = self.cell(graph, first)(x, cos, sin, *args, *self._stack_args(first, count))
         if rows is None:
@@ -403,10 +333,10 @@ class ExplicitRunner(ModelRunner):
             return None
         if len(rows) != tokens or (rows != np.arange(tokens)).any():
             # A prefill call's rows are picked first (one op, outside the graphs), so the
-            # head's graph is one a decode step uses too (prefill_rows).
+            # head's graph is one a decode step uses too (ShapePlan.prefill_rows).
             x = ops.gather(x, Tensor(rows), 0)
             rows = np.arange(len(rows), dtype=np.int32)
-        head = self.graph_of.head(len(rows))
+        head = shape.head
         logits = self.cell(head)(x, Tensor(rows), *self.head_weights).asnumpy()
         return blocked_transpose(logits) if head.weight_first else logits
 
@@ -416,21 +346,8 @@ class SemiAutoRunner(ModelRunner):
     weights and caches as Parameters, laid out per rank by MindSpore from the primitives'
     in_strategy)."""
 
-    needs_rows = True
-
-    def prefill_rows(self, count, size):
-        """The most rows a prefill call of `size` tokens can need (one per completing chunk:
-        at most min(max_num_seqs, size)), whatever `count`: the whole-model graph includes
-        the lm_head, and one row count per chunk bucket keeps one graph per (chunk, context).
-        The rows beyond `count` are row 0 again, computed and dropped. A call that needs more
-        (prompt logprobs) has a row for every token: one more graph for that (chunk,
-        context), compiled when first asked (warm-up does not: few requests ask)."""
-        largest = bucket_for(min(size, self.row_buckets[-1]), self.row_buckets)
-        return size if count > largest else largest
-
-    def __init__(self, ctx, layout, max_num_seqs, max_prefill_tokens, max_model_len, model,
-                 world_size=1):
-        super().__init__(ctx, layout, max_num_seqs, max_prefill_tokens, max_model_len)
+    def __init__(self, ctx, layout, limits, model, world_size=1):
+        super().__init__(ctx, layout, limits)
         self.model = model
         self.cell = semi_auto_cell(model, world_size)
         self._shapes_run = set()  # (tokens, mask shape, rows) of the calls compiled
@@ -444,15 +361,16 @@ class SemiAutoRunner(ModelRunner):
         ranks the Parameters become this rank's slices once a graph is compiled with the
         plan's layouts: compile one shape first, then load the slices."""
         if world_size > 1:
-            self.compile_shape("decode", self.batch_buckets[0], self.context_buckets[0])
+            self.compile_shape(self.shape_plan.at("decode", self.batch_buckets[0],
+                                                  self.context_buckets[0]))
         for name, array in weights:
             self.model.weights[name].set_data(Tensor(array, dtype=self.dtype))
 
-    def _run(self, ids, positions, write, context_slots, mask, rows, graph=None):
+    def _run(self, ids, positions, write, context_slots, mask, rows, shape):
         cos, sin = self._rotary(positions)
-        shape = (len(ids), mask.shape, len(rows))
-        if shape not in self._shapes_run:  # the whole model's graph of a new shape compiles
-            self._shapes_run.add(shape)
+        key = (len(ids), mask.shape, None if rows is None else len(rows))
+        if key not in self._shapes_run:  # the whole model's graph of a new shape compiles
+            self._shapes_run.add(key)
             self.compiling_since = self.compiling_since or time.monotonic()
         return self.cell(Tensor(ids), cos, sin, Tensor(write.astype(np.int32)),
                          Tensor(context_slots.astype(np.int32)), Tensor(mask),
@@ -467,19 +385,16 @@ def build_runner(model_dir, ctx, layout, limits, world_size, profile):
     names = family.weight_names(config)
     host_dtype = np.float16 if ctx.dtype == ms.float16 else np.float32  # numpy has no bf16
     weights = rank_weights(model_dir, ctx.plan, ctx.tensor_rank, names, host_dtype)
-    sizes = dict(max_num_seqs=limits.max_num_seqs, max_prefill_tokens=limits.max_prefill_tokens,
-                 max_model_len=limits.max_len)
     if ctx.mode == "semi_auto":
         model = family.Model(ctx, layout, full_shapes(config, names))
-        runner = SemiAutoRunner(ctx, layout, model=model, world_size=world_size, **sizes)
+        runner = SemiAutoRunner(ctx, layout, limits, model=model, world_size=world_size)
         runner.load(weights, world_size)
         return runner
     loaded = {name: host_tensor(family.weight_layout(ctx, name, array), ctx.dtype)
               for name, array in weights}
-    return ExplicitRunner(ctx, layout, weights=loaded,
+    return ExplicitRunner(ctx, layout, limits, weights=loaded,
                           min_layers_per_graph=profile.min_layers_per_graph,
-                          layer_peak_growth=profile.layer_peak_growth,
-                          dynamic=limits.graph_shapes == "dynamic", **sizes)
+                          layer_peak_growth=profile.layer_peak_growth)
 
 
 def host_tensor(array, dtype):

@@ -23,6 +23,7 @@ import dataclasses
 import hashlib
 import time
 
+from ..engine_config import EngineLimits
 from .block_manager import BlockManager
 from .sequence import Sequence, Status
 
@@ -81,12 +82,13 @@ class Schedule:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_prefill_tokens: int,
-                 max_context: int | None = None) -> None:
+    def __init__(self, blocks: BlockManager, limits: EngineLimits) -> None:
+        """limits: the EngineConfig's; max_model_len is also the largest context a step may
+        hold (the runner's largest context bucket)."""
         self.blocks = blocks
-        self.max_num_seqs = max_num_seqs
-        self.max_prefill_tokens = max_prefill_tokens
-        self.max_context = max_context
+        self.max_num_seqs = limits.max_num_seqs
+        self.max_prefill_tokens = limits.max_prefill_tokens
+        self.max_context = limits.max_model_len
         self.waiting: collections.deque[Sequence] = collections.deque()  # preempted at the front
         # admitted, in admission order: the last is the latest admitted, preempted first
         self.running: list[Sequence] = []
@@ -125,7 +127,7 @@ class Scheduler:
 
         chunks = []
         budget = self.max_prefill_tokens
-        context = self.max_context if self.max_context is not None else float("inf")
+        context = self.max_context
         for seq in self.running:
             chunk = self._chunk(seq, budget, context) if seq.prefilling else None
             if chunk:

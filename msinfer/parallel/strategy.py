@@ -583,6 +583,15 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+def strategy_of(path: str | None = None, tensor_parallel_size: int | None = None) -> Strategy:
+    """A strategy file's plan; else the shipped tensor-parallel plan of tensor_parallel_size
+    (strategies/qwen2_tpN.yaml's rules, in memory: vLLM's --tensor-parallel-size); else one
+    device. EngineConfig (engine_config.ParallelConfig) refuses both at once."""
+    if path:
+        return load_strategy(path)
+    return Strategy.default(tensor=tensor_parallel_size or 1)
+
+
 def load_strategy(path: str | os.PathLike) -> Strategy:
     path = str(path)
     try:

@@ -31,10 +31,10 @@ import dataclasses
 
 import numpy as np
 
+from ..engine_config import DEFAULT_BLOCK_SIZE  # noqa: F401 (named here too)
 from ..errors import MsinferError
 
 TRASH_BLOCK = 0
-DEFAULT_BLOCK_SIZE = 16
 
 
 @dataclasses.dataclass(frozen=True)

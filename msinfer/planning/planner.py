@@ -56,7 +56,7 @@ class Collective:
 
 @dataclasses.dataclass
 class PlanReport:
-    """The planner's verdict on one (model, strategy, hardware, mode, batch, max-len)."""
+    """The planner's verdict on one (model, strategy, hardware, mode, batch, max-model-len)."""
 
     model: str
     strategy: str
@@ -67,7 +67,7 @@ class PlanReport:
     data: int
     pipeline: int
     max_num_seqs: int  # per data replica: sequences decoded together
-    max_len: int
+    max_model_len: int
     max_prefill_tokens: int
     block_size: int
     memory_bandwidth_bytes_per_s: float
@@ -109,7 +109,7 @@ def make_plan(config: ModelConfig, strategy: Strategy, profile: HardwareProfile,
     report = PlanReport(model=config.source, strategy=strategy.source, hardware=profile.name,
                       hardware_title=profile.title, world_size=strategy.world_size,
                       tensor=strategy.tensor, data=strategy.data, pipeline=strategy.pipeline,
-                      max_num_seqs=limits.max_num_seqs, max_len=limits.max_len,
+                      max_num_seqs=limits.max_num_seqs, max_model_len=limits.max_model_len,
                       max_prefill_tokens=limits.max_prefill_tokens,
                       block_size=limits.block_size,
                       memory_bandwidth_bytes_per_s=profile.memory_bandwidth_bytes_per_s,
@@ -135,7 +135,7 @@ def make_plan(config: ModelConfig, strategy: Strategy, profile: HardwareProfile,
         report.kv_blocks = layout.num_blocks - 1
         report.kv_tokens = layout.usable_tokens
         report.kv_bytes_per_token = layout.total_bytes // layout.num_slots
-        report.concurrent_max_len_sequences = layout.usable_tokens // limits.max_len
+        report.concurrent_max_len_sequences = layout.usable_tokens // limits.max_model_len
         _decode_bound(report, shard_plan, dtype_bytes)
     _explain(report, shard_plan, profile)
     worst = max(report.devices, key=lambda d: d.total_bytes - d.capacity_bytes)
@@ -204,13 +204,11 @@ def _device_memory(shard_plan, profile, dtype, limits):
 def warmup_graphs(shard_plan, profile, limits, dtype_bytes, mode) -> int:
     """Graphs one rank's warm-up compiles (planning/shapes.py): semi_auto one per call shape;
     explicit one per `Graph` (ExplicitGraphs), as the model runner builds them."""
-    buckets = ShapeBuckets.for_engine(limits.max_num_seqs, limits.max_prefill_tokens,
-                                      limits.max_len,
+    buckets = ShapeBuckets.for_engine(limits,
                                       step=shard_plan.data if mode == "semi_auto" else 1)
     if mode == "semi_auto":
         return len(buckets.calls())
-    layers_for = stack_layers(shard_plan, dtype_bytes, limits.max_len, limits.max_prefill_tokens,
-                              limits.max_num_seqs, profile.min_layers_per_graph,
+    layers_for = stack_layers(shard_plan, dtype_bytes, limits, profile.min_layers_per_graph,
                               profile.layer_peak_growth)
     forms = cpu_matmul_forms() if profile.device_target == "CPU" else None
     graphs = ExplicitGraphs(buckets, layers_for, forms, dynamic=limits.graph_shapes == "dynamic")
@@ -227,7 +225,7 @@ def _workspace_formula(profile, limits):
     layers = "one decoder layer" if n == 1 else f"{n} decoder layers"
     return (f"{_gib(profile.runtime_reserve_bytes)} runtime reserve + {layers} of the "
             f"largest call (a {limits.max_prefill_tokens}-token prefill chunk or a "
-            f"{limits.max_num_seqs}-sequence decode step, over up to {limits.max_len} tokens "
+            f"{limits.max_num_seqs}-sequence decode step, over up to {limits.max_model_len} tokens "
             f"of context: float32 scores grow with chunk x context; a compiled graph runs no "
             f"more layers than fit in it) + float32 logits")
 
@@ -304,7 +302,7 @@ def _decode_bound(report, shard_plan, dtype_bytes):
     batch = max(1, min(report.max_num_seqs, report.concurrent_max_len_sequences))
     # A MoE model reads its active parameters: the routed experts of the step's tokens.
     weights_read = weights - _idle_expert_bytes(shard_plan, dtype_bytes, batch)
-    full = weights_read + batch * report.max_len * report.kv_bytes_per_token
+    full = weights_read + batch * report.max_model_len * report.kv_bytes_per_token
     bandwidth = report.memory_bandwidth_bytes_per_s
     report.decode_bytes_per_step = full
     report.decode_tokens_per_s_bound = batch * report.data * bandwidth / full
@@ -357,10 +355,10 @@ def _does_not_fit(worst, layout, shard_plan, profile, dtype, limits):
                   else f"the weights ({_gib(worst.weights_bytes)}) and workspace "
                        f"({_gib(worst.workspace_bytes)}) leave")
         message = (f"does not fit: {source} a KV cache of {held} tokens per rank, less than "
-                   f"one sequence of max-len {limits.max_len}")
+                   f"one sequence of max-model-len {limits.max_model_len}")
     if profile.shared_host_memory:
         return (message + "; the ranks share this host's memory, so more ranks do not help: "
-                "lower --max-len or --max-prefill-tokens, or use a machine with more memory")
+                "lower --max-model-len or --max-prefill-tokens, or use a machine with more memory")
     fixes = []
     limit = 64 if profile.multi_server else profile.devices_per_server // shard_plan.data
     for tensor in range(shard_plan.tensor + 1, limit + 1):
@@ -374,26 +372,26 @@ def _does_not_fit(worst, layout, shard_plan, profile, dtype, limits):
                          f"needing {_gib(need)} per device")
             break
     else:
-        fixes.append(f"no tensor degree up to {limit} fits max-len {limits.max_len}")
+        fixes.append(f"no tensor degree up to {limit} fits max-model-len {limits.max_model_len}")
     longest = _longest_fitting_max_len(shard_plan, profile, dtype, limits)
     if longest:
-        fixes.append(f"with --max-len {longest} it fits at tensor {shard_plan.tensor}")
+        fixes.append(f"with --max-model-len {longest} it fits at tensor {shard_plan.tensor}")
     return "; ".join([message] + fixes)
 
 
 def _fits(shard_plan, profile, dtype, limits):
     devices, layout = _device_memory(shard_plan, profile, dtype, limits)
     return (layout is not None and all(d.margin_bytes >= 0 for d in devices)
-            and layout.usable_tokens >= limits.max_len)
+            and layout.usable_tokens >= limits.max_model_len)
 
 
 def _longest_fitting_max_len(shard_plan, profile, dtype, limits):
-    """The largest max-len below the requested one that fits at this degree (None if none)."""
+    """The largest max-model-len below the requested one that fits at this degree (None if none)."""
     def fits(n):
         return _fits(shard_plan, profile, dtype, dataclasses.replace(
-            limits, max_len=n, max_prefill_tokens=min(limits.max_prefill_tokens, n)))
+            limits, max_model_len=n, max_prefill_tokens=min(limits.max_prefill_tokens, n)))
 
-    low, high = 0, limits.max_len  # fits(low) or low == 0; not fits(high)
+    low, high = 0, limits.max_model_len  # fits(low) or low == 0; not fits(high)
     while high - low > 1:
         middle = (low + high) // 2
         if fits(middle):
@@ -437,7 +435,7 @@ def format_plan(report: PlanReport) -> str:
              f"  strategy   {report.strategy}: tensor {report.tensor} x data {report.data} x "
              f"pipeline {report.pipeline} = {report.world_size} devices, "
              f"{report.parallel_mode} mode",
-             f"  engine     up to {report.max_num_seqs} sequences of up to {report.max_len} "
+             f"  engine     up to {report.max_num_seqs} sequences of up to {report.max_model_len} "
              f"tokens, "
              f"prefill chunks of {report.max_prefill_tokens}, KV blocks of {report.block_size}"]
     if report.dtype:
@@ -446,7 +444,7 @@ def format_plan(report: PlanReport) -> str:
         if report.parallel_mode != "explicit":
             shapes = "one per call shape: semi_auto lays out each graph for its shapes"
         elif report.graph_shapes == "dynamic":
-            shapes = "of dynamic shape: as many at any max_len"
+            shapes = "of dynamic shape: as many at any max-model-len"
         else:
             shapes = "one per call shape: --graph-shapes static"
         lines.append(_wrap("  warm-up    ", (
@@ -470,7 +468,8 @@ def format_plan(report: PlanReport) -> str:
                 f"{report.kv_blocks} blocks of {report.block_size} tokens = {report.kv_tokens} "
                 f"tokens "
                 f"per rank ({_size(report.kv_bytes_per_token)} per token): "
-                f"{report.concurrent_max_len_sequences} sequence(s) of {report.max_len} tokens at "
+                f"{report.concurrent_max_len_sequences} sequence(s) of "
+                f"{report.max_model_len} tokens at "
                 f"once, more when shorter; the same pool is the prefix cache (free blocks keep "
                 f"what they hold until reused)")))
         lines += ["", f"  collectives per decoded token (within each tensor group of "
@@ -484,7 +483,7 @@ def format_plan(report: PlanReport) -> str:
         full = max(1, min(report.max_num_seqs, report.concurrent_max_len_sequences))
         lines += ["", _wrap("  decode     ", (
             f"at most {report.decode_tokens_per_s_bound:.1f} tokens/s with {full} full "
-            f"{report.max_len}-token context(s) per replica "
+            f"{report.max_model_len}-token context(s) per replica "
             f"({report.decode_tokens_per_s_bound_short_context:.1f} with "
             f"{report.max_num_seqs} short "
             f"ones): each device reads {_size(report.decode_bytes_per_step)} per step at "

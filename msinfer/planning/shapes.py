@@ -1,13 +1,14 @@
 """The shapes the engine's calls are padded to, and the graphs they compile (docs/engine.md,
-'Compiled graphs'). The model runner pads its calls with these buckets and builds the graphs
-`ExplicitGraphs` names; the planner counts the graphs a configuration's warm-up compiles
-with the same functions.
+'Compiled graphs'). `ShapePlan` decides, for each batch the engine runs and for warm-up, one
+`GraphShape`: the padded call and the graphs that run it; the model runner only executes
+it. The planner counts the graphs a configuration's warm-up compiles with the same
+functions (ShapeBuckets, ExplicitGraphs).
 
 semi_auto compiles one whole-model graph per call shape (MindSpore lays out a graph for its
 static shapes). Explicit mode compiles graphs of dynamic shape (`Cell.set_inputs` with None
 for the context axis, and the rows of all but decode steps): one per `Graph`, which holds only
 what a graph fixes when it is built (the kind of call, layers per graph, matmul forms, a
-decode step's batch), so their number does not grow with max_len."""
+decode step's batch), so their number does not grow with max_model_len."""
 from __future__ import annotations
 
 import dataclasses
@@ -42,11 +43,12 @@ class ShapeBuckets:
     rows: tuple  # lm_head rows (the batch buckets)
 
     @classmethod
-    def for_engine(cls, max_num_seqs, max_prefill_tokens, max_len, step=1):
-        """`step`: semi_auto splits the tokens of the dense layers over the data replicas
-        (and MindSpore refuses a split that does not divide): every token and row count is a
-        multiple of it."""
-        batch = power_buckets(step, round_up(max_num_seqs, step))
+    def for_engine(cls, limits, step=1):
+        """The buckets of the engine's EngineLimits `limits`. `step`: semi_auto splits the
+        tokens of the dense layers over the data replicas (and MindSpore refuses a split that
+        does not divide): every token and row count is a multiple of it."""
+        max_prefill_tokens, max_len = limits.max_prefill_tokens, limits.max_model_len
+        batch = power_buckets(step, round_up(limits.max_num_seqs, step))
         # Powers of 2, not 4: a 128-token prompt ran as a padded 256-token chunk at 0.58x the
         # speed (bench/README.md); the cost is two more chunk sizes to compile.
         chunk = power_buckets(round_up(min(16, max_prefill_tokens), step),
@@ -85,8 +87,8 @@ class ExplicitGraphs:
     dynamic: one `Graph` per kind of call (a decode step's batch bucket, a full prefill
     chunk, a chunk of each bucket up to SHORT_CHUNK tokens, any other prefill chunk; the full
     chunk and the largest batch also over a short context where more layers fit there) and
-    matmul form, so that their number does not grow with max_len (12 for the 0.5B shape on
-    CPU). Every graph is dynamic in its context; the embedding, the lm_head and the chunks
+    matmul form, so that their number does not grow with max_model_len (12 for the 0.5B
+    shape on CPU). Every graph is dynamic in its context; the embedding, the lm_head and the chunks
     between SHORT_CHUNK tokens and the largest also in their rows. Decode steps, short chunks
     and full chunks keep their rows static: with every axis dynamic, MindSpore's CPU runtime
     re-infers and resizes each of a layer's ~100 kernels at every launch, at a cost that
@@ -127,8 +129,8 @@ class ExplicitGraphs:
             # batch if its short contexts fit at least twice the layers its long ones do, also
             # have a stack of the most layers they may run, for the contexts where that fits:
             # a long prompt's chunks ran at 0.87-0.92x the tokens/s in stacks of 2 layers where
-            # static graphs ran 6 (0.5B shape, max_len 4096, bench/README.md). One decode batch
-            # only, to keep the count small.
+            # static graphs ran 6 (0.5B shape, max_model_len 4096, bench/README.md). One
+            # decode batch only, to keep the count small.
             full = buckets.chunk[-1]
             fits = [layers_for(full, 1, t) for t in buckets.context if t >= full]
             self.fewest["full"], self.most = min(fits), {"full": max(fits)}
@@ -146,7 +148,7 @@ class ExplicitGraphs:
     def layers(self, kind, size, context) -> Graph:
         """The layer stack of a call of `size` tokens (a decode step: its batch bucket) over
         `context` slots. A dynamic call's axes may be padded short of their bucket
-        (model_runner.ExplicitRunner.padded_context): its graph is its bucket's."""
+        (ShapePlan.padded_context): its graph is its bucket's."""
         decode = kind == "decode"
         context = bucket_for(context, self.buckets.context)
         full_chunk = not decode and size == self.buckets.chunk[-1]
@@ -189,3 +191,123 @@ class ExplicitGraphs:
         for rows in self.buckets.rows:
             graphs.setdefault(self.head(rows), ("decode", rows, self.buckets.context[0]))
         return graphs
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphShape:
+    """One call as the model runner runs it: a "decode" step of `size` sequences (its batch
+    bucket) or a "prefill" call of `size` tokens, over `context` slots, with the lm_head on
+    `rows` rows (0: no lm_head). Explicit mode's graphs: `stack` the layer stack, `embedding`
+    and `head` (None in semi_auto: one whole-model graph per (kind, size, context, rows))."""
+
+    kind: str
+    size: int
+    context: int
+    rows: int = 0
+    stack: Graph | None = None
+    embedding: Graph | None = None
+    head: Graph | None = None
+
+
+class ShapePlan:
+    """The one place that decides a call's GraphShape: how far its tokens, context and lm_head
+    rows are padded, and (explicit mode) which graphs run it. `graphs`: explicit mode's
+    ExplicitGraphs; None: semi_auto."""
+
+    # Axes a graph takes whatever their size (ExplicitGraphs, dynamic) are not padded to their
+    # bucket: a decode step over 1,100 tokens of context reads 1,152 slots (a multiple of
+    # CONTEXT_STEP), not 2,048; a prefill chunk between the short chunks' graphs and the
+    # full chunk's runs its own tokens, as rows cost their compute (docs/engine.md,
+    # "Compiled graphs"), except one within FULL_CHUNK_REACH tokens of a full chunk, which
+    # takes the full chunk's graph of static rows (faster than dynamic rows by more); a short
+    # chunk takes its bucket's static rows.
+    CONTEXT_STEP = 64
+    FULL_CHUNK_REACH = 16
+
+    def __init__(self, buckets: ShapeBuckets, graphs: ExplicitGraphs | None = None):
+        self.buckets = buckets
+        self.graphs = graphs
+        self.dynamic = graphs is not None and graphs.dynamic
+
+    def decode(self, count, longest) -> GraphShape:
+        """A decode step of `count` sequences, the longest `longest` tokens."""
+        batch = bucket_for(count, self.buckets.batch)
+        return self.at("decode", batch, self.padded_context(longest))
+
+    def prefill(self, tokens, context, rows) -> GraphShape:
+        """A prefill call of `tokens` tokens over `context` slots that needs `rows` logits rows
+        (0: none, and explicit mode skips the lm_head; semi_auto's graph always has one)."""
+        size = self.padded_chunk(tokens)
+        padded = self.padded_context(context)
+        if rows == 0 and self.graphs is not None:
+            return self._shape("prefill", size, padded, 0)
+        return self._shape("prefill", size, padded, self.prefill_rows(rows, size))
+
+    def at(self, kind, size, context) -> GraphShape:
+        """The call of a padded (kind, size, context) with its fewest lm_head rows (a decode
+        step: its batch): what warm-up runs."""
+        rows = size if kind == "decode" else self.prefill_rows(1, size)
+        return self._shape(kind, size, context, rows)
+
+    def warmup(self) -> list:
+        """Every GraphShape warm-up runs, so that serving compiles nothing. semi_auto: one
+        per call shape (ShapeBuckets.calls). Explicit mode: one for each layer stack
+        (ExplicitGraphs.all), at the smallest context a call of that size has (a graph first
+        picked at a long context, for its fewer layers per graph, compiles as fast at a short
+        one); their decode steps run every lm_head and all run the embedding."""
+        if self.graphs is None:
+            return [self.at(kind, size, context) for kind, size, context in self.buckets.calls()]
+        return [dataclasses.replace(self.at(kind, size, context), stack=graph)
+                for graph, (kind, size, context) in self.graphs.all().items()
+                if graph.part == "layers"]
+
+    def _shape(self, kind, size, context, rows) -> GraphShape:
+        graphs = self.graphs
+        if graphs is None:
+            return GraphShape(kind, size, context, rows)
+        return GraphShape(kind, size, context, rows, stack=graphs.layers(kind, size, context),
+                          embedding=graphs.embedding(size),
+                          head=graphs.head(rows) if rows else None)
+
+    def padded_context(self, length):
+        """The context slots a call over `length` reads: its bucket (a graph per shape), or
+        with dynamic graphs a multiple of CONTEXT_STEP within it."""
+        bucket = bucket_for(length, self.buckets.context)
+        return min(round_up(length, self.CONTEXT_STEP), bucket) if self.dynamic else bucket
+
+    def padded_chunk(self, tokens):
+        """The tokens a prefill call of `tokens` runs: its bucket; with dynamic graphs the
+        full chunk near it, a short chunk's bucket, else its own tokens."""
+        chunks = self.buckets.chunk
+        if not self.dynamic:
+            return bucket_for(tokens, chunks)
+        if tokens > chunks[-1] - self.FULL_CHUNK_REACH:
+            return chunks[-1]
+        short = self.graphs.short_chunks
+        return bucket_for(tokens, short) if short and tokens <= short[-1] else tokens
+
+    def prefill_rows(self, count, size):
+        """The lm_head rows a prefill call of `size` tokens computes when it needs `count`
+        logits rows (one per chunk completing its prompt, more with prompt logprobs).
+
+        Explicit mode: the row bucket of `count`. It picks those rows before its head graph
+        (model_runner.ExplicitRunner._run), which is then the decode step's graph of that
+        batch: no graph of its own for any (chunk, rows). More rows than the largest batch
+        (prompt logprobs) take a row per token: a head graph of `size` rows, compiled when
+        first asked, never by warm-up (few requests ask). One call reads the lm_head's weight
+        once; the largest batch's head in turn read it once per batch (151,936 x 896 float32
+        is 545 MB).
+
+        semi_auto: the most rows a call of `size` tokens can need (one per completing chunk:
+        at most min(max_num_seqs, size)), whatever `count`: the whole-model graph includes the
+        lm_head, and one row count per chunk bucket keeps one graph per (chunk, context). The
+        rows beyond `count` are row 0 again, computed and dropped. A call that needs more
+        (prompt logprobs) has a row for every token: one more graph for that (chunk,
+        context), compiled when first asked (warm-up does not: few requests ask)."""
+        rows = self.buckets.rows
+        if self.graphs is None:
+            largest = bucket_for(min(size, rows[-1]), rows)
+            return size if count > largest else largest
+        if count > rows[-1]:
+            return size
+        return bucket_for(max(count, 1), rows)

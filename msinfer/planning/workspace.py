@@ -5,7 +5,7 @@ A call's activations are transient: MindSpore takes them from its memory pool an
 after its last use, so graphs share the pool and a graph of k layers peaks a little above one
 layer (0.5B shape, a 256-token chunk over 1,024 of context: pool peak 54 MB with one layer per
 graph, 68 MB with two, 130 MB with 24). The planner reserves one layer of the engine's largest
-call (a max_prefill_tokens chunk, or a max_num_seqs decode step, over max_len of context), an
+call (a max_prefill_tokens chunk, or a max_num_seqs decode step, over max_model_len of context), an
 upper estimate; each call then runs a pass over the layers in at most CALLS_PER_PASS graphs,
 with no more layers per graph than fit in that reserve, each layer past a graph's first
 adding the hardware profile's `layer_peak_growth` of a layer to its peak. Where unmeasured
@@ -71,25 +71,23 @@ def mlp_activations(shard_plan):
     return widest
 
 
-def largest_call_bytes(shard_plan, dtype_bytes, max_len, max_prefill_tokens, max_num_seqs,
-                       layers=1):
-    """`layers` decoder layers of the engine's largest call: the activations the planner
-    reserves, and what bounds every compiled graph's."""
-    prefill = layer_activation_bytes(shard_plan, dtype_bytes, max_prefill_tokens, 1, max_len)
-    decode = layer_activation_bytes(shard_plan, dtype_bytes, max_num_seqs, max_num_seqs,
-                                    max_len)
+def largest_call_bytes(shard_plan, dtype_bytes, limits, layers=1):
+    """`layers` decoder layers of the engine's largest call (EngineLimits `limits`): the
+    activations the planner reserves, and what bounds every compiled graph's."""
+    context, seqs = limits.max_model_len, limits.max_num_seqs
+    prefill = layer_activation_bytes(shard_plan, dtype_bytes, limits.max_prefill_tokens, 1,
+                                     context)
+    decode = layer_activation_bytes(shard_plan, dtype_bytes, seqs, seqs, context)
     return layers * max(prefill, decode)
 
 
-def stack_layers(shard_plan, dtype_bytes, max_len, max_prefill_tokens, max_num_seqs,
-                 min_layers=1, growth=1.0):
+def stack_layers(shard_plan, dtype_bytes, limits, min_layers=1, growth=1.0):
     """layers_for(tokens, groups, context): the decoder layers one graph of explicit mode runs
     for a call of that shape, within the reserve of `min_layers` layers of the largest call,
     each layer past the first adding `growth` of a layer (the hardware profile's
     min_layers_per_graph and layer_peak_growth): what the model runner builds its stacks with
     and the planner counts graphs with."""
-    budget = largest_call_bytes(shard_plan, dtype_bytes, max_len, max_prefill_tokens,
-                                max_num_seqs, layers=min_layers)
+    budget = largest_call_bytes(shard_plan, dtype_bytes, limits, layers=min_layers)
 
     def layers_for(tokens, groups, context):
         layer = layer_activation_bytes(shard_plan, dtype_bytes, tokens, groups, context)

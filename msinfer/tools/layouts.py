@@ -36,6 +36,7 @@ import re
 import tempfile
 
 from ..config import load_config
+from ..engine_config import EngineLimits
 from ..errors import MsinferError, PlanRefused
 from ..parallel.strategy import checkpoint_parts, load_strategy
 
@@ -469,13 +470,13 @@ def record(config, plan, dtype, ir_dir):
     full = {n: (sum(shapes[p][0] for p in checkpoint_parts(n)),)
             + tuple(shapes[checkpoint_parts(n)[0]][1:]) for n in names}
     model = family.Model(ctx, layout, full)
-    runner = SemiAutoRunner(ctx, layout, model=model, **ENGINE)
+    runner = SemiAutoRunner(ctx, layout, EngineLimits(**ENGINE), model=model)
     calls = []
     steps = (("decode", runner.batch_buckets[0]), ("prefill", runner.chunk_buckets[0]))
     for kind, size in steps:
         folder = os.path.join(ir_dir, kind)
         with dumping_ir(folder):
-            runner.compile_shape(kind, size, runner.context_buckets[0])
+            runner.compile_shape(runner.shape_plan.at(kind, size, runner.context_buckets[0]))
         with open(os.path.join(folder, stage_dumps(folder)[-1])) as f:
             calls += parse_ir(f.read(), kind)
     return calls
