@@ -19,6 +19,7 @@ import threading
 import time
 
 import httpx2 as httpx
+import pytest
 
 from fake_engine import FakeEngine, expected_ids
 from msinfer.server import handoff, replicas
@@ -26,6 +27,7 @@ from msinfer.server.lockstep import EngineLoop
 from test_serve_protocol import MODEL, RunningServer
 
 SOAK_REQUESTS = int(os.environ.get("MSINFER_SOAK_REQUESTS", "200"))
+JOB_REQUESTS = int(os.environ.get("MSINFER_JOB_SOAK_REQUESTS", "40"))
 CONCURRENCY = 16
 
 
@@ -58,6 +60,13 @@ def two_replicas():
                            max_queue=1024, step_delay=0.002, num_blocks=64, max_num_seqs=8,
                            max_model_len=200)
     return server, [server.engine, engine], remote_loop, stop
+
+
+def wait_for(predicate, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
 
 
 def plan(count, rng):
@@ -185,3 +194,123 @@ def test_a_soak_of_mixed_requests_over_two_replicas_loses_and_leaks_nothing():
     if os.environ.get("MSINFER_SOAK_RESULTS"):
         with open(os.environ["MSINFER_SOAK_RESULTS"], "w") as f:
             json.dump(figures, f, indent=1)
+
+
+@pytest.mark.multirank
+def test_a_soak_of_a_dp2_tp2_job_whose_replica_is_killed_and_the_job_restarted(
+        serve_model, tmp_path):
+    """The real job (tiny Qwen2, dp2 x tp2, 4 ranks): JOB_REQUESTS mixed requests; half-way,
+    replica 1's leader (rank 2) is killed. The job must end non-zero within its bound, every
+    request in flight then gets a clean answer (a 200, an OpenAI 503, or the connection
+    refused once rank 0 has gone), and the test's supervisor restarts the job and sends what
+    did not complete again: every request completes once, and the restarted job's KV pool
+    is back to full."""
+    import re
+    import signal
+
+    from servers import NAME, ROOT, SERVE_ARGS, ServerProcess
+
+    strategy = os.path.join(ROOT, "strategies", "qwen2_dp2_tp2.yaml")
+    rng = random.Random(7)
+    todo = {i: {"model": NAME, "prompt": f"{i} " + "word " * rng.randint(1, 12),
+                "max_tokens": rng.randint(8, 40), "temperature": 0, "n": rng.choice([1, 2]),
+                "stream": rng.random() < 0.5} for i in range(JOB_REQUESTS)}
+    done, answers = {}, collections.Counter()
+    starts = 0
+
+    def start():
+        nonlocal starts
+        starts += 1
+        return ServerProcess(["launch", "--nproc", "4", "--strategy", strategy, "--", "serve",
+                              "--model", serve_model, *SERVE_ARGS, "--stall-timeout", "5"],
+                             str(tmp_path / f"job{starts}.log"), ready_timeout=900)
+
+    errors = []  # what a sending thread found wrong (its assertions do not fail the test)
+
+    def send(job, i):
+        try:
+            sent(job, i)
+        except Exception as e:  # noqa: BLE001 - reported by the test's own thread
+            errors.append(f"request {i}: {type(e).__name__}: {e}")
+
+    def sent(job, i):
+        body = todo[i]
+        try:
+            with httpx.Client(base_url=job.url, timeout=120) as c:
+                if not body["stream"]:
+                    r = c.post("/v1/completions", json=body)
+                    ok = r.status_code == 200
+                    answers[r.status_code] += 1
+                    assert ok or r.json()["error"]["type"] == "service_unavailable", r.text
+                else:
+                    with c.stream("POST", "/v1/completions", json=body) as r:
+                        lines = [line for line in r.iter_lines() if line]
+                    answers[r.status_code] += 1
+                    if r.status_code != 200:  # refused before the stream opened
+                        error = json.loads(lines[0])["error"]
+                        assert error["type"] == "service_unavailable", lines
+                        return
+                    assert lines[-1] == "data: [DONE]", lines[-3:]
+                    ok = '"error"' not in lines[-2]
+                    answers["stream error event"] += not ok
+        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
+            answers["refused"] += 1  # rank 0 has gone: sent again to the restarted job
+            return
+        if ok:
+            assert i not in done, f"request {i} completed twice"
+            done[i] = True
+
+    failing_for = []
+
+    def answered_failing(job):
+        """How long rank 0 answered (/health 503, naming the failure) before it went."""
+        first = None
+        while True:
+            try:
+                status = httpx.get(job.url + "/health", timeout=5).status_code
+            except httpx.HTTPError:
+                return 0.0 if first is None else time.monotonic() - first
+            if status != 200 and first is None:
+                first = time.monotonic()
+            time.sleep(0.02)
+
+    def wave(job, indices, kill=False):
+        """Send `indices` at once; with `kill`, kill rank 2 once all are sent (in flight)."""
+        threads = [threading.Thread(target=send, args=(job, i)) for i in indices]
+        for t in threads:
+            t.start()
+        killed_at = None
+        if kill:
+            wait_for(lambda: answers[200] >= 2)  # the job is serving them
+            pid = int(re.search(r"rank 2 is process (\d+)", job.output()).group(1))
+            os.kill(pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            failing_for.append(answered_failing(job))
+        for t in threads:
+            t.join(300)
+        return killed_at
+
+    job = start()
+    try:
+        killed_at = wave(job, list(todo), kill=True)
+        assert not errors, errors
+        # every request in flight got an answer from rank 0 (a 200, a 503 or an error event),
+        # none a cut connection: the other ranks leave after rank 0, not before it
+        assert answers["refused"] == 0, answers
+        # rank 0 answers for its grace (2 s) before it goes, the other ranks after it: a
+        # follower that left at once made the launcher end rank 0 then and there
+        assert failing_for[0] > 1.5, failing_for
+        code = job.process.wait(60)
+        assert code != 0 and time.monotonic() - killed_at < 30, code
+        job.kill()
+        job = start()  # the supervisor
+        wave(job, [i for i in todo if i not in done])
+        assert not errors, errors
+        assert sorted(done) == sorted(todo)
+        assert job.metric("msinfer_kv_blocks_used") == 0
+        assert job.metric("vllm:num_requests_running") == 0
+    finally:
+        job.kill()
+    print("\njob soak:", json.dumps({"requests": JOB_REQUESTS, "starts": starts,
+                                     "rank0_answered_failing_s": round(failing_for[0], 2),
+                                     "answers": {str(k): v for k, v in answers.items()}}))

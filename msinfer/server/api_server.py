@@ -92,6 +92,19 @@ def _die_after(link, message):
     _die(message)
 
 
+def _die_after_rank0(channel, message):
+    """A follower whose leader or job is gone leaves once rank 0 has had the time to answer
+    its clients (it exits `_DEAD_RANK_GRACE` s after hearing of a failure): the launcher ends
+    every rank as soon as one exits non-zero, and a follower that went at once cut rank 0's
+    clients off mid-response. Its leader rank 0: until rank 0 hangs up; another leader (gone
+    itself): `_REPORT_WAIT` s."""
+    if channel.leader_rank == 0:
+        _die_after(channel.link, message)
+    log.get().error("%s: leaving the job in %.0fs, after rank 0", message, _REPORT_WAIT)
+    time.sleep(_REPORT_WAIT)
+    _die(message)
+
+
 def _ignore_signals():
     """Rank 0 decides when the job stops (it drains first); a signal elsewhere waits for it."""
     logger = log.get()
@@ -106,13 +119,13 @@ def _follow(llm, channel, options):
         channel.report(message)
         _die_after(channel.link, message)
     _ignore_signals()
-    channel.watch(_die)
+    channel.watch(lambda message: _die_after_rank0(channel, message))
     watch = StepWatch(options.stall_timeout, leave, rank, _compiling(llm))
     _warmup(llm, options)
     try:
         follow(llm.engine, channel, rank, watch)
     except PeerGone as e:
-        _die(str(e))
+        _die_after_rank0(channel, str(e))
     except RanksDiverged as e:
         leave(str(e))
     except Exception as e:  # noqa: BLE001 - whatever it is, the leader must hear it
@@ -157,9 +170,9 @@ def _replica(llm, links, options):
                 return
             if uplink.take(loop, frame):
                 continue
-            if "fail" in frame:
+            if "fail" in frame:  # rank 0 answers its clients, then goes: after it
                 channel.fail(frame["fail"])
-                _die(f"the job failed: {frame['fail']}")
+                _die_after(front, f"the job failed: {frame['fail']}")
             elif "stop" in frame:
                 return
     _warmup(llm, options)
