@@ -409,6 +409,7 @@ def test_unseeded_requests_draw_their_replicas_own_stream_and_seeded_ones_do_not
 
     from msinfer.engine.llm_engine import LLMEngine
     from msinfer.engine.sampling import SamplingParams
+    from msinfer.engine_config import EngineLimits
     from msinfer.parallel.distributed import replica_seed
     from msinfer.planning.kv_layout import CacheLayout
 
@@ -417,8 +418,8 @@ def test_unseeded_requests_draw_their_replicas_own_stream_and_seeded_ones_do_not
     job_seed = 0xABCDEF  # job_seed's range: below 2**24
 
     def draws(replica, params):
-        engine = LLMEngine(None, layout, vocab_size=300, max_model_len=64, eos_token_ids=(),
-                           max_num_seqs=4, max_prefill_tokens=16,
+        limits = EngineLimits(max_model_len=64, max_num_seqs=4, max_prefill_tokens=16)
+        engine = LLMEngine(None, layout, limits, vocab_size=300, eos_token_ids=(),
                            seed=replica_seed(job_seed, replica))
         engine.add_request("r", [1, 2, 3], params)
         return engine._requests["r"].generator.random(8)
