@@ -62,6 +62,8 @@ class ModelConfig:
     source: str = "<memory>"
     model_type: str = "qwen2"  # qwen3: per-head q/k RMSNorm, no q/k/v bias
     rope_scaling: RopeScaling | None = None  # None: HF's default rotary embedding
+    # msModelSlim's schemes when the directory is quantized (quantization.py), else None
+    quantization: object = None
 
     @property
     def qkv_bias(self) -> bool:
@@ -198,7 +200,9 @@ class ModelConfig:
             raise MsinferError(f"model directory {model_dir} does not exist")
         if not os.path.isfile(path):
             raise MsinferError(f"{path}: not found (a Hugging Face model directory has one)")
-        return cls.from_dict(read_json_object(path), source=path)
+        from .quantization import describe
+        config = cls.from_dict(read_json_object(path), source=path)
+        return dataclasses.replace(config, quantization=describe(model_dir, config))
 
 
 def _supported_architectures():

@@ -37,6 +37,7 @@ from ..layers.parallel_context import ParallelContext
 from ..layers.rotary import rotary_tables
 from ..models.families import family_of
 from ..models.loader import full_shapes, rank_weights
+from ..models.quant_loader import quantized_rank_weights
 from ..planning.kv_layout import TRASH_BLOCK, CacheLayout
 from ..planning.shapes import ExplicitGraphs, Graph, ShapeBuckets, bucket_for, round_up
 from ..planning.workspace import stack_layers
@@ -267,7 +268,8 @@ class ExplicitRunner(ModelRunner):
         self.head_weights = [weights[n] for n in family.head_weight_names(config)]
         # Each layer's arguments of a LayerStack: its K and V caches, then its weights.
         self.layer_args = [t for (k, v), w in zip(self.caches, self.layer_weights)
-                           for t in (k, v, *w)]
+                           for t in (k, v, *flat(w))]
+        self.args_per_layer = len(self.layer_args) // config.num_layers
         # What the planner reserves for activations: each graph stays within it.
         self.layers_per_call = stack_layers(ctx.plan, DTYPE_BYTES[str(ctx.dtype).lower()],
                                             max_model_len, max_prefill_tokens, max_num_seqs,
@@ -355,7 +357,7 @@ class ExplicitRunner(ModelRunner):
             groups = rows if decode else 1
             read = groups and context and groups * kv * context
             mask = [rows, 1, context] if decode else [1, rows, context]
-            per_layer = self.family.LayerStack.ARGS_PER_LAYER * graph.layers
+            per_layer = self.args_per_layer * graph.layers
             cell.set_inputs(x, rotary, rotary, Tensor(shape=[rows and rows * kv], dtype=ms.int32),
                             Tensor(shape=[read], dtype=ms.int32),
                             Tensor(shape=mask, dtype=ms.float32), *self.layer_args[:per_layer])
@@ -373,7 +375,7 @@ class ExplicitRunner(ModelRunner):
                                               context)
         stack, count = self.cell(graph), graph.layers
         x = self.cell(self.graph_of.embedding(tokens))(Tensor(ids), self.embed_weight)
-        n = self.family.LayerStack.ARGS_PER_LAYER
+        n = self.args_per_layer
         for first in range(0, self.num_layers, count):
             x = stack(x, cos, sin, *args, *self.layer_args[first * n:(first + count) * n])
         if rows is None:
@@ -439,7 +441,11 @@ def build_runner(model_dir, ctx, layout, limits, world_size, profile):
     family = family_of(config)
     names = family.weight_names(config)
     host_dtype = np.float16 if ctx.dtype == ms.float16 else np.float32  # numpy has no bf16
-    weights = rank_weights(model_dir, ctx.plan, ctx.tensor_rank, names, host_dtype)
+    if config.quantization is None:
+        weights = rank_weights(model_dir, ctx.plan, ctx.tensor_rank, names, host_dtype)
+    else:  # msModelSlim's tensors: a quantized projection's as a tuple (int8 weight, ...)
+        weights = quantized_rank_weights(model_dir, ctx.plan, ctx.tensor_rank, names,
+                                         host_dtype)
     sizes = dict(max_num_seqs=limits.max_num_seqs, max_prefill_tokens=limits.max_prefill_tokens,
                  max_model_len=limits.max_len)
     if ctx.mode == "semi_auto":
@@ -447,12 +453,18 @@ def build_runner(model_dir, ctx, layout, limits, world_size, profile):
         runner = SemiAutoRunner(ctx, layout, model=model, world_size=world_size, **sizes)
         runner.load(weights, world_size)
         return runner
-    loaded = {name: host_tensor(family.weight_layout(ctx, name, array), ctx.dtype)
+    loaded = {name: (tuple(ms.Tensor.from_numpy(a) for a in array) if isinstance(array, tuple)
+                     else host_tensor(family.weight_layout(ctx, name, array), ctx.dtype))
               for name, array in weights}
     return ExplicitRunner(ctx, layout, weights=loaded,
                           min_layers_per_graph=profile.min_layers_per_graph,
                           layer_peak_growth=profile.layer_peak_growth,
                           dynamic=limits.graph_shapes == "dynamic", **sizes)
+
+
+def flat(weights):
+    """A layer's weights with each quantized one's tuple spread out."""
+    return [t for w in weights for t in (w if isinstance(w, tuple) else (w,))]
 
 
 def host_tensor(array, dtype):

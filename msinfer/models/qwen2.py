@@ -26,6 +26,7 @@ from ..layers.attention import PagedAttention, new_cache
 from ..layers.cpu_forms import matmul_forms
 from ..layers.embedding import ParallelEmbedding
 from ..layers.linear import ParallelLinear
+from ..layers.linear_methods import tensor_suffixes
 from ..layers.norm import RMSNorm
 from ..layers.parallel_context import SemiAutoLayout, shard
 from ..layers.rotary import Rotary
@@ -51,6 +52,17 @@ def weight_layout(ctx, name, array):
     if forms is not None and forms.in_out and name.endswith(IN_OUT_WEIGHTS):
         return np.ascontiguousarray(array.T)
     return array
+
+
+def layer_weight_tensors(config, weight):
+    """The checkpoint suffixes a layer weight (a LAYER_WEIGHTS entry) is loaded as: ("weight",)
+    for a float one; a quantized projection's scheme's tensors (layers/linear_methods.py)."""
+    quantization = config.quantization
+    module = weight.rsplit(".", 1)[0]
+    if quantization is None or not weight.endswith(".weight"):
+        return (weight.rsplit(".", 1)[1],)
+    scheme = quantization.scheme_of(module)
+    return tensor_suffixes(scheme)
 
 
 def layer_weight_names(layer: int) -> list:
@@ -220,20 +232,32 @@ class LayerStack(nn.Cell):
     8 MB), which made a decode step's time grow with the KV pool."""
 
     LAYER = DecoderLayer
-    ARGS_PER_LAYER = 2 + len(LAYER.WEIGHTS)
+    ARGS_PER_LAYER = 2 + len(LAYER.WEIGHTS)  # of a float checkpoint (args_per_layer)
 
     def __init__(self, ctx, count):
         super().__init__()
         self.layers = nn.CellList([self.LAYER(ctx) for _ in range(count)])
         self.count = count
+        # Tensors per layer weight: a quantized projection's come as its method's tuple.
+        self.arity = tuple(len(layer_weight_tensors(ctx.config, w)) for w in self.LAYER.WEIGHTS)
+        self.args_per_layer = 2 + sum(self.arity)
 
     def construct(self, x, cos, sin, write_slots, context_slots, mask, *per_layer):
-        n = self.ARGS_PER_LAYER
+        n = self.args_per_layer
         for i in range(self.count):
             args = per_layer[i * n:(i + 1) * n]
             x = self.layers[i](x, cos, sin, args[0], args[1], write_slots, context_slots, mask,
-                               *args[2:])
+                               *self._grouped(args[2:]))
         return x
+
+    def _grouped(self, flat):
+        """A layer's flat weight tensors grouped per weight (a tuple for a quantized one)."""
+        grouped = ()
+        start = 0
+        for count in self.arity:
+            grouped = grouped + ((flat[start] if count == 1 else flat[start:start + count]),)
+            start += count
+        return grouped
 
 
 class Embedding(nn.Cell):

@@ -23,7 +23,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent  # msinfer/
 # (layer, what it holds, module-name prefixes under msinfer), lowest first.
 LAYERS = (
     ("ground", "errors, log, config, hardware profiles",
-     ("errors", "log", "config", "hardware")),
+     ("errors", "log", "config", "quantization", "hardware")),
     ("parallel", "strategies and shard plans, rank tables, distributed start",
      ("parallel",)),
     ("planning", "the memory formulas and the planner: pure arithmetic, no MindSpore",
