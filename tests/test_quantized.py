@@ -2,10 +2,12 @@
 
 Tiny Qwen2 and Qwen3 checkpoints (tools.tiny_model: peaked, input-dependent logits) are
 quantized once per module by msModelSlim's own command line on CPU: W8A8 from a float16
-source in its v0 layout, W8A8 from a bfloat16 source in its v1 layout, W8A16 (v0), and a
-Qwen3 in W8A8 (v1). The reference is transformers' float model with every quantized linear
-replaced by msModelSlim's formula over the tensors it wrote (float64 products, so exact), and
-the float tensors it left (embeddings, norms, lm_head, q/k/v biases) loaded as they are.
+source in its v0 layout, W8A8 from a bfloat16 source in its v1 layout, W8A16 (v0),
+W8A8_DYNAMIC (v1, per-token activations), and a Qwen3 in W8A8 (v1). The reference is
+transformers' float model with every quantized linear replaced by msModelSlim's formula over
+the tensors it wrote (activations quantized in float32, as the device does; float64 products,
+so exact), and the float tensors it left (embeddings,
+norms, lm_head, q/k/v biases) loaded as they are.
 msinfer must choose the same greedy tokens, and log-probs within LOGPROB_TOLERANCE plus what
 the formula itself moves by under a 1e-6 float perturbation (rounding x / input_scale turns a
 float difference into a whole int8 step where an activation lies on a boundary:
@@ -76,6 +78,9 @@ CASES = {
     "qwen2_w8a8_v0_fp16": (dict(TINY, dtype="float16", seed=3), V0, 8),
     "qwen2_w8a8_v1_bf16": (dict(TINY, dtype="bfloat16", seed=4), V1, 8),
     "qwen2_w8a16_v0_fp16": (dict(TINY, dtype="float16", seed=5), V0, 16),
+    "qwen2_w8a8_dynamic_v1_bf16": (dict(TINY, dtype="bfloat16", seed=7), V1.replace(
+        "{{scope: per_tensor,  dtype: int8, symmetric: False, method: minmax}}",
+        "{{scope: per_token, dtype: int8, symmetric: True, method: minmax}}"), 8),
     "qwen3_w8a8_v1_bf16": (dict(TINY, dtype="bfloat16", seed=6, family="qwen3", head_dim=32),
                            V1, 8),
 }
@@ -130,7 +135,14 @@ class FormulaLinear(torch.nn.Module):
                 deq = deq.to(torch.int32).view(torch.float32)
             y = (x_q.double() @ w.T + t["quant_bias"].double()) * deq.double()
             return y.float()  # the float bias is folded into quant_bias
-        if self.scheme == "W8A16":
+        if self.scheme == "W8A8_DYNAMIC":  # per-token symmetric int8 activations
+            # The scale and x / scale in float32, as the device's (and msModelSlim's torch
+            # code in the model's dtype): in float64 an activation that lands on k + 0.5 in
+            # float32 rounds the other way (0.19 in log-probs on a 20-token prompt).
+            scale = x.abs().amax(-1, keepdim=True) / 127
+            x_q = torch.clamp(torch.round(x / scale), -128, 127).double()
+            y = (x_q @ w.T) * scale.double() * t["weight_scale"].double().reshape(1, -1)
+        elif self.scheme == "W8A16":
             w = (w - t["weight_offset"].double()) * t["weight_scale"].double()
             y = x.double() @ w.T
         else:
@@ -176,14 +188,15 @@ def reference_logprobs(model, prompt, generated):
 
 
 def shaken_logprobs(model, prompt, generated):
-    """reference_logprobs with the norms' weights moved by 1e-6 relative: how far the formula
+    """reference_logprobs with the norms' weights moved by +-1e-6 relative: how far the formula
     moves on a float difference of that size (an int8 step of an activation that lay on a
     rounding boundary), which msinfer's float32 arithmetic may differ by as well."""
     norms = [m.weight for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
     saved = [w.detach().clone() for w in norms]
+    signs = torch.Generator().manual_seed(0)  # per element: a per-token scale moves too
     with torch.no_grad():
-        for i, w in enumerate(norms):
-            w.mul_(1 + (-1) ** i * 1e-6)
+        for w in norms:
+            w.mul_(1 + 1e-6 * (2 * torch.randint(0, 2, w.shape, generator=signs) - 1))
     try:
         return reference_logprobs(model, prompt, generated)
     finally:
@@ -245,11 +258,12 @@ def test_one_rank_generates_what_msmodelslims_formula_does(quantized, references
 @pytest.mark.multirank
 def test_two_ranks_generate_what_msmodelslims_formula_does(quantized, references,
                                                            tmp_path_factory):
-    """One msrun job of two tensor ranks runs every case (--model2): column-parallel q/k/v
-    and gate/up split weight, deq_scale and quant_bias by output; row-parallel o/down split
-    the weight by input and add quant_bias once (tensor rank 0)."""
+    """One msrun job of two tensor ranks runs every Qwen2 case (--model2; Qwen3's layers
+    are Qwen2's linears): column-parallel q/k/v and gate/up split weight, deq_scale,
+    quant_bias and weight scales by output; row-parallel o/down split the weight by input,
+    add quant_bias once (tensor rank 0) and, per token, take the whole row's scale."""
     out_dir = tmp_path_factory.mktemp("quant_tp2")
-    names = list(CASES)
+    names = [name for name in CASES if name.startswith("qwen2")]
     cmd = (msrun_prefix(2, out_dir / "logs")
            + [WORKER, "--model", quantized[names[0]],
               "--strategy", os.path.join(ROOT, "strategies", "qwen2_tp2.yaml"),

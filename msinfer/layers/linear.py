@@ -129,4 +129,23 @@ def quantized_method(ctx, name):
     scheme = quantization.scheme_of(name.split(".", 3)[3])
     if scheme == "FLOAT":
         return None
-    return method_class(scheme)(ctx.plan.local_shape(name + ".weight")[1])
+    row_max = None
+    if ctx.explicit_collectives and ctx.plan.style(name + ".weight") == "rowwise":
+        row_max = RowMax(ctx)
+    return method_class(scheme)(ctx.plan.local_shape(name + ".weight")[1], row_max=row_max)
+
+
+class RowMax(nn.Cell):
+    """The maximum over the tensor group of each rank's (rows, 1) column: each rank puts its
+    column at its place among zeros and an AllReduce sums them (MindSpore's CPU AllReduce
+    only sums; AllGather runs on the world group only)."""
+
+    def __init__(self, ctx):
+        super().__init__()
+        self.tensor, self.tensor_rank = ctx.plan.tensor, ctx.tensor_rank
+        self.sum = ctx.all_reduce()
+
+    def construct(self, column):
+        zeros = ops.zeros_like(column)
+        blocks = [column if r == self.tensor_rank else zeros for r in range(self.tensor)]
+        return ops.amax(self.sum(ops.concat(blocks, 1)), -1, True)

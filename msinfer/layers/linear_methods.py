@@ -33,9 +33,9 @@ class FloatMethod(nn.Cell):
     BIAS_FOLDED = False
     QUANTIZED = False
 
-    def __init__(self, in_features, transpose_b=True):
+    def __init__(self, in_features, row_max=None):
         super().__init__()
-        self.matmul = ops.MatMul(transpose_b=transpose_b)
+        self.matmul = ops.MatMul(transpose_b=True)
 
     def construct(self, x, weight):
         return self.matmul(x, weight)
@@ -54,7 +54,7 @@ class W8A8Method(nn.Cell):
     BIAS_FOLDED = True  # quant_bias holds the float bias: it is not added again
     QUANTIZED = True
 
-    def __init__(self, in_features, transpose_b=True):
+    def __init__(self, in_features, row_max=None):
         super().__init__()
         self.acc_dtype, self.matmul = _integer_matmul(in_features)
 
@@ -66,22 +66,28 @@ class W8A8Method(nn.Cell):
 
 
 class W8A8DynamicMethod(nn.Cell):
-    """Per-token symmetric activation quantization, per-channel weight scale."""
+    """Per-token symmetric activation quantization, per-channel weight scale. A row-parallel
+    layer's rank holds a slice of each token's inputs: `row_max` (an AllReduce of the maxima
+    over the tensor group) gives every rank the whole row's scale, as on one device."""
 
     TENSORS = ("weight", "weight_scale")
     BIAS_FOLDED = False
     QUANTIZED = True
 
-    def __init__(self, in_features, transpose_b=True):
+    def __init__(self, in_features, row_max=None):
         super().__init__()
         self.acc_dtype, self.matmul = _integer_matmul(in_features)
+        self.row_max = row_max
 
     def construct(self, x, weight, weight_scale):
         x32 = ops.cast(x, ms.float32)
-        scale = ops.maximum(ops.amax(ops.abs(x32), -1, True) / 127.0, 1e-12)  # (tokens, 1)
+        largest = ops.amax(ops.abs(x32), -1, True)  # (tokens, 1)
+        if self.row_max is not None:
+            largest = self.row_max(largest)
+        scale = ops.maximum(largest / 127.0, 1e-12)
         x_q = ops.clamp(ops.round(x32 / scale), -128.0, 127.0)
         acc = self.matmul(ops.cast(x_q, self.acc_dtype), ops.cast(weight, self.acc_dtype))
-        return ops.cast(ops.cast(acc, ms.float32) * scale * weight_scale, x.dtype)
+        return ops.cast(ops.cast(acc, ms.float32) * scale * weight_scale.reshape(1, -1), x.dtype)
 
 
 class W8A16Method(nn.Cell):
@@ -91,7 +97,7 @@ class W8A16Method(nn.Cell):
     BIAS_FOLDED = False
     QUANTIZED = True
 
-    def __init__(self, in_features, transpose_b=True):
+    def __init__(self, in_features, row_max=None):
         super().__init__()
         self.matmul = ops.MatMul(transpose_b=True)
         self.batch_matmul = ops.BatchMatMul(transpose_b=True)
@@ -115,7 +121,7 @@ class AscendW8A8Method(W8A8Method):
     + quant_bias, * deq_scale as the device's int64 scale). Not run here (no CANN): the CPU
     method above is its reference."""
 
-    def __init__(self, in_features, transpose_b=True):
+    def __init__(self, in_features, row_max=None):
         super().__init__(in_features)
         from mindspore.ops.auto_generate import QuantBatchMatmul, QuantV2
         self.quant = QuantV2()
@@ -130,10 +136,10 @@ class AscendW8A16Method(W8A16Method):
     """W8A16 on Ascend: WeightQuantBatchMatmul (the device adds antiquant_offset, so it
     takes the negated offset). Not run here (no CANN)."""
 
-    def __init__(self, in_features, transpose_b=True, group_size=0):
+    def __init__(self, in_features, row_max=None):
         super().__init__(in_features)
         from mindspore.ops.auto_generate import WeightQuantBatchMatmul
-        self.wqbmm = WeightQuantBatchMatmul(transpose_weight=True, antiquant_group_size=group_size)
+        self.wqbmm = WeightQuantBatchMatmul(transpose_weight=True, antiquant_group_size=0)
 
     def construct(self, x, weight, weight_scale, weight_offset):
         return self.wqbmm(x, weight, weight_scale.reshape(-1), -weight_offset.reshape(-1))
