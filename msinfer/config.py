@@ -355,6 +355,20 @@ PRESETS = {
 }
 
 
+def _quantized(base, scheme):
+    from .quantization import preset
+    return dataclasses.replace(PRESETS[base], quantization=preset(scheme))
+
+
+# What 300I Duo users deploy: msModelSlim's W8A8 (and a W8A16), for planning (quantization.py)
+PRESETS.update({
+    "qwen2.5-72b-w8a8": _quantized("qwen2.5-72b", "W8A8"),
+    "qwen2.5-32b-w8a8": _quantized("qwen2.5-32b", "W8A8"),
+    "qwen3-32b-w8a8": _quantized("qwen3-32b", "W8A8"),
+    "qwen2.5-7b-w8a16": _quantized("qwen2.5-7b", "W8A16"),
+})
+
+
 def load_config(model: str) -> ModelConfig:
     """A model directory or a preset name."""
     if model in PRESETS:

@@ -179,3 +179,28 @@ def _check_one(file, name, scheme, info, dtypes, dims, n, k):
     if not ok:
         raise MsinferError(f"{file}: {name} ({scheme}) has shape {list(shape)}, expected "
                            f"{want} from config.json")
+
+
+def preset(scheme):
+    """A Quantization for a preset model (planning without the checkpoint): every decoder
+    projection in `scheme`, per channel."""
+    return Quantization(scheme, "<preset>", "preset", tuple((m, scheme) for m in FUSED))
+
+
+def stored_bytes(quantization, name, rows, cols, dtype_bytes):
+    """Bytes a rank holds for checkpoint tensor `name` of its (rows, cols) slice: int8
+    weights and their per-row scales for a quantized projection (models/quant_loader.py:
+    deq_scale float32 and quant_bias int32; weight scale and offset in the compute dtype),
+    else rows x cols x dtype_bytes."""
+    elements = rows * cols
+    if quantization is None or not (name.startswith("model.layers.")
+                                    and name.endswith(".weight")):
+        return elements * dtype_bytes
+    module = name.split(".", 3)[3].rsplit(".", 1)[0]
+    fused = next((f for f, parts in FUSED.items() if module in parts), None)
+    scheme = quantization.scheme_of(fused) if fused else "FLOAT"
+    per_row = {"FLOAT": None, "W8A8": 4 + 4, "W8A8_DYNAMIC": dtype_bytes,
+               "W8A16": 2 * dtype_bytes}[scheme]
+    if per_row is None:
+        return elements * dtype_bytes
+    return elements + rows * per_row
