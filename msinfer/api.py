@@ -47,6 +47,9 @@ class LLM:
     graph_shapes: explicit mode's compiled graphs, "dynamic" (the default: a few, as many at
         any max_len) or "static" (one per call shape: 7x as many for the 0.5B shape's defaults,
         a slower start, about the same speed; docs/engine.md, "Compiled graphs").
+    quantization: "auto" (an msModelSlim directory, with quant_model_description.json, loads
+        its int8 weights; docs/quantization.md), "msmodelslim" (refuse a directory that is not
+        one) or "none" (refuse a quantized one).
     compile_cache: where `warmup()` keeps compiled graphs for the next start of the same
         configuration (engine/compile_cache.py): a directory; None (the default):
         $MSINFER_COMPILE_CACHE, else ~/.cache/msinfer/compile; False: none.
@@ -58,7 +61,7 @@ class LLM:
                  kv_cache_memory: int | str | None = None, block_size: int | None = None,
                  max_prefill_tokens: int | None = None, max_num_seqs: int | None = None,
                  enable_prefix_caching: bool = True, compile_cache: str | bool | None = None,
-                 graph_shapes: str | None = None):
+                 graph_shapes: str | None = None, quantization: str = "auto"):
         import mindspore as ms
 
         from .engine.model_runner import build_runner
@@ -66,7 +69,7 @@ class LLM:
         from .parallel.distributed import init_distributed, job_seed, tensor_group
 
         self.model_dir = model_dir
-        self.config = ModelConfig.from_model_dir(model_dir)
+        self.config = ModelConfig.from_model_dir(model_dir, quantization)
         hardware, self.hardware_choice = choose_hardware(hardware)
         self.profile = get_profile(hardware)
         self.strategy = load_strategy(strategy) if strategy else Strategy.default()

@@ -194,7 +194,9 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_model_dir(cls, model_dir: str) -> ModelConfig:
+    def from_model_dir(cls, model_dir: str, quantization: str = "auto") -> ModelConfig:
+        """`quantization`: "auto" (msModelSlim's directories load quantized), "msmodelslim"
+        (refuse any other) or "none" (refuse a quantized one): quantization.describe."""
         path = os.path.join(model_dir, "config.json")
         if not os.path.isdir(model_dir):
             raise MsinferError(f"model directory {model_dir} does not exist")
@@ -202,7 +204,8 @@ class ModelConfig:
             raise MsinferError(f"{path}: not found (a Hugging Face model directory has one)")
         from .quantization import describe
         config = cls.from_dict(read_json_object(path), source=path)
-        return dataclasses.replace(config, quantization=describe(model_dir, config))
+        want = None if quantization in (None, "auto") else quantization
+        return dataclasses.replace(config, quantization=describe(model_dir, config, want))
 
 
 def _supported_architectures():
@@ -369,11 +372,11 @@ PRESETS.update({
 })
 
 
-def load_config(model: str) -> ModelConfig:
-    """A model directory or a preset name."""
+def load_config(model: str, quantization: str = "auto") -> ModelConfig:
+    """A model directory or a preset name; `quantization` as ModelConfig.from_model_dir."""
     if model in PRESETS:
         return dataclasses.replace(PRESETS[model], source=model)
     if not os.path.isdir(model):
         raise MsinferError(f"{model}: no such model directory, and not a built-in model "
                            f"({', '.join(PRESETS)})")
-    return ModelConfig.from_model_dir(model)
+    return ModelConfig.from_model_dir(model, quantization)

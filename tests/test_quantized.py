@@ -346,3 +346,15 @@ def test_unknown_schemes_missing_tensors_and_wrong_dtypes_name_the_tensor(quanti
                                            r"which takes model.layers.0.mlp.gate_proj."
                                            r"quant_bias; no quant_model_weight"):
         ModelConfig.from_model_dir(str(broken))
+
+
+def test_the_quantization_flag_forces_or_refuses(quantized, small_checkpoint, capsys):
+    plan = ["plan", "--strategy", os.path.join(ROOT, "strategies", "qwen2_tp1.yaml"),
+            "--hardware", "cpu"]
+    assert main(plan + ["--model", quantized["qwen2_w8a16_v0_fp16"]]) == 0
+    assert "quantized  W8A16" in capsys.readouterr().out
+    assert main(plan + ["--model", quantized["qwen2_w8a16_v0_fp16"],
+                        "--quantization", "none"]) == 2
+    assert "--quantization none" in capsys.readouterr().err
+    assert main(plan + ["--model", small_checkpoint, "--quantization", "msmodelslim"]) == 2
+    assert "no quant_model_description.json" in capsys.readouterr().err

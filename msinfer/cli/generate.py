@@ -62,7 +62,7 @@ def run(args):
               rank_table=args.rank_table, kv_cache_memory=args.kv_cache_memory,
               block_size=args.block_size, max_prefill_tokens=args.max_prefill_tokens,
               max_num_seqs=args.max_num_seqs, enable_prefix_caching=args.prefix_caching,
-              graph_shapes=args.graph_shapes)
+              graph_shapes=args.graph_shapes, quantization=args.quantization)
     prompts = list(args.prompt)
     if args.chat:
         prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}])
