@@ -358,3 +358,20 @@ def test_the_quantization_flag_forces_or_refuses(quantized, small_checkpoint, ca
     assert "--quantization none" in capsys.readouterr().err
     assert main(plan + ["--model", small_checkpoint, "--quantization", "msmodelslim"]) == 2
     assert "no quant_model_description.json" in capsys.readouterr().err
+
+
+def test_integer_products_are_exact_past_float32s_reach():
+    """x_q @ W_q.T over 4,864 inputs (the 0.5B shape's down_proj): float32 alone is exact to
+    2**24 only; runs of at most 1,032 inputs, summed in int32, are exact at the extremes."""
+    import mindspore as ms
+
+    from msinfer.layers.linear_methods import IntegerMatmul
+
+    rng = np.random.default_rng(0)
+    x = np.full((3, 4864), -128, np.float32)
+    w = np.full((5, 4864), -128, np.int8)
+    x[1], w[1:] = rng.integers(-128, 128, 4864), rng.integers(-128, 128, (4, 4864))
+    x[2, ::2] = 127
+    found = IntegerMatmul(4864)(ms.Tensor(x), ms.Tensor(w)).asnumpy()
+    assert found.dtype == np.int32
+    np.testing.assert_array_equal(found, x.astype(np.int64) @ w.astype(np.int64).T)

@@ -16,8 +16,8 @@ quant_model_description.json gives them per tensor:
       y = (x @ W_q.T - rowsum(x) * offset) * scale    (per group, summed over groups)
 
 Weights stay int8 on every hardware. On CPU the integer products are exact: int8 x int8
-accumulated in float32 while every partial sum stays below 2**24 (inputs of at most
-EXACT_FLOAT_INPUTS), else in int32; on Ascend MindSpore's quantized matmul primitives
+accumulated in float32 over runs of inputs short enough that every partial sum stays below
+2**24 (IntegerMatmul), the runs summed in int32; on Ascend MindSpore's quantized matmul primitives
 (`ascend_kernels`, the one place that picks them). A method's `TENSORS` are the checkpoint
 suffixes it takes, in the order construct receives them.
 """
@@ -41,10 +41,31 @@ class FloatMethod(nn.Cell):
         return self.matmul(x, weight)
 
 
-def _integer_matmul(in_features):
-    """(cast dtype, matmul) whose products of int8-valued operands are exact (see module)."""
-    dtype = ms.float32 if in_features <= EXACT_FLOAT_INPUTS else ms.int32
-    return dtype, ops.MatMul(transpose_b=True)
+class IntegerMatmul(nn.Cell):
+    """x_q @ W_q.T of int8-valued operands, exact, as an int32 (rows, out): float32 products
+    over runs of at most EXACT_FLOAT_INPUTS inputs (every partial sum an exact integer), the
+    runs' results summed in int32. MindSpore's CPU int32 MatMul is exact too but 3x slower at
+    16 rows (bench/quantized.py)."""
+
+    def __init__(self, in_features):
+        super().__init__()
+        runs = next(n for n in range(1, in_features + 1)
+                    if in_features % n == 0 and in_features // n <= EXACT_FLOAT_INPUTS)
+        self.width = in_features // runs
+        self.runs = runs
+        self.matmul = ops.MatMul(transpose_b=True)
+
+    def construct(self, x_q, weight):
+        x_q = ops.cast(x_q, ms.float32)
+        w = ops.cast(weight, ms.float32)  # one layer's transient cast, not a stored copy
+        if self.runs == 1:
+            return ops.cast(self.matmul(x_q, w), ms.int32)
+        xs = ops.split(x_q, self.width, 1)
+        ws = ops.split(w, self.width, 1)
+        acc = ops.cast(self.matmul(xs[0], ws[0]), ms.int32)
+        for i in range(1, self.runs):
+            acc = acc + ops.cast(self.matmul(xs[i], ws[i]), ms.int32)
+        return acc
 
 
 class W8A8Method(nn.Cell):
@@ -56,12 +77,11 @@ class W8A8Method(nn.Cell):
 
     def __init__(self, in_features, row_max=None):
         super().__init__()
-        self.acc_dtype, self.matmul = _integer_matmul(in_features)
+        self.matmul = IntegerMatmul(in_features)
 
     def construct(self, x, weight, deq_scale, quant_bias, input_scale, input_offset):
         x_q = ops.clamp(ops.round(x / input_scale + input_offset), -128.0, 127.0)
-        acc = self.matmul(ops.cast(x_q, self.acc_dtype), ops.cast(weight, self.acc_dtype))
-        acc = ops.cast(acc, ms.int32) + quant_bias  # exact, as the device's int32 accumulator
+        acc = self.matmul(x_q, weight) + quant_bias  # exact, as the device's int32 sum
         return ops.cast(ops.cast(acc, ms.float32) * deq_scale, x.dtype)
 
 
@@ -76,7 +96,7 @@ class W8A8DynamicMethod(nn.Cell):
 
     def __init__(self, in_features, row_max=None):
         super().__init__()
-        self.acc_dtype, self.matmul = _integer_matmul(in_features)
+        self.matmul = IntegerMatmul(in_features)
         self.row_max = row_max
 
     def construct(self, x, weight, weight_scale):
@@ -86,7 +106,7 @@ class W8A8DynamicMethod(nn.Cell):
             largest = self.row_max(largest)
         scale = ops.maximum(largest / 127.0, 1e-12)
         x_q = ops.clamp(ops.round(x32 / scale), -128.0, 127.0)
-        acc = self.matmul(ops.cast(x_q, self.acc_dtype), ops.cast(weight, self.acc_dtype))
+        acc = self.matmul(x_q, weight)
         return ops.cast(ops.cast(acc, ms.float32) * scale * weight_scale.reshape(1, -1), x.dtype)
 
 
