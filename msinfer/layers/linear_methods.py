@@ -4,7 +4,7 @@ A `ParallelLinear` keeps the split and the collective; its method keeps the tens
 math (vLLM's LinearMethodBase). Schemes are msModelSlim's names, as
 quant_model_description.json gives them per tensor:
 
-- FLOAT: the float weight, y = x @ W.T.
+- FLOAT: the float weight: no method, ParallelLinear's own matmul.
 - W8A8 (static): int8 weight (out, in), per-tensor activation scale/offset, int32 quant_bias
   with the float bias folded in, float32 deq_scale per output channel:
       x_q = clamp(round(x / input_scale + input_offset), -128, 127)
@@ -26,19 +26,6 @@ from mindspore import nn, ops
 
 # |x_q * W_q| <= 128 * 127: the sum of this many stays an exact float32 integer (< 2**24).
 EXACT_FLOAT_INPUTS = (1 << 24) // (128 * 127)
-
-
-class FloatMethod(nn.Cell):
-    TENSORS = ("weight",)
-    BIAS_FOLDED = False
-    QUANTIZED = False
-
-    def __init__(self, in_features, row_max=None):
-        super().__init__()
-        self.matmul = ops.MatMul(transpose_b=True)
-
-    def construct(self, x, weight):
-        return self.matmul(x, weight)
 
 
 class IntegerMatmul(nn.Cell):
@@ -73,7 +60,6 @@ class W8A8Method(nn.Cell):
 
     TENSORS = ("weight", "deq_scale", "quant_bias", "input_scale", "input_offset")
     BIAS_FOLDED = True  # quant_bias holds the float bias: it is not added again
-    QUANTIZED = True
 
     def __init__(self, in_features, row_max=None):
         super().__init__()
@@ -92,7 +78,6 @@ class W8A8DynamicMethod(nn.Cell):
 
     TENSORS = ("weight", "weight_scale")
     BIAS_FOLDED = False
-    QUANTIZED = True
 
     def __init__(self, in_features, row_max=None):
         super().__init__()
@@ -115,7 +100,6 @@ class W8A16Method(nn.Cell):
 
     TENSORS = ("weight", "weight_scale", "weight_offset")
     BIAS_FOLDED = False
-    QUANTIZED = True
 
     def __init__(self, in_features, row_max=None):
         super().__init__()
@@ -162,10 +146,12 @@ class AscendW8A16Method(W8A16Method):
         self.wqbmm = WeightQuantBatchMatmul(transpose_weight=True, antiquant_group_size=0)
 
     def construct(self, x, weight, weight_scale, weight_offset):
+        if weight_scale.shape[1] > 1:  # group-wise: the CPU form until checked on a device
+            return super().construct(x, weight, weight_scale, weight_offset)
         return self.wqbmm(x, weight, weight_scale.reshape(-1), -weight_offset.reshape(-1))
 
 
-CPU_METHODS = {"FLOAT": FloatMethod, "W8A8": W8A8Method, "W8A8S": W8A8Method,
+CPU_METHODS = {"W8A8": W8A8Method, "W8A8S": W8A8Method,
                "W8A8_DYNAMIC": W8A8DynamicMethod, "W8A16": W8A16Method}
 
 
@@ -183,5 +169,5 @@ def method_class(scheme):
 
 
 def tensor_suffixes(scheme):
-    """The checkpoint suffixes a linear of `scheme` takes, in order."""
-    return CPU_METHODS[scheme].TENSORS
+    """The checkpoint suffixes a linear of `scheme` takes, in order (FLOAT: its weight)."""
+    return ("weight",) if scheme == "FLOAT" else CPU_METHODS[scheme].TENSORS
