@@ -3,11 +3,12 @@
 Tiny Qwen2 and Qwen3 checkpoints (tools.tiny_model: peaked, input-dependent logits) are
 quantized once per module by msModelSlim's own command line on CPU: W8A8 from a float16
 source in its v0 layout, W8A8 from a bfloat16 source in its v1 layout, W8A16 (v0),
-W8A8_DYNAMIC (v1, per-token activations), and a Qwen3 in W8A8 (v1). The reference is
-transformers' float model with every quantized linear replaced by msModelSlim's formula over
+W8A8_DYNAMIC (v1, per-token activations), and a Qwen3 in W8A8 (v1); plus its W8A16 directory
+requantized group-wise (GROUPED: msModelSlim writes no group-wise int8 on CPU). The reference
+is transformers' float model with every quantized linear replaced by msModelSlim's formula over
 the tensors it wrote (activations quantized in float32, as the device does; float64 products,
-so exact), and the float tensors it left (embeddings,
-norms, lm_head, q/k/v biases) loaded as they are.
+so exact), and the float tensors it left (embeddings, norms, lm_head, q/k/v biases) loaded as
+they are.
 msinfer must choose the same greedy tokens, and log-probs within LOGPROB_TOLERANCE plus what
 the formula itself moves by under a 1e-6 float perturbation (rounding x / input_scale turns a
 float difference into a whole int8 step where an activation lies on a boundary:
@@ -107,14 +108,48 @@ def quantize(source, family, template, a_bit, out, work):
 
 @pytest.fixture(scope="module")
 def quantized(tiny_checkpoint, tmp_path_factory):
-    """{case: quantized directory}, each made once by msModelSlim."""
+    """{case: quantized directory}, each made once by msModelSlim; and GROUPED."""
     work = str(tmp_path_factory.mktemp("msmodelslim"))
     made = {}
     for name, (spec, template, a_bit) in CASES.items():
         source, _ = tiny_checkpoint(**spec)
         made[name] = quantize(source, spec.get("family", "qwen2"), template, a_bit,
                               os.path.join(work, name), work)
+    made[GROUPED] = regroup(made["qwen2_w8a16_v0_fp16"], tiny_checkpoint(
+        **CASES["qwen2_w8a16_v0_fp16"][0])[0], os.path.join(work, GROUPED))
     return made
+
+
+# msModelSlim 26.1.0 writes no group-wise int8 on CPU (v1: "No implementation found" for
+# per_group int8): its W8A16 directory with every projection requantized here per group of
+# GROUP inputs (asymmetric, scale and offset (out, in / GROUP)), in its tensor names.
+GROUPED, GROUP = "qwen2_w8a16_group32", 32
+
+
+def regroup(quant_dir, source, out):
+    shutil.copytree(quant_dir, out)
+    float_weights = {}
+    for file in os.listdir(source):
+        if file.endswith(".safetensors"):
+            float_weights.update(load_file(os.path.join(source, file)))
+    file_of, _ = weight_files(out)
+    for file in set(file_of.values()):
+        path = os.path.join(out, file)
+        os.chmod(path, 0o644)
+        tensors = load_file(path)
+        for name in [n for n in tensors if n.endswith(".weight_scale")]:
+            prefix = name[:-len(".weight_scale")]
+            w = float_weights[prefix + ".weight"].astype(np.float32)
+            g = w.reshape(w.shape[0], -1, GROUP)
+            low, high = g.min(-1), g.max(-1)
+            scale = np.maximum(high - low, 1e-6) / 255
+            offset = np.round(-128 - low / scale)  # W = (W_q - offset) * scale
+            q = np.clip(np.round(g / scale[..., None] + offset[..., None]), -128, 127)
+            tensors[prefix + ".weight"] = q.reshape(w.shape).astype(np.int8)
+            tensors[name] = scale.astype(np.float32)
+            tensors[prefix + ".weight_offset"] = offset.astype(np.float32)
+        save_file(tensors, path)
+    return out
 
 
 class FormulaLinear(torch.nn.Module):
@@ -135,16 +170,18 @@ class FormulaLinear(torch.nn.Module):
                 deq = deq.to(torch.int32).view(torch.float32)
             y = (x_q.double() @ w.T + t["quant_bias"].double()) * deq.double()
             return y.float()  # the float bias is folded into quant_bias
-        if self.scheme == "W8A8_DYNAMIC":  # per-token symmetric int8 activations
+        if self.scheme == "W8A16":  # per channel, or per group of inputs
+            scale, offset = t["weight_scale"].double(), t["weight_offset"].double()
+            group = w.shape[1] // scale.shape[1]
+            w = (w - offset.repeat_interleave(group, 1)) * scale.repeat_interleave(group, 1)
+            y = x.double() @ w.T
+        elif self.scheme == "W8A8_DYNAMIC":  # per-token symmetric int8 activations
             # The scale and x / scale in float32, as the device's (and msModelSlim's torch
             # code in the model's dtype): in float64 an activation that lands on k + 0.5 in
             # float32 rounds the other way (0.19 in log-probs on a 20-token prompt).
             scale = x.abs().amax(-1, keepdim=True) / 127
             x_q = torch.clamp(torch.round(x / scale), -128, 127).double()
             y = (x_q @ w.T) * scale.double() * t["weight_scale"].double().reshape(1, -1)
-        elif self.scheme == "W8A16":
-            w = (w - t["weight_offset"].double()) * t["weight_scale"].double()
-            y = x.double() @ w.T
         else:
             raise AssertionError(self.scheme)
         if self.bias is not None:
@@ -239,7 +276,7 @@ def engine_logprobs(outs, vocab):
     return rows
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(CASES) + [GROUPED])
 def test_one_rank_generates_what_msmodelslims_formula_does(quantized, references, name):
     llm = LLM(quantized[name], **ENGINE)
     vocab = llm.config.vocab_size
@@ -263,7 +300,7 @@ def test_two_ranks_generate_what_msmodelslims_formula_does(quantized, references
     quant_bias and weight scales by output; row-parallel o/down split the weight by input,
     add quant_bias once (tensor rank 0) and, per token, take the whole row's scale."""
     out_dir = tmp_path_factory.mktemp("quant_tp2")
-    names = [name for name in CASES if name.startswith("qwen2")]
+    names = [name for name in CASES if name.startswith("qwen2")] + [GROUPED]
     cmd = (msrun_prefix(2, out_dir / "logs")
            + [WORKER, "--model", quantized[names[0]],
               "--strategy", os.path.join(ROOT, "strategies", "qwen2_tp2.yaml"),
