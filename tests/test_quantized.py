@@ -292,18 +292,12 @@ def test_one_rank_generates_what_msmodelslims_formula_does(quantized, references
     assert int8 > 0.7 * sum(t.nbytes for t in held), "projections are not held as int8"
 
 
-@pytest.mark.multirank
-def test_two_ranks_generate_what_msmodelslims_formula_does(quantized, references,
-                                                           tmp_path_factory):
-    """One msrun job of two tensor ranks runs every Qwen2 case (--model2; Qwen3's layers
-    are Qwen2's linears): column-parallel q/k/v and gate/up split weight, deq_scale,
-    quant_bias and weight scales by output; row-parallel o/down split the weight by input,
-    add quant_bias once (tensor rank 0) and, per token, take the whole row's scale."""
-    out_dir = tmp_path_factory.mktemp("quant_tp2")
-    names = [name for name in CASES if name.startswith("qwen2")] + [GROUPED]
-    cmd = (msrun_prefix(2, out_dir / "logs")
+def run_job_on(quantized, references, out_dir, strategy, names, ranks):
+    """One msrun job of `strategy` running each of `names` (--model2); every rank's tokens
+    the same, and rank 0's against the formula."""
+    cmd = (msrun_prefix(ranks, out_dir / "logs")
            + [WORKER, "--model", quantized[names[0]],
-              "--strategy", os.path.join(ROOT, "strategies", "qwen2_tp2.yaml"),
+              "--strategy", os.path.join(ROOT, "strategies", strategy),
               "--out", str(out_dir), "--prompts", json.dumps(PROMPTS),
               "--new-tokens", str(NEW_TOKENS)])
     for name in names[1:]:
@@ -313,10 +307,33 @@ def test_two_ranks_generate_what_msmodelslims_formula_does(quantized, references
     assert code == 0, (out + logs)[-4000:]
     for number, name in enumerate(names, start=1):
         suffix = "npz" if number == 1 else f"model{number}.npz"
-        ranks = [dict(np.load(out_dir / f"rank_{r}.{suffix}")) for r in range(2)]
-        np.testing.assert_array_equal(ranks[0]["tokens"], ranks[1]["tokens"], name)
-        check_against_formula(references[name], ranks[0]["tokens"].tolist(),
-                              list(ranks[0]["logprobs"]), name)
+        found = [dict(np.load(out_dir / f"rank_{r}.{suffix}")) for r in range(ranks)]
+        for rank in found[1:]:
+            np.testing.assert_array_equal(rank["tokens"], found[0]["tokens"], name)
+        check_against_formula(references[name], found[0]["tokens"].tolist(),
+                              list(found[0]["logprobs"]), name)
+
+
+@pytest.mark.multirank
+def test_two_ranks_generate_what_msmodelslims_formula_does(quantized, references,
+                                                           tmp_path_factory):
+    """One msrun job of two tensor ranks runs every Qwen2 case (--model2; Qwen3's layers
+    are Qwen2's linears): column-parallel q/k/v and gate/up split weight, deq_scale,
+    quant_bias and weight scales by output; row-parallel o/down split the weight (and
+    group-wise scales) by input, add quant_bias once (tensor rank 0) and, per token, take the
+    whole row's scale."""
+    names = [name for name in CASES if name.startswith("qwen2")] + [GROUPED]
+    run_job_on(quantized, references, tmp_path_factory.mktemp("quant_tp2"), "qwen2_tp2.yaml",
+               names, 2)
+
+
+@pytest.mark.multirank
+def test_two_replicas_of_two_ranks_generate_what_the_formula_does(quantized, references,
+                                                                  tmp_path_factory):
+    """dp2 x tp2: each replica's tensor group is a sub-group (its AllReduces, the per-token
+    maxima's too), on W8A8_DYNAMIC."""
+    run_job_on(quantized, references, tmp_path_factory.mktemp("quant_dp2tp2"),
+               "qwen2_dp2_tp2.yaml", ["qwen2_w8a8_dynamic_v1_bf16"], 4)
 
 
 def copy_with_description(source, target, change):
