@@ -39,6 +39,13 @@ if ! .venv/bin/python -c "import msinfer, mindspore, mpi4py, torch, transformers
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -e ".[test]"
 fi
+# msModelSlim (Ascend's quantization tool; tests/test_quantized.py makes its checkpoints with
+# it on CPU): --no-deps, since a plain install resolves torch again and pulls a CUDA build.
+if ! .venv/bin/python -c "import msmodelslim, easydict, einops, wcmatch, pygtrie" 2>/dev/null; then
+  echo "== installing msmodelslim 26.1.0 into .venv (no dependencies: torch is there)"
+  .venv/bin/python -m pip install -q --no-deps msmodelslim==26.1.0 easydict==1.13 einops \
+    wcmatch bracex pygtrie
+fi
 
 # guidellm (tests/test_client_guidellm.py, bench/guidellm_compare.py) needs NumPy 2, which
 # MindSpore 2.10 cannot import with: its own venv. torch pinned to the CPU build (an unpinned

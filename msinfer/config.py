@@ -66,6 +66,8 @@ class ModelConfig:
     model_type: str = "qwen2"  # qwen3: per-head q/k RMSNorm, no q/k/v bias
     rope_scaling: RopeScaling | None = None  # None: HF's default rotary embedding
     moe: MoeConfig | None = None  # qwen2_moe / qwen3_moe: their sparse layers' experts
+    # msModelSlim's schemes when the directory is quantized (quantization.py), else None
+    quantization: object = None
 
     def is_sparse_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` runs routed experts (HF's rule): not in
@@ -217,13 +219,18 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_model_dir(cls, model_dir: str) -> ModelConfig:
+    def from_model_dir(cls, model_dir: str, quantization: str = "auto") -> ModelConfig:
+        """`quantization`: "auto" (msModelSlim's directories load quantized), "msmodelslim"
+        (refuse any other) or "none" (refuse a quantized one): quantization.describe."""
         path = os.path.join(model_dir, "config.json")
         if not os.path.isdir(model_dir):
             raise MsinferError(f"model directory {model_dir} does not exist")
         if not os.path.isfile(path):
             raise MsinferError(f"{path}: not found (a Hugging Face model directory has one)")
-        return cls.from_dict(read_json_object(path), source=path)
+        from .quantization import describe
+        config = cls.from_dict(read_json_object(path), source=path)
+        want = None if quantization in (None, "auto") else quantization
+        return dataclasses.replace(config, quantization=describe(model_dir, config, want))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -469,11 +476,25 @@ PRESETS["qwen2-57b-a14b"] = _moe_preset(
     num_experts_per_tok=8, intermediate=2560, shared_expert_intermediate=20480)
 
 
-def load_config(model: str) -> ModelConfig:
-    """A model directory or a preset name."""
+def _quantized(base, scheme):
+    from .quantization import preset
+    return dataclasses.replace(PRESETS[base], quantization=preset(scheme))
+
+
+# What 300I Duo users deploy: msModelSlim's W8A8 (and a W8A16), for planning (quantization.py)
+PRESETS.update({
+    "qwen2.5-72b-w8a8": _quantized("qwen2.5-72b", "W8A8"),
+    "qwen2.5-32b-w8a8": _quantized("qwen2.5-32b", "W8A8"),
+    "qwen3-32b-w8a8": _quantized("qwen3-32b", "W8A8"),
+    "qwen2.5-7b-w8a16": _quantized("qwen2.5-7b", "W8A16"),
+})
+
+
+def load_config(model: str, quantization: str = "auto") -> ModelConfig:
+    """A model directory or a preset name; `quantization` as ModelConfig.from_model_dir."""
     if model in PRESETS:
         return dataclasses.replace(PRESETS[model], source=model)
     if not os.path.isdir(model):
         raise MsinferError(f"{model}: no such model directory, and not a built-in model "
                            f"({', '.join(PRESETS)})")
-    return ModelConfig.from_model_dir(model)
+    return ModelConfig.from_model_dir(model, quantization)

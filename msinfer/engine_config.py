@@ -150,6 +150,9 @@ class EngineConfig:
     dtype: str | None = None
     enable_prefix_caching: bool = True
     compile_cache: str | bool | None = None
+    # "auto": an msModelSlim directory loads quantized (msinfer/quantization.py); "msmodelslim":
+    # refuse a directory that is not one; "none": refuse a quantized one
+    quantization: str = "auto"
 
     @property
     def max_model_len(self) -> int:
@@ -168,13 +171,14 @@ class EngineConfig:
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_prefill_tokens=args.max_prefill_tokens, block_size=args.block_size,
             kv_cache_memory=args.kv_cache_memory, graph_shapes=args.graph_shapes,
-            enable_prefix_caching=args.prefix_caching, compile_cache=compile_cache)
+            enable_prefix_caching=args.prefix_caching, compile_cache=compile_cache,
+            quantization=getattr(args, "quantization", None))
 
 
 _LIMITS = ("max_model_len", "block_size", "max_prefill_tokens", "max_num_seqs",
            "kv_cache_memory", "graph_shapes")
 _PARALLEL = tuple(f.name for f in dataclasses.fields(ParallelConfig))
-_OTHERS = ("dtype", "enable_prefix_caching", "compile_cache")
+_OTHERS = ("dtype", "enable_prefix_caching", "compile_cache", "quantization")
 SETTINGS = _LIMITS + _PARALLEL + _OTHERS  # engine_config's keywords (and ALIASES')
 
 
@@ -190,7 +194,8 @@ def engine_config(model: str, **settings) -> EngineConfig:
             close = difflib.get_close_matches(name, SETTINGS + tuple(ALIASES), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise MsinferError(f"unknown engine setting {name!r}{hint}")
-    model_config = ModelConfig.from_model_dir(model)
+    quantization = settings.get("quantization") or "auto"
+    model_config = ModelConfig.from_model_dir(model, quantization)
     limits = EngineLimits.for_model(model_config, **{k: settings.get(k) for k in _LIMITS})
     parallel = ParallelConfig(**{k: settings[k] for k in _PARALLEL
                                  if settings.get(k) is not None})
@@ -198,7 +203,7 @@ def engine_config(model: str, **settings) -> EngineConfig:
     return EngineConfig(model=model, model_config=model_config, limits=limits,
                         parallel=parallel, dtype=settings.get("dtype"),
                         enable_prefix_caching=True if prefix is None else bool(prefix),
-                        compile_cache=settings.get("compile_cache"))
+                        compile_cache=settings.get("compile_cache"), quantization=quantization)
 
 
 def default_max_model_len(config) -> int:

@@ -142,7 +142,8 @@ def write_results(llm, prompts, args, name, baseline=0, after_load=0, new_tokens
         for step, found in enumerate(out.logprobs[:9]):
             logprobs[row, step, list(found)] = list(found.values())
     runner = llm.engine.runner
-    weights = [runner.embed_weight] + [w for ws in runner.layer_weights for w in ws]
+    weights = [runner.embed_weight] + [t for ws in runner.layer_weights for w in ws
+                                       for t in (w if isinstance(w, tuple) else (w,))]
     weights += [w for w in runner.head_weights if w is not runner.embed_weight]
     param_bytes = sum(w.nbytes for w in weights)
     kv_bytes = runner.cache_bytes

@@ -47,7 +47,7 @@ def test_tied_checkpoint_has_no_lm_head_and_untied_one_does():
 
 def test_published_parameter_counts():
     counts = {name: config.num_parameters() for name, config in PRESETS.items()
-              if not name.endswith("-yarn")}
+              if not name.endswith("-yarn") and config.quantization is None}
     assert counts == {"qwen2-0.5b": 494_032_768, "qwen2-1.5b": 1_543_714_304,
                       "qwen2-7b": 7_615_616_512, "qwen2-72b": 72_706_203_648,
                       # Qwen2.5 (same layout as Qwen2): 7B as Qwen2-7B, 72B as Qwen2-72B
@@ -64,6 +64,10 @@ def test_published_parameter_counts():
               for name in ("qwen3-30b-a3b", "qwen2-57b-a14b", "qwen2-7b")}
     assert active == {"qwen3-30b-a3b": 3_353_032_704, "qwen2-57b-a14b": 14_249_270_784,
                       "qwen2-7b": 7_615_616_512}
+    # A quantized preset (-w8a8, -w8a16) has its float model's parameters
+    for name, config in PRESETS.items():
+        if config.quantization is not None:
+            assert config.num_parameters() == counts[name.rsplit("-", 1)[0]], name
 
 
 def test_qwen3_presets_carry_head_dim_128_whatever_hidden_over_heads():

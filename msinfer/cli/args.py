@@ -89,6 +89,12 @@ def add_engine_arguments(parser):
                              "per call shape (81 at the default max-model-len, 111 at 32768: a "
                              "cold start about 5x longer, for about the same speed; "
                              "docs/engine.md, 'Compiled graphs') (default: dynamic)")
+    parser.add_argument("--quantization", choices=("auto", "msmodelslim", "none"),
+                        default="auto",
+                        help="auto: an msModelSlim directory (quant_model_description.json) "
+                             "loads quantized, any other as float; msmodelslim: refuse a "
+                             "directory that is not one; none: refuse a quantized one "
+                             "(docs/quantization.md) (default: auto)")
     # Parsed here, once, for every command (launch parses the rank command with this parser
     # too): the value the engine and the planner get is an int of bytes.
     parser.add_argument("--kv-cache-memory", type=kv_cache_bytes, default=None, metavar="BYTES",

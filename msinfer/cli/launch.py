@@ -210,7 +210,7 @@ def _check_plan(args, command, rank, profile):
                            f"{strategy.world_size}")
     if command not in MODEL_COMMANDS:
         return
-    config = load_config(rank.model)
+    config = load_config(rank.model, getattr(rank, "quantization", "auto"))
     plan = check_plan_or_raise(config, strategy, profile, limits_from_args(config, rank),
                                dtype=getattr(rank, "dtype", None),
                                parallel_mode=getattr(rank, "parallel_mode", None))

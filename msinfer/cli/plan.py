@@ -11,7 +11,7 @@ from .args import (add_engine_arguments, add_hardware_argument, add_model_and_st
 
 
 def _run(args):
-    config = load_config(args.model)
+    config = load_config(args.model, args.quantization)
     strategy = job_strategy(args.strategy, args.tensor_parallel_size)
     name, how = choose_hardware(args.hardware)
     plan = make_plan(config, strategy, get_profile(name), limits_from_args(config, args),

@@ -39,6 +39,7 @@ from ..layers.parallel_context import ParallelContext
 from ..layers.rotary import rotary_tables
 from ..models.families import family_of
 from ..models.loader import full_shapes, rank_weights
+from ..models.quant_loader import quantized_rank_weights
 from ..planning.kv_layout import TRASH_BLOCK, CacheLayout
 from ..planning.shapes import ExplicitGraphs, Graph, ShapeBuckets, ShapePlan
 from ..planning.workspace import stack_layers
@@ -240,7 +241,8 @@ class ExplicitRunner(ModelRunner):
                               for i, layer in enumerate(self.layer_classes)]
         self.head_weights = [weights[n] for n in family.head_weight_names(config)]
         # Each layer's arguments of a LayerStack: its K and V caches, then its weights.
-        self.layer_args = [(k, v, *w) for (k, v), w in zip(self.caches, self.layer_weights)]
+        self.layer_args = [(k, v, *flat(w))
+                           for (k, v), w in zip(self.caches, self.layer_weights)]
         # What the planner reserves for activations: each graph stays within it.
         self.layers_per_call = stack_layers(ctx.plan, DTYPE_BYTES[str(ctx.dtype).lower()],
                                             limits, min_layers_per_graph, layer_peak_growth)
@@ -384,17 +386,27 @@ def build_runner(model_dir, ctx, layout, limits, world_size, profile):
     family = family_of(config)
     names = family.weight_names(config)
     host_dtype = np.float16 if ctx.dtype == ms.float16 else np.float32  # numpy has no bf16
-    weights = rank_weights(model_dir, ctx.plan, ctx.tensor_rank, names, host_dtype)
+    if config.quantization is None:
+        weights = rank_weights(model_dir, ctx.plan, ctx.tensor_rank, names, host_dtype)
+    else:  # msModelSlim's tensors: a quantized projection's as a tuple (int8 weight, ...)
+        weights = quantized_rank_weights(model_dir, ctx.plan, ctx.tensor_rank, names,
+                                         host_dtype)
     if ctx.mode == "semi_auto":
         model = family.Model(ctx, layout, full_shapes(config, names))
         runner = SemiAutoRunner(ctx, layout, limits, model=model, world_size=world_size)
         runner.load(weights, world_size)
         return runner
-    loaded = {name: host_tensor(family.weight_layout(ctx, name, array), ctx.dtype)
+    loaded = {name: (tuple(ms.Tensor.from_numpy(a) for a in array) if isinstance(array, tuple)
+                     else host_tensor(family.weight_layout(ctx, name, array), ctx.dtype))
               for name, array in weights}
     return ExplicitRunner(ctx, layout, limits, weights=loaded,
                           min_layers_per_graph=profile.min_layers_per_graph,
                           layer_peak_growth=profile.layer_peak_growth)
+
+
+def flat(weights):
+    """A layer's weights with each quantized one's tuple spread out."""
+    return [t for w in weights for t in (w if isinstance(w, tuple) else (w,))]
 
 
 def host_tensor(array, dtype):

@@ -16,6 +16,7 @@ from mindspore import nn, ops
 
 from ..hardware import rows_within
 from .cpu_forms import Expand
+from .linear_methods import method_class
 from .parallel_context import ParallelContext
 
 
@@ -31,6 +32,10 @@ class ParallelLinear(nn.Cell):
                  weight_first=None, reduce=True):
         super().__init__()
         style = ctx.plan.style(name + ".weight")
+        # A quantized checkpoint's scheme (layers/linear_methods.py): its tensors and math;
+        # None for a float weight (the matmuls below, in the forms they are asked for).
+        self.method = quantized_method(ctx, name)
+        self.bias_folded = self.method is not None and self.method.BIAS_FOLDED
         self.matmul = ops.MatMul(transpose_b=not in_out)
         self.weight_first_range = weight_first  # (first, last) rows, or None
         self.weight_first = ops.MatMul(transpose_b=True)
@@ -56,8 +61,12 @@ class ParallelLinear(nn.Cell):
                 self.add.shard(ctx.plan.in_strategy(name + ".bias"))
 
     def construct(self, x, weight, bias=None):
-        y = self.matmul(x, weight)
-        if bias is not None:
+        """weight: a Tensor, or a quantized method's tuple of tensors (its TENSORS)."""
+        if self.method is None:
+            y = self.matmul(x, weight)
+        else:
+            y = self.method(x, *weight)
+        if bias is not None and not self.bias_folded:
             y = self.add(y, self.expand(bias, y.shape))
         if self.reduce is not None:
             y = self.reduce(y)
@@ -67,6 +76,8 @@ class ParallelLinear(nn.Cell):
 
     def weight_first_for(self, rows):
         """Whether x of `rows` rows takes (W @ x.T).T (static: decided when compiling)."""
+        if self.method is not None:
+            return False
         return rows_within(rows, self.weight_first_range)
 
     def transposed(self, x, weight, x_transposed=False):
@@ -75,7 +86,13 @@ class ParallelLinear(nn.Cell):
         on CPU a Transpose keeps an int64 index per element for the life of its graph, so a
         chain of weight-first layers transposes once, and the lm_head's is done on the host.
         No bias."""
+        if self.method is not None:  # a quantized weight has one form: x @ W_q.T
+            y = self.method(x.transpose(1, 0) if x_transposed else x, *weight)
+            return self.transposed_result(y.transpose(1, 0))
         y = self.weight_times(weight, x) if x_transposed else self.weight_first(weight, x)
+        return self.transposed_result(y)
+
+    def transposed_result(self, y):
         if self.reduce is not None:
             y = self.reduce(y)
         if self.vocab_gather is not None:
@@ -104,3 +121,33 @@ class ParallelLinear(nn.Cell):
         zeros = ops.zeros_like(y)
         blocks = [y if r == self.tensor_rank else zeros for r in range(self.tensor)]
         return self.vocab_gather(ops.concat(blocks, axis))
+
+
+def quantized_method(ctx, name):
+    """The linear method of `name`'s scheme in a quantized checkpoint, None for FLOAT."""
+    quantization = ctx.config.quantization
+    if quantization is None or not name.startswith("model.layers."):
+        return None
+    scheme = quantization.scheme_of(name.split(".", 3)[3])
+    if scheme == "FLOAT":
+        return None
+    row_max = None
+    if ctx.explicit_collectives and ctx.plan.style(name + ".weight") == "rowwise":
+        row_max = RowMax(ctx)
+    return method_class(scheme)(ctx.plan.local_shape(name + ".weight")[1], row_max=row_max)
+
+
+class RowMax(nn.Cell):
+    """The maximum over the tensor group of each rank's (rows, 1) column: each rank puts its
+    column at its place among zeros and an AllReduce sums them (MindSpore's CPU AllReduce
+    only sums; AllGather runs on the world group only)."""
+
+    def __init__(self, ctx):
+        super().__init__()
+        self.tensor, self.tensor_rank = ctx.plan.tensor, ctx.tensor_rank
+        self.sum = ctx.all_reduce()
+
+    def construct(self, column):
+        zeros = ops.zeros_like(column)
+        blocks = [column if r == self.tensor_rank else zeros for r in range(self.tensor)]
+        return ops.amax(self.sum(ops.concat(blocks, 1)), -1, True)

@@ -23,8 +23,13 @@ INDEX_FILE = "model.safetensors.index.json"
 class Checkpoint:
     """Where each tensor of a checkpoint directory lives."""
 
-    def __init__(self, model_dir):
+    def __init__(self, model_dir, file_of=None):
+        """file_of: {tensor: file} where the directory's files are named otherwise
+        (msModelSlim's, models/quant_loader.py)."""
         self.model_dir = model_dir
+        if file_of is not None:
+            self.file_of = file_of
+            return
         index_path = os.path.join(model_dir, INDEX_FILE)
         single_path = os.path.join(model_dir, SINGLE_FILE)
         if os.path.isfile(index_path):

@@ -26,6 +26,7 @@ from ..layers.cpu_forms import matmul_forms
 from ..layers.embedding import ParallelEmbedding
 from ..layers.linear import ParallelLinear
 from ..layers.mlp import SwiGLU
+from ..layers.linear_methods import tensor_suffixes
 from ..layers.norm import RMSNorm
 from ..layers.parallel_context import SemiAutoLayout, shard
 from ..layers.self_attention import SelfAttention
@@ -51,6 +52,17 @@ def weight_layout(ctx, name, array):
     if forms is not None and forms.in_out and name.endswith(IN_OUT_WEIGHTS):
         return np.ascontiguousarray(array.T)
     return array
+
+
+def layer_weight_tensors(config, weight):
+    """The checkpoint suffixes a layer weight (a LAYER_WEIGHTS entry) is loaded as: ("weight",)
+    for a float one; a quantized projection's scheme's tensors (layers/linear_methods.py)."""
+    quantization = config.quantization
+    module = weight.rsplit(".", 1)[0]
+    if quantization is None or not weight.endswith(".weight"):
+        return (weight.rsplit(".", 1)[1],)
+    scheme = quantization.scheme_of(module)
+    return tensor_suffixes(scheme)
 
 
 def layer_weight_names(layer: int) -> list:
@@ -138,22 +150,33 @@ class LayerStack(nn.Cell):
     8 MB), which made a decode step's time grow with the KV pool."""
 
     LAYER = DecoderLayer
-    ARGS_PER_LAYER = 2 + len(LAYER.WEIGHTS)
 
     def __init__(self, ctx, count, layers=None):
         super().__init__()
         layers = layers or (self.LAYER,) * count
         self.layers = nn.CellList([layer(ctx) for layer in layers])
         self.count = count
-        self.firsts = tuple(sum(2 + len(c.WEIGHTS) for c in layers[:i]) for i in range(count))
-        self.args = tuple(2 + len(c.WEIGHTS) for c in layers)
+        # Tensors per layer weight: a quantized projection's come as its method's tuple.
+        self.arity = tuple(tuple(len(layer_weight_tensors(ctx.config, w)) for w in c.WEIGHTS)
+                           for c in layers)
+        self.args = tuple(2 + sum(arity) for arity in self.arity)
+        self.firsts = tuple(sum(self.args[:i]) for i in range(count))
 
     def construct(self, x, cos, sin, write_slots, context_slots, mask, *per_layer):
         for i in range(self.count):
             args = per_layer[self.firsts[i]:self.firsts[i] + self.args[i]]
             x = self.layers[i](x, cos, sin, args[0], args[1], write_slots, context_slots, mask,
-                               *args[2:])
+                               *self._grouped(args[2:], self.arity[i]))
         return x
+
+    def _grouped(self, flat, arity):
+        """A layer's flat weight tensors grouped per weight (a tuple for a quantized one)."""
+        grouped = ()
+        start = 0
+        for count in arity:
+            grouped = grouped + ((flat[start] if count == 1 else flat[start:start + count]),)
+            start += count
+        return grouped
 
 
 class Embedding(nn.Cell):

@@ -55,7 +55,6 @@ class DecoderLayer(qwen2.DecoderLayer):
 
 class LayerStack(qwen2.LayerStack):
     LAYER = DecoderLayer
-    ARGS_PER_LAYER = 2 + len(LAYER_WEIGHTS)
 
 
 class Qwen3Model(qwen2.Qwen2Model):

@@ -14,6 +14,7 @@ from ..engine_config import (DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS,  # noq
                              DEFAULT_MAX_PREFILL_TOKENS, GRAPH_SHAPES, EngineLimits,
                              default_max_model_len, parse_bytes)
 from ..hardware import DTYPE_BYTES
+from ..quantization import stored_bytes
 from .kv_layout import CacheLayout
 from .workspace import largest_call_bytes
 
@@ -48,10 +49,10 @@ def engine_memory(shard_plan, profile, dtype, limits, tensor_rank=0, strict=True
     dtype_bytes = DTYPE_BYTES[dtype]
     weights = 0
     for name in config.parameter_shapes():
-        count = 1
-        for s in shard_plan.slices(name, tensor_rank):
-            count *= s.stop - s.start
-        weights += count * dtype_bytes
+        sizes = [s.stop - s.start for s in shard_plan.slices(name, tensor_rank)]
+        rows, cols = sizes[0], (sizes[1] if len(sizes) > 1 else 1)
+        # int8 weights and their scales in a quantized checkpoint (quantization.py)
+        weights += stored_bytes(config.quantization, name, rows, cols, dtype_bytes)
     workspace = workspace_bytes(shard_plan, profile, dtype_bytes, limits)
     capacity = profile.usable_bytes
     if profile.shared_host_memory:

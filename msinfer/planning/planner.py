@@ -86,6 +86,7 @@ class PlanReport:
     decode_tokens_per_s_bound_short_context: float | None = None  # weights only
     warmup_graphs: int | None = None  # graphs warm-up compiles per rank (planning/shapes.py)
     graph_shapes: str = "static"  # EngineLimits.graph_shapes
+    quantization: str | None = None  # msModelSlim's schemes, said in words; None: float
     errors: list[str] = dataclasses.field(default_factory=list)
     warnings: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
@@ -115,6 +116,12 @@ def make_plan(config: ModelConfig, strategy: Strategy, profile: HardwareProfile,
                       memory_bandwidth_bytes_per_s=profile.memory_bandwidth_bytes_per_s,
                       parallel_mode=mode)
     refusal = _hardware_refusal(strategy, profile, mode)
+    if config.quantization is not None:
+        report.quantization = quantization_words(config.quantization)
+        if mode == "semi_auto" and not refusal:
+            refusal = (f"{config.source}: a quantized checkpoint ({report.quantization}) runs "
+                       f"in parallel_mode explicit only: semi_auto's layouts are written for "
+                       f"float weights")
     if refusal:
         report.errors.append(refusal)
         return report
@@ -159,6 +166,19 @@ def check_plan_or_raise(config: ModelConfig, strategy: Strategy, profile: Hardwa
     if report.errors:
         raise PlanRefused(report.errors[0])
     return report
+
+
+def quantization_words(quantization) -> str:
+    """msModelSlim's schemes of a config, e.g. "W8A8: int8 weights (q/k/v, o, gate/up,
+    down) with per-channel scales; embeddings, norms and lm_head float"."""
+    schemes = dict(quantization.schemes)
+    quantized = sorted({s for s in schemes.values() if s != "FLOAT"})
+    names = {"self_attn.qkv_proj": "q/k/v", "self_attn.o_proj": "o", "mlp.gate_up_proj":
+             "gate/up", "mlp.down_proj": "down"}
+    parts = ", ".join(f"{names[m]} {s}" for m, s in schemes.items())
+    kinds = " + ".join(quantized) or "FLOAT"
+    return (f"{kinds} (msModelSlim: {parts}): int8 weights with their scales; embeddings, "
+            f"norms and lm_head float")
 
 
 def _hardware_refusal(strategy, profile, mode):
@@ -440,6 +460,8 @@ def format_plan(report: PlanReport) -> str:
              f"prefill chunks of {report.max_prefill_tokens}, KV blocks of {report.block_size}"]
     if report.dtype:
         lines.append(_wrap("  dtype      ", f"{report.dtype}: {report.dtype_reason}"))
+    if report.quantization:
+        lines.append(_wrap("  quantized  ", report.quantization))
     if report.warmup_graphs:
         if report.parallel_mode != "explicit":
             shapes = "one per call shape: semi_auto lays out each graph for its shapes"
