@@ -298,8 +298,9 @@ def test_a_soak_of_a_dp2_tp2_job_whose_replica_is_killed_and_the_job_restarted(
         # none a cut connection: the other ranks leave after rank 0, not before it
         assert answers["refused"] == 0, answers
         # rank 0 answers for its grace (2 s) before it goes, the other ranks after it: a
-        # follower that left at once made the launcher end rank 0 then and there
-        assert failing_for[0] > 1.5, failing_for
+        # follower that left at once made the launcher end rank 0 1.05 s after it (mpirun's
+        # kill delay); 1.46 s was measured for the 2 s grace on a loaded 2-core machine
+        assert failing_for[0] > 1.2, failing_for
         code = job.process.wait(60)
         assert code != 0 and time.monotonic() - killed_at < 30, code
         job.kill()
