@@ -21,7 +21,7 @@ then
 fi
 
 if ! command -v prometheus >/dev/null; then
-  echo "== installing Prometheus (Debian's; tests/test_fleet_server.py scrapes a server with it)"
+  echo "== installing Prometheus (Debian's; tests/server/test_fleet_server.py scrapes a server with it)"
   as_root apt-get update -qq
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
     prometheus
@@ -40,7 +40,7 @@ if ! .venv/bin/python -c "import msinfer, mindspore, mpi4py, torch, transformers
   .venv/bin/python -m pip install -q -e ".[test]"
 fi
 
-# guidellm (tests/test_client_guidellm.py, bench/guidellm_compare.py) needs NumPy 2, which
+# guidellm (tests/server/test_client_guidellm.py, bench/guidellm_compare.py) needs NumPy 2, which
 # MindSpore 2.10 cannot import with: its own venv. torch pinned to the CPU build (an unpinned
 # one pulls a 6 GB CUDA build).
 if [ ! -x .venv-guidellm/bin/guidellm ]; then

@@ -8,6 +8,7 @@ import pytest
 from msinfer import LLM, SamplingParams
 from msinfer.cli.main import main
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 @pytest.fixture(scope="module")
 def model_dir(small_checkpoint):
@@ -113,8 +114,7 @@ def test_more_prompts_than_max_num_seqs_run_as_slots_free_up(llm):
      "needs 4 processes but this one was started alone"),
 ])
 def test_bad_request_is_refused_with_a_clear_message(model_dir, capsys, argv, message):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    argv = [os.path.join(root, a) if a.startswith("strategies/") else a for a in argv]
+    argv = [os.path.join(ROOT, a) if a.startswith("strategies/") else a for a in argv]
     code, out, err = run_cli(capsys, "generate", "--model", model_dir, *argv)
     assert code == 2
     assert message in err
@@ -123,8 +123,7 @@ def test_bad_request_is_refused_with_a_clear_message(model_dir, capsys, argv, me
 
 def test_semi_auto_on_cpu_is_refused_by_the_plan_check_before_any_rank_starts(model_dir,
                                                                             capsys):
-    tp4 = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                       "strategies", "qwen2_tp4.yaml")
+    tp4 = os.path.join(ROOT, "strategies", "qwen2_tp4.yaml")
     code, _, err = run_cli(capsys, "generate", "--model", model_dir, "--prompt", "hi",
                            "--strategy", tp4, "--parallel-mode", "semi_auto")
     assert code == 1  # refused by the planner, as `msinfer plan` refuses it

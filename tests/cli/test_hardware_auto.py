@@ -1,7 +1,7 @@
 """`--hardware auto`, the default of serve, generate, launch, doctor and commtest (plan takes it
 but still asks for --hardware): the profile of the Ascend chips `npu-smi info` lists, else cpu,
 and the choice shown with the plan. A fake `npu-smi` first on PATH prints the real-format
-outputs of tests/fixtures/npu_smi (as tests/test_doctor.py does)."""
+outputs of tests/fixtures/npu_smi (as tests/tools/test_doctor.py does)."""
 import json
 import os
 import stat
@@ -13,7 +13,7 @@ from msinfer.cli.main import build_parser, main
 from msinfer.errors import MsinferError
 from msinfer.tools.tiny_model import make_tiny_model
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "npu_smi")
 TP4 = os.path.join(ROOT, "strategies", "qwen2_tp4.yaml")
 TP8 = os.path.join(ROOT, "strategies", "qwen2_tp8.yaml")

@@ -12,7 +12,7 @@ from msinfer.errors import MsinferError
 from msinfer.planning.memory import EngineLimits, parse_bytes
 from msinfer.tools.tiny_model import make_tiny_model
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TP1 = os.path.join(ROOT, "strategies", "qwen2_tp1.yaml")
 TP4 = os.path.join(ROOT, "strategies", "qwen2_tp4.yaml")
 GiB = 2 ** 30

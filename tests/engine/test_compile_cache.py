@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENGINE = dict(max_len=64, max_num_seqs=2, max_prefill_tokens=16)  # few graphs: a short warm-up
 WARM = """
 import json, sys, time

@@ -25,8 +25,8 @@ TOLERANCE = 1e-4
 ENGINE = dict(max_len=128, block_size=4, max_prefill_tokens=16, max_num_seqs=4,
               kv_cache_memory=1 << 20)
 
-# Checkpoints (conftest.tiny_checkpoint: made once per session; tests/test_distributed.py and
-# tests/test_cpu_kernel_forms.py run on these too).
+# Checkpoints (conftest.tiny_checkpoint: made once per session; tests/parallel/test_distributed.py and
+# tests/models/test_cpu_kernel_forms.py run on these too).
 BASE = dict(layers=2, hidden=64, vocab=384, seed=1)
 CASES = {
     # GQA (8 query heads over 2 KV heads), separate lm_head, transformers 4.x config keys.

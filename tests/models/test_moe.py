@@ -33,7 +33,7 @@ from msinfer.errors import MsinferError, PlanRefused  # noqa: E402
 from msinfer.parallel.strategy import Strategy, load_strategy  # noqa: E402
 from msinfer.tools.tiny_model import random_tensor  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STRATEGIES = os.path.join(ROOT, "strategies")
 COMMON = dict(vocab_size=384, hidden_size=64, intermediate_size=96, num_attention_heads=4,
               num_key_value_heads=2, moe_intermediate_size=32, num_experts=8,

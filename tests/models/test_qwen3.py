@@ -6,7 +6,7 @@ The checkpoints are made with transformers' classes (Qwen3Config, Qwen3ForCausal
 save_pretrained), not msinfer's maker: head_dim != hidden / heads, tied and untied embeddings,
 bfloat16 on disk. Their weights are tools.tiny_model's random values (peaked, input-dependent
 logits: transformers' own initialisation gives near-uniform ones, whose greedy choice is a
-coin toss at 1e-4). The engine runs as tests/test_hf_parity.py runs Qwen2: KV blocks of 4
+coin toss at 1e-4). The engine runs as tests/models/test_hf_parity.py runs Qwen2: KV blocks of 4
 tokens, prefill chunks of 16 (a 37-token prompt takes three chunks and ten blocks), log-probs
 of the whole vocabulary within 1e-4 of transformers' in float32, greedy tokens identical.
 """
@@ -31,7 +31,7 @@ from msinfer.errors import MsinferError  # noqa: E402
 from msinfer.parallel.strategy import Strategy, load_strategy  # noqa: E402
 from msinfer.tools.tiny_model import random_tensor  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STRATEGIES = os.path.join(ROOT, "strategies")
 
 HF_CLASSES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),

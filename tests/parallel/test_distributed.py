@@ -35,7 +35,7 @@ from msinfer.parallel.distributed import free_port  # noqa: E402
 
 pytestmark = pytest.mark.multirank
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(ROOT, "tests", "distributed_worker.py")
 STRATEGIES = os.path.join(ROOT, "strategies")
 PROMPTS = [[5, 17, 42, 7, 99], [8, 9], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110],

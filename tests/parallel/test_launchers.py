@@ -12,7 +12,7 @@ from msinfer.parallel import ranktable
 from msinfer.parallel.distributed import (bridge_environment, detect_launcher, rank0_host,
                                           rank_environment, spans_hosts)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def mpirun_env(rank, size, local_rank=None, local_size=None, **extra):

@@ -18,7 +18,7 @@ from msinfer.errors import MsinferError
 from msinfer.parallel import ranktable
 from msinfer.parallel.ranktable import RankDevice
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 A_IPS = ["198.51.100.10", "198.51.100.11", "198.51.100.12", "198.51.100.13"]
 B_IPS = ["198.51.100.20", "198.51.100.21", "198.51.100.22", "198.51.100.23"]
 REGISTERED_SUBCOMMANDS = cli.SUBCOMMANDS  # before the fixture below narrows it

@@ -8,7 +8,8 @@ from msinfer.errors import MsinferError, PlanRefused
 from msinfer.parallel.strategy import (TENSOR_PARALLEL_RULES, Strategy, decide_parallel_mode,
                                        load_strategy)
 
-STRATEGIES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "strategies")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STRATEGIES = os.path.join(ROOT, "strategies")
 SHIPPED = ["qwen2_tp1.yaml", "qwen2_tp2.yaml", "qwen2_tp4.yaml", "qwen2_tp8.yaml",
            "qwen2_dp2_tp2.yaml"]
 

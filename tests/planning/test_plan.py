@@ -12,7 +12,8 @@ from msinfer.parallel.strategy import Strategy, load_strategy
 from msinfer.planning.memory import EngineLimits
 from msinfer.planning.planner import check_plan_or_raise, format_plan, make_plan
 
-STRATEGIES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "strategies")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STRATEGIES = os.path.join(ROOT, "strategies")
 DUO = get_profile("atlas-300i-duo")
 
 # Qwen2-72B by hand: hidden 8192, intermediate 29568, vocab 152064, 80 layers, 64 query heads

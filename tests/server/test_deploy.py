@@ -19,7 +19,7 @@ from msinfer.server.serving import ServerConfig
 
 from fake_engine import fake_llm
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEPLOY = os.path.join(ROOT, "deploy")
 WARM_UP_BUDGET = 600  # seconds the startup probe must allow at least (a cold 310P warm-up)
 

@@ -19,7 +19,7 @@ from msinfer.parallel.distributed import free_port
 
 from servers import NAME
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VLLM_DASHBOARD = os.path.join(ROOT, "tests", "fixtures", "vllm_grafana_queries.txt")
 MSINFER_DASHBOARD = os.path.join(ROOT, "docs", "grafana-msinfer.json")
 # what the gateways read (GIE's model-server protocol, llm-d's scorers, production-stack)

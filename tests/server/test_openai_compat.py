@@ -59,7 +59,7 @@ def test_a_field_name_that_is_not_printable_ascii_is_escaped():
 
 
 def test_a_field_named_with_spaces_at_its_ends_is_named_in_a_valid_header(server):
-    """Found by tests/test_serve_fuzz.py: an unknown field " " made the header value " ",
+    """Found by tests/server/test_serve_fuzz.py: an unknown field " " made the header value " ",
     which HTTP forbids (no leading or trailing whitespace): the response failed."""
     response = raw(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1,
                                                " ": 1, " pad ": 2})
@@ -291,7 +291,7 @@ def test_build_1_2_5_buckets_as_vllm():
 def test_the_grafana_dashboard_reads_only_series_the_server_exports(server):
     import pathlib
     import re
-    path = pathlib.Path(__file__).parent.parent / "docs" / "grafana-msinfer.json"
+    path = pathlib.Path(__file__).resolve().parents[2] / "docs" / "grafana-msinfer.json"
     dashboard = json.loads(path.read_text())
     exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
     names = {re.sub(r"_bucket$", "", n)

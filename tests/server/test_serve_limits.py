@@ -1,7 +1,7 @@
 """What `msinfer serve` refuses before it works on a request, and how a stream ends when it
 fails: a body beyond --max-request-bytes (413), `stop` beyond its bounds (400 naming it), and
 an SSE error event then `data: [DONE]` for a stream that fails mid-way. Over the fake engine
-of tests/fake_engine.py, as tests/test_serve_protocol.py."""
+of tests/fake_engine.py, as tests/server/test_serve_protocol.py."""
 import json
 
 import httpx2 as httpx

@@ -1,7 +1,7 @@
 """The HTTP side of `msinfer serve` over a fake engine (tests/fake_engine.py): the OpenAI
 protocol, streaming, errors, back-pressure, disconnects and metrics, in seconds.
 
-The same routes over the real engine, as a `msinfer serve` process: tests/test_serve.py."""
+The same routes over the real engine, as a `msinfer serve` process: tests/server/test_serve.py."""
 import asyncio
 import json
 import socket

@@ -2,7 +2,7 @@
 before its fix: choices and prompts admitted in one engine step, the bounds on prompts per
 request and stop_token_ids, echo with max_tokens=0, lone surrogates, chat logprobs' bytes,
 a peer that dies mid-request, a drain during warm-up and a second drain. Over the fake engine
-of tests/fake_engine.py, as tests/test_serve_protocol.py."""
+of tests/fake_engine.py, as tests/server/test_serve_protocol.py."""
 import json
 import threading
 import time
@@ -328,7 +328,7 @@ class _FakeServeProcess:
         from msinfer.parallel.distributed import free_port
         self.dir, self.port = tmp_path, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        here = os.path.dirname(os.path.abspath(__file__))
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
         self.log = open(tmp_path / "serve.log", "w")
         self.process = subprocess.Popen(
             [sys.executable, os.path.join(here, "fake_serve.py"), str(self.port), str(tmp_path),

@@ -1,7 +1,7 @@
 """Scoring through the session's real server (conftest's `tiny_server`, no server of its
 own): best_of returns the n of its sequences with the highest cumulative logprob, and a
 prompt scored twice (echo, prompt_logprobs) is computed again, never served by the prefix
-cache, with the same numbers. lm-eval's use of echo is tests/test_client_lm_eval.py's."""
+cache, with the same numbers. lm-eval's use of echo is tests/server/test_client_lm_eval.py's."""
 import httpx2 as httpx
 import pytest
 

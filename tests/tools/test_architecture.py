@@ -6,7 +6,7 @@ import sys
 
 from msinfer.tools import architecture
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_every_import_points_down_a_layer():

@@ -17,7 +17,7 @@ from msinfer.parallel.strategy import Strategy
 from msinfer.tools.commtest import (bandwidths, contribution, elements, expected, format_report,
                                     message_sizes, model_estimate, pair_groups, parse_size)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DP2_TP2 = os.path.join(ROOT, "strategies", "qwen2_dp2_tp2.yaml")
 TP4 = os.path.join(ROOT, "strategies", "qwen2_tp4.yaml")
 TP2 = os.path.join(ROOT, "strategies", "qwen2_tp2.yaml")

@@ -13,7 +13,7 @@ from msinfer.errors import MsinferError
 from msinfer.tools import doctor
 from msinfer.tools.doctor import parse_npu_smi
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "npu_smi")
 TP8 = os.path.join(ROOT, "strategies", "qwen2_tp8.yaml")
 TP4 = os.path.join(ROOT, "strategies", "qwen2_tp4.yaml")

@@ -13,7 +13,7 @@ from msinfer.cli.main import main
 from msinfer.config import PRESETS
 from msinfer.tools.layouts import Call, check, parse_ir, small_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STRATEGIES = sorted(glob.glob(os.path.join(ROOT, "strategies", "*.yaml")))
 TP4 = os.path.join(ROOT, "strategies", "qwen2_tp4.yaml")
 

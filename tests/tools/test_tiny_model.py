@@ -211,7 +211,7 @@ def test_cli_flags_override_the_preset_and_tie_can_be_switched_off():
 
 def test_cli_progress_through_a_pipe_is_a_line_now_and_then_not_a_redraw(tmp_path):
     """`make-tiny-model | tail` or a CI log: whole lines, the last one saying it is done."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     done = subprocess.run(
         [sys.executable, "-m", "msinfer", "make-tiny-model", str(tmp_path / "m"), "--layers", "4",
          "--hidden", "16", "--heads", "2", "--kv-heads", "1", "--vocab", "300", "--tie",
