@@ -13,7 +13,7 @@ TP4 = os.path.join(ROOT, "strategies", "qwen2_tp4.yaml")
 
 @pytest.fixture(scope="module")
 def model_dir(tiny_checkpoint):
-    """8 query heads over 2 KV heads: test_hf_parity's GQA checkpoint (made once a session)."""
+    """8 query heads over 2 KV heads: test_parity's GQA checkpoint (made once a session)."""
     return tiny_checkpoint(layers=2, hidden=64, heads=8, kv_heads=2, vocab=384, seed=1)[0]
 
 

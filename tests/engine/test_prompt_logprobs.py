@@ -17,7 +17,7 @@ TOP = 3
 ENGINE = dict(max_len=64, block_size=4, max_prefill_tokens=16, max_num_seqs=2,
               kv_cache_memory=1 << 20)
 SPEC = dict(layers=2, hidden=64, vocab=384, seed=1, heads=8, kv_heads=2, tie=False,
-            config_style="4")  # test_hf_parity's gqa_untied_config4
+            config_style="4")  # test_parity's gqa_untied_config4
 
 
 def hf_logprobs(hf, ids):

@@ -20,8 +20,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_hf_parity import (ENGINE, assert_matches_hf, case_spec, greedy,  # noqa: E402
-                            prompts_for)
+from test_parity import (ENGINE, assert_matches_hf, case_spec, greedy,  # noqa: E402
+                         prompts_for)
 
 from msinfer import LLM  # noqa: E402
 from msinfer.tools.layouts import ELEMENTWISE, dumping_ir, parse_ir, stage_dumps  # noqa: E402
@@ -30,7 +30,7 @@ CONTEXT = 128  # a context bucket no other axis of these graphs has
 # Two sequences at a time: decode steps of 1 and 2 rows and prefill chunks of 16 cross every
 # threshold of the tables below (a batch of 4 would be 3 more graphs on the same side of each).
 FORMS_ENGINE = dict(ENGINE, max_num_seqs=2)
-GQA = case_spec("gqa_untied_config4")  # 8 query heads over 2 KV heads, as test_hf_parity's
+GQA = case_spec("gqa_untied_config4")  # 8 query heads over 2 KV heads, as test_parity's
 
 
 @pytest.fixture(scope="module")

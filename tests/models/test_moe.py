@@ -24,8 +24,8 @@ transformers = pytest.importorskip("transformers")
 
 from test_distributed import (check_ranks_against_hf, mpirun_prefix,  # noqa: E402
                               run_job, worker_args)
-from test_hf_parity import (ENGINE, NEW_TOKENS, assert_matches_hf, greedy,  # noqa: E402
-                            prompts_for)
+from test_parity import (ENGINE, NEW_TOKENS, assert_matches_hf, greedy,  # noqa: E402
+                         prompts_for)
 
 from msinfer import LLM, SamplingParams  # noqa: E402
 from msinfer.config import PRESETS, ModelConfig  # noqa: E402

@@ -9,9 +9,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_hf_parity import (ENGINE, NEW_TOKENS, assert_matches_hf, greedy,  # noqa: E402
-                            prompts_for)
-from test_qwen3 import hf_checkpoint  # noqa: E402,F401  (the session fixture)
+from test_parity import (ENGINE, NEW_TOKENS, assert_matches_hf, greedy,  # noqa: E402
+                         prompts_for)
+from test_parity import hf_checkpoint  # noqa: E402,F401  (the session fixture)
 
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 

@@ -26,9 +26,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_hf_parity import case_spec  # noqa: E402
-from test_qwen3 import CASES as QWEN3_CASES  # noqa: E402
-from test_qwen3 import hf_checkpoint  # noqa: E402,F401  (the session fixture)
+from test_parity import QWEN3_CASES, case_spec  # noqa: E402
+from test_parity import hf_checkpoint  # noqa: E402,F401  (the session fixture)
 from test_yarn import YARN_CASE  # noqa: E402
 
 from msinfer.parallel.distributed import free_port  # noqa: E402
@@ -49,8 +48,8 @@ DOWN_WITHIN = 60
 
 @pytest.fixture(scope="module")
 def models(tiny_checkpoint, hf_model, hf_checkpoint):
-    """Two of test_hf_parity's checkpoints: GQA with 2 KV heads (replicated at tp4), and a
-    tied one in two files; test_qwen3's two Qwen3 (tied: 8 heads of 16 over 4 KV heads;
+    """Two of test_parity's Qwen2 checkpoints: GQA with 2 KV heads (replicated at tp4), and a
+    tied one in two files; its two Qwen3 (tied: 8 heads of 16 over 4 KV heads;
     untied: 4 heads of 32 over 2; hidden 64, bfloat16, written by transformers); and
     test_yarn's Qwen2 with yarn over an original context of 32 positions."""
     made = {}
