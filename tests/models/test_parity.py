@@ -6,12 +6,12 @@ untied, bfloat16 on disk) with tools.tiny_model's random values (peaked, input-d
 logits: transformers' own initialisation gives near-uniform ones, whose greedy choice is a
 coin toss at 1e-4).
 
-Each case runs msinfer's engine (paged KV cache, chunked
-prefill, continuous batching) on it; transformers runs the same files. The engine reports the
+Each case runs msinfer's engine (paged KV cache, chunked prefill, continuous batching) on its
+checkpoint; transformers runs the same files. The engine reports the
 log-probabilities of the whole vocabulary at every generated token (SamplingParams.logprobs),
 which must match transformers' log_softmax within 1e-4, and greedy tokens must be identical
 (transformers' argmax at every position, teacher-forced on msinfer's tokens, which is exactly
-greedy decoding by induction; one case also calls `generate`).
+greedy decoding by induction; every case also calls `generate`).
 
 The engine's settings make every mechanism run inside these short prompts: KV blocks of 4
 tokens, prefill chunks of 16 tokens (so a 37-token prompt takes three chunks, and short prompts
