@@ -11,7 +11,7 @@ servers would happen to send each group to the same server every time. Per polic
 prefix-cache hits and queries both servers count (/metrics' vllm:prefix_cache_hits_total,
 _queries_total, read before and after; /flush_cache between policies), how many requests each
 server finished, the wall time and the mean latency.
-Writes OUT.json and OUT.md. The cheap CI version: tests/test_fleet_router.py.
+Writes OUT.json and OUT.md. The cheap CI version: tests/server/test_fleet_router.py.
 """
 import argparse
 import concurrent.futures

@@ -21,7 +21,7 @@ then
 fi
 
 if ! command -v prometheus >/dev/null; then
-  echo "== installing Prometheus (Debian's; tests/test_fleet_server.py scrapes a server with it)"
+  echo "== installing Prometheus (Debian's; tests/server/test_fleet_server.py scrapes a server with it)"
   as_root apt-get update -qq
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
     prometheus
@@ -39,7 +39,7 @@ if ! .venv/bin/python -c "import msinfer, mindspore, mpi4py, torch, transformers
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -e ".[test]"
 fi
-# msModelSlim (Ascend's quantization tool; tests/test_quantized.py makes its checkpoints with
+# msModelSlim (Ascend's quantization tool; tests/models/test_quantized.py makes its checkpoints with
 # it on CPU): --no-deps, since a plain install resolves torch again and pulls a CUDA build.
 if ! .venv/bin/python -c "import msmodelslim, easydict, einops, wcmatch, pygtrie" 2>/dev/null; then
   echo "== installing msmodelslim 26.1.0 into .venv (no dependencies: torch is there)"
@@ -47,7 +47,7 @@ if ! .venv/bin/python -c "import msmodelslim, easydict, einops, wcmatch, pygtrie
     wcmatch bracex pygtrie
 fi
 
-# guidellm (tests/test_client_guidellm.py, bench/guidellm_compare.py) needs NumPy 2, which
+# guidellm (tests/server/test_client_guidellm.py, bench/guidellm_compare.py) needs NumPy 2, which
 # MindSpore 2.10 cannot import with: its own venv. torch pinned to the CPU build (an unpinned
 # one pulls a 6 GB CUDA build).
 if [ ! -x .venv-guidellm/bin/guidellm ]; then

@@ -8,10 +8,18 @@ import inspect
 import json
 import os
 import shutil
+import sys
 import tempfile
 
 import pytest
 from hypothesis import settings
+
+# Test modules import one another's helpers and fixtures across layer folders (a parity
+# module's checks, the fake-engine server of test_serve_protocol): every folder importable
+# by a module's plain name, whichever folder pytest collects first.
+LAYERS = ("models", "engine", "planning", "parallel", "server", "cli", "tools")
+TESTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[1:1] = [os.path.join(TESTS, layer) for layer in LAYERS]
 
 settings.register_profile("ci", derandomize=True)
 if os.environ.get("CI"):

@@ -1,4 +1,4 @@
-"""One rank of a multi-process test job (started by tests/test_distributed.py under mpirun or
+"""One rank of a multi-process test job (started by tests/parallel/test_distributed.py under mpirun or
 msrun). Runs greedy generation on a batch of prompts, records the logits of the prefill and
 the first decode steps, and writes them with this rank's memory figures to OUT/rank_R.npz.
 With --sampling (SamplingParams arguments per prompt, as JSON) it writes instead every field

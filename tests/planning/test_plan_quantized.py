@@ -1,0 +1,65 @@
+"""The planner on msModelSlim's quantized models: int8 weights and their per-row scales
+counted, against figures worked out here by hand from the published Qwen2.5-72B config;
+Qwen2.5-72B in W8A8 on one Atlas 300I Duo card (two chips, tp2) with its KV budget and the
+decode bound of its smaller weight bytes, where the float model does not fit."""
+import os
+
+from msinfer.cli.main import main
+from msinfer.config import PRESETS, load_config
+from msinfer.hardware import get_profile
+from msinfer.parallel.strategy import load_strategy
+from msinfer.planning.memory import EngineLimits
+from msinfer.planning.planner import make_plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DUO = get_profile("atlas-300i-duo")
+TP2 = load_strategy(os.path.join(ROOT, "strategies", "qwen2_tp2.yaml"))
+
+
+def plan(model, max_len=8192, mode=None):
+    config = load_config(model)
+    return make_plan(config, TP2, DUO, EngineLimits.for_model(config, max_len=max_len),
+                     parallel_mode=mode)
+
+
+def test_qwen25_72b_w8a8_fits_one_300i_duo_card_where_float_does_not():
+    assert not plan("qwen2.5-72b").fits
+    report = plan("qwen2.5-72b-w8a8")
+    assert report.fits, report.errors
+    # By hand, per chip of tp2 (hidden 8192, 8 KV heads of 128, intermediate 29568, 80
+    # layers, vocabulary 152064, float16 on 310P):
+    hidden, kv, inter, vocab, layers = 8192, 1024, 29568, 152064, 80
+    int8 = layers * hidden * (hidden + 2 * kv + hidden + 3 * inter) // 2  # 1 byte each
+    # deq_scale (float32) + quant_bias (int32) per output row this chip holds: half the
+    # rows of q/k/v and gate/up, all rows of the row-split o and down
+    scales = layers * 8 * ((hidden + 2 * kv) // 2 + inter + hidden + hidden)
+    floats = 2 * (2 * vocab * hidden // 2            # embedding and lm_head, vocab-split
+                  + layers * 2 * hidden + hidden     # norms
+                  + layers * (hidden + 2 * kv) // 2)  # q/k/v biases (unused, loaded)
+    assert report.devices[0].weights_bytes == int8 + scales + floats
+    assert report.devices[0].weights_bytes < 0.55 * plan("qwen2.5-72b").devices[0].weights_bytes
+    assert report.kv_tokens >= 8192 and report.concurrent_max_len_sequences >= 1
+    # The decode bound reads the int8 bytes: weights less the embedding table per step.
+    read = report.devices[0].weights_bytes - vocab * hidden // 2 * 2
+    assert abs(report.decode_tokens_per_s_bound_short_context
+               - 16 * DUO.memory_bandwidth_bytes_per_s / read) < 1e-6
+    assert "W8A8" in report.quantization
+
+
+def test_quantized_presets_and_what_the_plan_says(capsys):
+    for name, scheme in {"qwen2.5-72b-w8a8": "W8A8", "qwen2.5-32b-w8a8": "W8A8",
+                         "qwen3-32b-w8a8": "W8A8", "qwen2.5-7b-w8a16": "W8A16"}.items():
+        schemes = set(dict(PRESETS[name].quantization.schemes).values())
+        assert schemes == {scheme}, name
+    w8a16, float16 = plan("qwen2.5-7b-w8a16"), plan("qwen2.5-7b")
+    assert 0.5 < w8a16.devices[0].weights_bytes / float16.devices[0].weights_bytes < 0.65
+    code = main(["plan", "--model", "qwen2.5-72b-w8a8", "--strategy",
+                 os.path.join(ROOT, "strategies", "qwen2_tp2.yaml"), "--hardware",
+                 "atlas-300i-duo", "--max-len", "8192"])
+    out = capsys.readouterr().out
+    assert code == 0 and "quantized  W8A8" in out and "FITS" in out, out
+
+
+def test_semi_auto_refuses_a_quantized_model():
+    report = plan("qwen2.5-72b-w8a8", mode="semi_auto")
+    assert not report.fits and "parallel_mode explicit only" in report.errors[0]
