@@ -86,10 +86,13 @@ def _die_after(link, message):
     """Leave once the leader at the other end of `link` has gone (at most `_REPORT_WAIT` s),
     after reporting `message` to it: the launcher aborts the whole job as soon as any rank
     exits non-zero, so rank 0 must go first, once it has answered its clients."""
+    # said now: the launcher may kill this rank as soon as its leader exits
+    log.get().error("%s: leaving the job once its leader has gone (at most %.0fs)", message,
+                    _REPORT_WAIT)
     deadline = time.monotonic() + _REPORT_WAIT
     while not link.hung_up() and time.monotonic() < deadline:
         time.sleep(0.05)
-    _die(message)
+    os._exit(1)
 
 
 def _die_after_rank0(channel, message):

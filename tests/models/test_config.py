@@ -262,7 +262,7 @@ def test_tensor_parallel_size_is_the_shipped_strategy(tensor):
     from msinfer.parallel.strategy import Strategy, load_strategy
 
     config = load_config("qwen2-72b")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     shipped = load_strategy(os.path.join(root, "strategies", f"qwen2_tp{tensor}.yaml"))
     plans = [s.resolve(config, "explicit") for s in (shipped, Strategy.default(tensor=tensor))]
     for name in config.parameter_shapes():

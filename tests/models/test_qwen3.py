@@ -110,7 +110,7 @@ def test_the_deploy_guides_qwen3_and_qwen25_plans_are_what_the_planner_says(caps
         free = min(d["capacity_bytes"] - d["total_bytes"] for d in report["devices"]) / 2**30
         assert "free" not in verdict or f"{free:.2f} free" in verdict
     else:
-        assert any("with tensor: 8" in e and "--max-len 50672" in e for e in report["errors"])
+        assert any("with tensor: 8" in e and "--max-model-len 50672" in e for e in report["errors"])
 
 
 @pytest.mark.parametrize("config, field", [
