@@ -98,11 +98,8 @@ def describe(model_dir, config, want=None):
     if want == "none":
         raise MsinferError(f"{path}: the checkpoint is quantized (msModelSlim) and "
                            f"--quantization none asks for float weights; drop the flag")
-    with open(path) as f:
-        try:
-            description = json.load(f)
-        except json.JSONDecodeError as e:
-            raise MsinferError(f"{path}: not JSON ({e})") from None
+    from .config import read_json_object  # config's presets import this module
+    description = read_json_object(path)
     quant_type = str(description.get("model_quant_type", "?"))
     file_of, layout = weight_files(model_dir)
     schemes = {m: _scheme(path, description, config, m) for m in FUSED}
