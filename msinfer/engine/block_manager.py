@@ -170,7 +170,7 @@ class BlockManager:
                 runs.append([index])
         for run in runs:
             self.listener.stored([names[i] for i in run], names[run[0] - 1] if run[0] else None,
-                                 list(seq.tokens[run[0] * size:(run[-1] + 1) * size]))
+                                 seq.token_slice(run[0] * size, (run[-1] + 1) * size))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every named block (vLLM's reset_prefix_cache); only while no sequence holds
