@@ -28,7 +28,7 @@ import httpx2 as httpx
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from msinfer.parallel.distributed import free_port  # noqa: E402
-from msinfer.planning.memory import GRAPH_SHAPES  # noqa: E402
+from msinfer.engine_config import GRAPH_SHAPES  # noqa: E402
 from serve import stop_server  # noqa: E402  (bench/serve.py)
 
 JOBS = {"tp1": (1, None), "tp2": (2, "qwen2_tp2.yaml")}

@@ -10,7 +10,7 @@ import os
 
 from ..errors import MsinferError
 from ..parallel.strategy import PARALLEL_MODES
-from ..planning.memory import parse_bytes
+from ..engine_config import parse_bytes
 from ..server.reasoning import PARSERS
 from .args import add_llm_arguments
 

@@ -1,5 +1,6 @@
-"""What one rank of the engine allocates: the engine's limits, its weights, its workspace and
-its KV cache pool, from the same formulas the planner reports and the engine sizes itself with.
+"""What one rank of the engine allocates within its limits (engine_config.EngineLimits): its
+weights, its workspace and its KV cache pool, from the same formulas the planner reports and
+the engine sizes itself with.
 
 Pure arithmetic over a ShardPlan and a hardware profile: no MindSpore, no tokenizer, so
 `msinfer plan` runs on a machine where neither is installed.
@@ -8,11 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 
-# The engine's limits live with its config (msinfer/engine_config.py); named here too, where
-# the planner and the tools have always imported them.
-from ..engine_config import (DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_SEQS,  # noqa: F401
-                             DEFAULT_MAX_PREFILL_TOKENS, GRAPH_SHAPES, EngineLimits,
-                             default_max_model_len, parse_bytes)
 from ..hardware import DTYPE_BYTES
 from ..quantization import stored_bytes
 from .kv_layout import CacheLayout

@@ -19,11 +19,12 @@ import dataclasses
 import textwrap
 
 from ..config import ModelConfig
+from ..engine_config import EngineLimits
 from ..errors import PlanRefused
 from ..hardware import (DTYPE_BYTES, GiB, HardwareProfile, compute_dtype, cpu_matmul_forms,
                         dtype_name)
 from ..parallel.strategy import ShardPlan, Strategy, decide_parallel_mode
-from .memory import EngineLimits, engine_memory
+from .memory import engine_memory
 from .shapes import ExplicitGraphs, ShapeBuckets
 from .workspace import stack_layers
 

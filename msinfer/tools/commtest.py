@@ -391,7 +391,7 @@ def model_estimate(model, strategy, profile, dtype, rows):
     planner), each timed at the measured size nearest above its payload, in the tensor group
     (or the world when that is the tensor group)."""
     from ..config import load_config
-    from ..planning.memory import EngineLimits
+    from ..engine_config import EngineLimits
     from ..planning.planner import make_plan
 
     # One sequence per data replica: replicas decode side by side, each in its own group.

@@ -1,4 +1,4 @@
-"""--kv-cache-memory is parsed once (cli/args.py's argparse type over planning/memory.parse_bytes):
+"""--kv-cache-memory is parsed once (cli/args.py's argparse type over engine_config.parse_bytes):
 plan, launch, generate and serve all get an int of bytes from 2147483648, 2GiB or 512MiB, and
 LLM(kv_cache_memory="2GiB") reads the same strings."""
 import json
@@ -9,7 +9,7 @@ import pytest
 from msinfer.cli.main import build_parser, main
 from msinfer.config import load_config
 from msinfer.errors import MsinferError
-from msinfer.planning.memory import EngineLimits, parse_bytes
+from msinfer.engine_config import EngineLimits, parse_bytes
 from msinfer.tools.tiny_model import make_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -364,7 +364,7 @@ def tp2_job(moe_checkpoints, tmp_path_factory):
 def test_two_ranks_match_transformers_holding_what_the_plan_says(moe_checkpoints, tp2_job,
                                                                  name, results, strategy):
     from msinfer.hardware import get_profile
-    from msinfer.planning.memory import EngineLimits
+    from msinfer.engine_config import EngineLimits
     from msinfer.planning.planner import make_plan
 
     path, config, hf = moe_checkpoints[name]
@@ -488,7 +488,7 @@ def test_plan_shows_qwen3_30b_a3b_on_one_300i_duo_card():
 def test_the_planner_counts_the_graphs_the_engine_compiles(case):
     """A stack's graph per run of layer kinds: Qwen3-MoE's sparse, dense, sparse layers."""
     from msinfer.hardware import get_profile
-    from msinfer.planning.memory import EngineLimits
+    from msinfer.engine_config import EngineLimits
     from msinfer.planning.planner import make_plan
 
     name, config, llm, hf = case

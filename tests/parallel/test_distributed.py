@@ -202,7 +202,7 @@ def test_tp4_under_mpirun_matches_hf_with_replicated_kv_heads(models, tp4_mpirun
     from msinfer.config import ModelConfig
     from msinfer.hardware import get_profile
     from msinfer.parallel.strategy import load_strategy
-    from msinfer.planning.memory import EngineLimits
+    from msinfer.engine_config import EngineLimits
     from msinfer.planning.planner import make_plan
 
     config = ModelConfig.from_model_dir(model_dir)

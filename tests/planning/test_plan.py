@@ -9,7 +9,7 @@ from msinfer.config import PRESETS, load_config
 from msinfer.errors import MsinferError, PlanRefused
 from msinfer.hardware import GiB, compute_dtype, get_profile
 from msinfer.parallel.strategy import Strategy, load_strategy
-from msinfer.planning.memory import EngineLimits
+from msinfer.engine_config import EngineLimits
 from msinfer.planning.planner import check_plan_or_raise, format_plan, make_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -8,7 +8,7 @@ from msinfer.cli.main import main
 from msinfer.config import PRESETS, load_config
 from msinfer.hardware import get_profile
 from msinfer.parallel.strategy import load_strategy
-from msinfer.planning.memory import EngineLimits
+from msinfer.engine_config import EngineLimits
 from msinfer.planning.planner import make_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
