@@ -19,6 +19,7 @@ import re
 from .config import ModelConfig
 from .errors import MsinferError, positive_int
 from .hardware import AUTO, HARDWARE_CHOICES
+from .speculative_config import SpeculativeConfig
 
 DEFAULT_MAX_MODEL_LEN = 4096  # the longest sequence when none is asked for
 DEFAULT_MAX_NUM_SEQS = 16
@@ -153,6 +154,8 @@ class EngineConfig:
     # "auto": an msModelSlim directory loads quantized (msinfer/quantization.py); "msmodelslim":
     # refuse a directory that is not one; "none": refuse a quantized one
     quantization: str = "auto"
+    # speculative decoding (speculative_config.py); None: none
+    speculative: SpeculativeConfig | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -172,13 +175,15 @@ class EngineConfig:
             max_prefill_tokens=args.max_prefill_tokens, block_size=args.block_size,
             kv_cache_memory=args.kv_cache_memory, graph_shapes=args.graph_shapes,
             enable_prefix_caching=args.prefix_caching, compile_cache=compile_cache,
-            quantization=getattr(args, "quantization", None))
+            quantization=getattr(args, "quantization", None),
+            speculative_config=getattr(args, "speculative_config", None))
 
 
 _LIMITS = ("max_model_len", "block_size", "max_prefill_tokens", "max_num_seqs",
            "kv_cache_memory", "graph_shapes")
 _PARALLEL = tuple(f.name for f in dataclasses.fields(ParallelConfig))
-_OTHERS = ("dtype", "enable_prefix_caching", "compile_cache", "quantization")
+_OTHERS = ("dtype", "enable_prefix_caching", "compile_cache", "quantization",
+           "speculative_config")
 SETTINGS = _LIMITS + _PARALLEL + _OTHERS  # engine_config's keywords (and ALIASES')
 
 
@@ -203,7 +208,8 @@ def engine_config(model: str, **settings) -> EngineConfig:
     return EngineConfig(model=model, model_config=model_config, limits=limits,
                         parallel=parallel, dtype=settings.get("dtype"),
                         enable_prefix_caching=True if prefix is None else bool(prefix),
-                        compile_cache=settings.get("compile_cache"), quantization=quantization)
+                        compile_cache=settings.get("compile_cache"), quantization=quantization,
+                        speculative=SpeculativeConfig.parse(settings.get("speculative_config")))
 
 
 def default_max_model_len(config) -> int:

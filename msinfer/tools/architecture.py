@@ -23,7 +23,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent  # msinfer/
 # (layer, what it holds, module-name prefixes under msinfer), lowest first.
 LAYERS = (
     ("ground", "errors, log, config, hardware profiles, quantization schemes, the engine's settings",
-     ("errors", "log", "config", "quantization", "hardware", "engine_config")),
+     ("errors", "log", "config", "quantization", "hardware", "engine_config",
+      "speculative_config")),
     ("parallel", "strategies and shard plans, rank tables, distributed start",
      ("parallel",)),
     ("planning", "the memory formulas and the planner: pure arithmetic, no MindSpore",
