@@ -87,6 +87,12 @@ class EngineStats:
     prefill_tokens_computed: int = 0  # prompt tokens run through prefill, recomputes included
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache at admission
     prefix_cache_hits: int = 0  # ... and found there (not computed)
+    # speculative decoding (vLLM's vllm:spec_decode_* counters): sequence-steps that verified
+    # proposals, tokens proposed, tokens accepted, and accepted at each proposal position
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple = ()
 
 
 def check_request_limits(ids, params, vocab_size, max_model_len, layout, *, has_tokenizer,
