@@ -54,6 +54,10 @@ class LLM:
     compile_cache: where `warmup()` keeps compiled graphs for the next start of the same
         configuration (engine/compile_cache.py): a directory; None (the default):
         $MSINFER_COMPILE_CACHE, else ~/.cache/msinfer/compile; False: none.
+    speculative_config: speculative decoding, as vLLM's: a dict (or its JSON text), e.g.
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}; methods
+        "ngram", "suffix", "draft_model" (with "model", the draft's directory); None (the
+        default): none (msinfer/speculative_config.py, docs/speculative.md).
     """
 
     def __init__(self, model_dir: str | EngineConfig, **settings):
@@ -84,7 +88,8 @@ class LLM:
         # The planner's check, here too, so every entry point refuses an illegal or oversized
         # plan before any device or collective is touched.
         report = check_plan_or_raise(self.config, self.strategy, self.profile, self.limits,
-                                     dtype=cfg.dtype, parallel_mode=self.parallel_mode)
+                                     dtype=cfg.dtype, parallel_mode=self.parallel_mode,
+                                     speculative=cfg.speculative)
         self.dtype_reason = report.dtype_reason
         self.compute_dtype = report.dtype  # "float32", "float16" or "bfloat16"
         self.shard_plan = self.strategy.resolve(self.config, self.parallel_mode)
@@ -116,7 +121,7 @@ class LLM:
             seed=replica_seed(seed, self.shard_plan.data_rank(self.dist.rank)
                               if self.replicas > 1 else 0),
             tokenizer=(lambda: self.tokenizer) if self.has_tokenizer else None,
-            prefix_caching=cfg.enable_prefix_caching)
+            prefix_caching=cfg.enable_prefix_caching, speculative=cfg.speculative)
         self._batches = 0
 
     @functools.cached_property

@@ -134,14 +134,16 @@ def check_request_limits(ids, params, vocab_size, max_model_len, layout, *, has_
 
 class LLMEngine:
     def __init__(self, runner, layout, limits: EngineLimits, vocab_size: int, eos_token_ids,
-                 seed: int, tokenizer=None, prefix_caching: bool = True):
+                 seed: int, tokenizer=None, prefix_caching: bool = True, speculative=None):
         """limits: the EngineConfig's (max_model_len, max_num_seqs, max_prefill_tokens).
         tokenizer: a callable returning the Tokenizer (loaded when first needed), or None
         for checkpoints without tokenizer.json (token-id prompts, no text, no stop strings).
-        prefix_caching: reuse computed full blocks of earlier prompts (block_manager.py)."""
+        prefix_caching: reuse computed full blocks of earlier prompts (block_manager.py).
+        speculative: the EngineConfig's SpeculativeConfig, None: no speculative decoding."""
         self.runner = runner
         self.layout = layout
         self.limits = limits
+        self.speculative = speculative
         self.blocks = BlockManager(layout, prefix_caching=prefix_caching)
         self.scheduler = Scheduler(self.blocks, limits)
         self.vocab_size = vocab_size
