@@ -15,6 +15,7 @@ from . import log
 from .config import eos_token_ids
 from .engine import LLMEngine, RequestOutput
 from .engine.sampling import SamplingParams
+from .engine.speculative.acceptance import acceptance_words
 from .engine.tokenizer import encode_prompts
 from .engine_config import EngineConfig, engine_config
 from .errors import MsinferError, NonFiniteLogits
@@ -192,13 +193,12 @@ class LLM:
             self.engine.add_request(ids[i], token_lists[i], params[i], prompt=texts[i])
         finished = {}
         progress = log.Progress("generating", len(mine))
+        start = self.engine.stats()
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 if out.finished:
                     finished[out.request_id] = out
-            stats = self.engine.stats()
-            progress.step(len(finished), f"{stats.num_running} running, "
-                                         f"{stats.num_waiting} waiting")
+            progress.step(len(finished), self._progress_words(start, self.engine.stats()))
         outputs = [finished.get(ids[i]) if i in ids else None for i in range(len(encoded))]
         if self.replicas > 1:
             self._exchange(outputs)
@@ -207,6 +207,15 @@ class LLM:
             more = f" (and {len(failed) - 1} more prompt(s))" if len(failed) > 1 else ""
             raise NonFiniteLogits(f"{failed[0].error or 'non-finite logits'}{more}", outputs)
         return outputs
+
+    def _progress_words(self, start, stats):
+        """What generate's progress line says of the engine: its queues, and with
+        speculative decoding the acceptance since `start` (the EngineStats the call began
+        with)."""
+        words = f"{stats.num_running} running, {stats.num_waiting} waiting"
+        spec = self.engine_config.speculative
+        accepted = spec and acceptance_words(start, stats, spec.num_speculative_tokens)
+        return f"{words}; {accepted}" if accepted else words
 
     def _exchange(self, outputs):
         """Give every rank every replica's finished outputs, each field exactly as its replica

@@ -23,6 +23,8 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from .stats_log import StatsLog
+
 # vLLM's buckets (vllm/v1/metrics/loggers.py)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -56,6 +58,7 @@ class ServerMetrics:
         engine's SpeculativeConfig (None: no vllm:spec_decode_* series)."""
         self.registry = CollectorRegistry()
         self.speculative = speculative
+        self.stats_log = StatsLog(speculative)  # the periodic log line, from the same stats
         self.stats = [stats] * replicas  # each replica's after its last step
         self._model = model_name
         self._cache_info = None  # describe_cache()
@@ -146,6 +149,7 @@ class ServerMetrics:
     def observe_step(self, replica, handoff_seconds, step_seconds, stats):
         """After a pass of `replica`'s engine loop (step_seconds None: no step ran)."""
         self.stats[replica] = stats
+        self.stats_log.observe(self.stats)
         if step_seconds is None:
             return
         label = str(replica)

@@ -1,12 +1,19 @@
 """vLLM's speculative decoding counters on /metrics (vllm:spec_decode_*), read with
 prometheus_client's own parser from a server over the fake engine: exposed only when
-speculation is configured, every proposal position from the start, per data replica."""
+speculation is configured, every proposal position from the start, per data replica. And the
+acceptance in the progress lines: the server's periodic stats line and LLM.generate's."""
+import dataclasses
+import logging
+import types
+
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from msinfer import log
 from msinfer.engine import EngineStats
 from msinfer.server.metrics import ServerMetrics
+from msinfer.server.stats_log import StatsLog
 from msinfer.speculative_config import SpeculativeConfig
 
 from test_serve_protocol import MODEL, RunningServer, raw, wait_for
@@ -95,3 +102,76 @@ def test_each_data_replica_is_an_engine_as_vllm_labels_them():
         [3, 2, 0]
     zero = (("engine", "0"), ("model_name", MODEL))
     assert found[f"{COUNTERS[1]}_total", zero] == 0
+
+
+class Lines(logging.Handler):
+    """msinfer's log lines, kept while installed on its logger."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+    def __enter__(self):
+        log.get().addHandler(self)
+        previous, log.get().level = log.get().level, logging.INFO
+        self.previous = previous
+        return self
+
+    def __exit__(self, *exc):
+        log.get().removeHandler(self)
+        log.get().level = self.previous
+
+
+def test_the_periodic_stats_line_says_acceptance_over_its_interval():
+    """The replicas' stats summed, every interval in which something ran; the acceptance
+    counted over the interval only (as vLLM's SpecDecodingLogging resets each time)."""
+    clock = [100.0]
+    start = EngineStats(0, 0, 8, 0, 0, 0, 0, spec_num_drafts=5, spec_num_draft_tokens=15,
+                        spec_num_accepted_tokens=15, spec_accepted_per_pos=(5, 5, 5))
+    one = EngineStats(2, 1, 8, 2, 0, 100, 50, spec_num_drafts=15, spec_num_draft_tokens=45,
+                      spec_num_accepted_tokens=35, spec_accepted_per_pos=(14, 12, 9))
+    two = EngineStats(1, 0, 8, 2, 0, 100, 50, spec_num_drafts=10, spec_num_draft_tokens=30,
+                      spec_num_accepted_tokens=10, spec_accepted_per_pos=[6, 3, 1])
+    for speculative, spec_words in ((SPEC, "; spec: acceptance 0.50, mean accepted 1.5/3 per "
+                                           "draft (by position 0.75 0.50 0.25)"), (None, "")):
+        zero = EngineStats(0, 0, 8, 0, 0, 0, 0)
+        metrics = ServerMetrics(MODEL, zero, replicas=2, speculative=speculative)
+        metrics.stats_log = StatsLog(speculative, interval=10, clock=lambda: clock[0])
+        with Lines() as seen:
+            metrics.observe_step(0, 0.0, 0.01, start)  # the interval starts here
+            clock[0] += 5
+            metrics.observe_step(0, 0.0, 0.01, one)  # within the interval: no line
+            clock[0] += 5
+            metrics.observe_step(1, 0.0, 0.01, two)
+        assert seen.lines == [
+            "serve: 20.0 prompt, 10.0 generation tokens/s; 3 running, 1 waiting; KV cache 25%"
+            + spec_words]
+        idle = dataclasses.replace(one, num_running=0, num_waiting=0)
+        assert metrics.stats_log.line(idle, idle, 10.0) is None  # nothing ran, nothing waits
+
+
+def test_generate_progress_says_acceptance(monkeypatch):
+    """LLM.generate's progress line over the fake engine (its draft counts), the acceptance
+    since the call began; without speculation the line is as before."""
+    from msinfer.api import LLM
+    from msinfer.engine.sampling import SamplingParams
+    from fake_engine import FakeEngine
+
+    for speculative in (SPEC, None):
+        llm = LLM.__new__(LLM)  # the engine a fake, the rest of LLM as it is
+        llm.engine = FakeEngine(step_delay=0, speculative=speculative)
+        llm.engine_config = types.SimpleNamespace(speculative=speculative)
+        llm.replicas, llm._batches = 1, 0
+        with Lines() as seen:
+            outputs = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=6))
+        assert [len(out.token_ids) for out in outputs] == [6, 6]
+        last = seen.lines[-1]
+        assert last.startswith("generating: 2/2, ")
+        if speculative:  # 2 requests as the server test's: 10 drafts, 14 of 30 accepted
+            assert last.endswith("(0 running, 0 waiting; spec: acceptance 0.47, mean accepted "
+                                 "1.4/3 per draft (by position 0.80 0.40 0.20))")
+        else:
+            assert last.endswith("(0 running, 0 waiting)")
