@@ -116,7 +116,7 @@ class LLM:
             seed=replica_seed(seed, self.shard_plan.data_rank(self.dist.rank)
                               if self.replicas > 1 else 0),
             tokenizer=(lambda: self.tokenizer) if self.has_tokenizer else None,
-            prefix_caching=cfg.enable_prefix_caching)
+            prefix_caching=cfg.enable_prefix_caching, speculative=cfg.speculative)
         self._batches = 0
 
     @functools.cached_property
