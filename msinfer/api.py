@@ -115,6 +115,14 @@ class LLM:
         _log_start(self, report)
         runner = build_runner(cfg.model, ctx, self.memory.layout, self.limits,
                               self.dist.world_size, self.profile)
+        proposer = None
+        if cfg.speculative is not None:
+            if self.parallel_mode != "explicit":
+                raise MsinferError("speculative decoding runs in explicit mode; this plan is "
+                                   f"{self.parallel_mode} (give --parallel-mode explicit)")
+            if cfg.speculative.method == "draft_model":
+                proposer = draft_model_proposer(cfg.speculative.model, self.config, ctx.dtype,
+                                                self.memory.layout, self.limits, self.profile)
         self._tokenizer = None
         self.engine = LLMEngine(
             runner, self.memory.layout, self.limits, vocab_size=self.config.vocab_size,
@@ -122,7 +130,8 @@ class LLM:
             seed=replica_seed(seed, self.shard_plan.data_rank(self.dist.rank)
                               if self.replicas > 1 else 0),
             tokenizer=(lambda: self.tokenizer) if self.has_tokenizer else None,
-            prefix_caching=cfg.enable_prefix_caching, speculative=cfg.speculative)
+            prefix_caching=cfg.enable_prefix_caching, speculative=cfg.speculative,
+            proposer=proposer)
         self._batches = 0
 
     @functools.cached_property
@@ -133,13 +142,19 @@ class LLM:
         if root is False:
             return None
         from .engine.compile_cache import CompileCache, default_root, weight_files
-        return CompileCache(root or default_root(), dict(
+        key = dict(
             config=dataclasses.asdict(self.config), weights=weight_files(self.model_dir),
             strategy=dataclasses.asdict(self.strategy), mode=self.parallel_mode,
             rank=self.dist.rank, world_size=self.dist.world_size, dtype=self.compute_dtype,
             hardware=self.profile.name, limits=dataclasses.asdict(self.limits),
             layout=dataclasses.asdict(self.memory.layout),
-            shapes=self.engine.runner.shapes()))
+            shapes=self.engine.runner.shapes())
+        spec = self.engine_config.speculative
+        if spec is not None:  # a draft model's graphs are cached beside the target's
+            key["speculative"] = dataclasses.asdict(spec)
+            if spec.model:
+                key["draft_weights"] = weight_files(spec.model)
+        return CompileCache(root or default_root(), key)
 
     def warmup(self, on_shape=None) -> int:
         """Compile (or load from the compile cache) every graph serving can use, so that no
@@ -156,7 +171,7 @@ class LLM:
     @property
     def compilations(self) -> int:
         """Graphs compiled so far."""
-        return self.engine.runner.compilations
+        return sum(r.compilations for r in self.engine.runners)
 
     @property
     def has_tokenizer(self) -> bool:
@@ -278,3 +293,35 @@ def _describe(plan):
         parts.append(f"{plan.data} data replicas")
     return ", ".join(parts) or "one device"
 
+
+
+def draft_model_proposer(model_dir, target_config, dtype, layout, limits, profile):
+    """Speculative decoding's draft model (engine/speculative/draft_model.py): the whole
+    draft on this rank (a small model: no collectives, the same proposals on every rank), in
+    the target's compute dtype, with a KV cache of the target's blocks (its block tables
+    address both)."""
+    from .config import ModelConfig
+    from .engine.model_runner import build_runner
+    from .engine.speculative.draft_model import DraftModelProposer
+    from .hardware import DTYPE_BYTES
+    from .layers.parallel_context import ParallelContext
+    from .parallel.strategy import Strategy
+    from .planning.kv_layout import CacheLayout
+
+    config = ModelConfig.from_model_dir(model_dir, "auto")
+    if config.vocab_size != target_config.vocab_size:
+        raise MsinferError(f"speculative_config: the draft model {model_dir} has a vocabulary "
+                           f"of {config.vocab_size} tokens, the target {target_config.vocab_size}: "
+                           f"a draft must share the target's tokenizer")
+    if limits.max_model_len > config.max_context_len:
+        raise MsinferError(f"speculative_config: max_model_len {limits.max_model_len} exceeds "
+                           f"the draft model's context ({config.max_context_len})")
+    plan = Strategy.default(tensor=1).resolve(config, "explicit")
+    ctx = ParallelContext(config=config, plan=plan, mode="explicit", dtype=dtype)
+    draft_layout = CacheLayout(config.num_layers, config.num_kv_heads, config.head_dim,
+                               layout.block_size, layout.num_blocks,
+                               DTYPE_BYTES[str(dtype).lower()])
+    log.get().info("draft model %s: %d layers, KV cache %.1f MiB", model_dir,
+                   config.num_layers, draft_layout.total_bytes / 2 ** 20)
+    runner = build_runner(model_dir, ctx, draft_layout, limits, 1, profile)
+    return DraftModelProposer(runner, limits.max_prefill_tokens, limits.max_model_len)

@@ -524,29 +524,39 @@ class LLMEngine:
     # ---- compile ahead ----
 
     def warmup(self, compile_cache=None, on_shape=None) -> int:
-        """Compile every graph the engine can use (the calls of `runner.shapes()`); returns how
-        many were compiled (or loaded from `compile_cache`, a compile_cache.CompileCache).
-        `on_shape(text)` hears the progress after each shape. Writes and reads only the
-        cache's reserved block."""
-        before = self.runner.compilations
-        shapes = self.runner.shapes()
+        """Compile every graph the engine can use (the calls of `runner.shapes()`, and of a
+        draft model's runner); returns how many were compiled (or loaded from
+        `compile_cache`, a compile_cache.CompileCache). `on_shape(text)` hears the progress
+        after each shape. Writes and reads only the caches' reserved block."""
+        runners = self.runners
+        before = sum(r.compilations for r in runners)
         with (compile_cache.session() if compile_cache else contextlib.nullcontext()) as cache:
             progress = log.Progress("loading graphs" if cache == "load" else "compiling graphs",
-                                    self.runner.graph_count, on_step=on_shape)
-            self._compile(shapes, progress)
-        return self.runner.compilations - before
+                                    sum(r.graph_count for r in runners), on_step=on_shape)
+            self._compile(runners, progress)
+        return sum(r.compilations for r in runners) - before
 
-    def _compile(self, shapes, progress):
+    @property
+    def runners(self) -> list:
+        """The target's model runner, and the draft model's (speculative decoding)."""
+        draft = getattr(self.speculation and self.speculation.proposer, "runner", None)
+        return [self.runner] + ([draft] if draft is not None else [])
+
+    def _compile(self, runners, progress):
         # MindSpore runs gc.collect() before each graph it compiles, which walks every object
         # of the process (some 200k in a server); frozen, they are skipped.
         frozen_before = gc.get_freeze_count()  # someone else's freeze is left as it was
         gc.collect()
         gc.freeze()
         try:
-            for shape in shapes:  # progress in graphs: a call may compile several
-                self.runner.compile_shape(shape)
-                progress.step(self.runner.compilations,
-                              f"{shape.kind} {shape.size} x {shape.context}, {shape.rows} rows")
+            done = 0
+            for runner in runners:  # progress in graphs: a call may compile several
+                for shape in runner.shapes():
+                    runner.compile_shape(shape)
+                    progress.step(done + runner.compilations,
+                                  f"{shape.kind} {shape.size} x {shape.context}, "
+                                  f"{shape.rows} rows")
+                done += runner.compilations
         finally:
             if not frozen_before:
                 gc.unfreeze()

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 
 class Proposer:
-    def propose(self, seqs: list, counts: list[int]) -> list[list[int]]:
+    def propose(self, seqs: list, counts: list[int],
+                private: list[bool] | None = None) -> list[list[int]]:
         """For each sequence of `seqs` (engine/sequence.py Sequence: prompt_token_ids +
         generated are its tokens so far), at most `counts[i]` proposed next tokens; [] when
-        it has nothing to propose."""
+        it has nothing to propose. `private[i]` True: propose from that sequence's own tokens
+        only, never from other requests' (a seeded sampled request, whose output must not
+        depend on what else ran); None: no sequence is private."""
         raise NotImplementedError
 
     def finished(self, seq) -> None:
