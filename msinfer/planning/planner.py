@@ -126,6 +126,9 @@ def make_plan(config: ModelConfig, strategy: Strategy, profile: HardwareProfile,
             refusal = (f"{config.source}: a quantized checkpoint ({report.quantization}) runs "
                        f"in parallel_mode explicit only: semi_auto's layouts are written for "
                        f"float weights")
+    if speculative is not None and mode != "explicit" and not refusal:
+        refusal = (f"speculative decoding runs in parallel_mode explicit only; this plan is "
+                   f"{mode} (give --parallel-mode explicit)")
     if refusal:
         report.errors.append(refusal)
         return report

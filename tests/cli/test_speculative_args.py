@@ -83,6 +83,20 @@ def test_launch_forwards_the_json_as_one_word_and_plans_with_it(model_dir, launc
     assert words[words.index("--speculative-config") + 1] == NGRAM
 
 
+def test_semi_auto_with_speculation_is_refused_by_the_plan_and_before_launch(model_dir,
+                                                                             capsys):
+    semi_auto = ["--hardware", "atlas-300i-duo", "--parallel-mode", "semi_auto"]
+    assert main(["plan", "--model", "qwen2-0.5b", "-tp", "2", *semi_auto]) == 0
+    assert main(["plan", "--model", "qwen2-0.5b", "-tp", "2", *semi_auto,
+                 "--speculative-config", NGRAM]) == 1
+    assert "speculative decoding runs in parallel_mode explicit only" in capsys.readouterr().out
+    code = main(["launch", "--nproc", "4", "--strategy", TP4, "--dry-run", "--", "serve",
+                 "--model", model_dir, *semi_auto, "--speculative-config", NGRAM])
+    out, err = capsys.readouterr()
+    assert code == 1 and "mpirun" not in out
+    assert "speculative decoding runs in parallel_mode explicit only" in err
+
+
 def test_launch_refuses_a_bad_value_before_any_rank_starts(model_dir, capsys):
     code = main(["launch", "--nproc", "4", "--strategy", TP4, "--hardware", "cpu",
                  "--dry-run", "--", "generate", "--model", model_dir, "--prompt", "hi",
