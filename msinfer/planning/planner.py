@@ -24,7 +24,7 @@ from ..errors import PlanRefused
 from ..hardware import (DTYPE_BYTES, GiB, HardwareProfile, compute_dtype, cpu_matmul_forms,
                         dtype_name)
 from ..parallel.strategy import ShardPlan, Strategy, decide_parallel_mode
-from .memory import engine_memory
+from .memory import engine_memory, speculation_memory
 from .shapes import ExplicitGraphs, ShapeBuckets
 from .workspace import stack_layers
 
@@ -129,6 +129,12 @@ def make_plan(config: ModelConfig, strategy: Strategy, profile: HardwareProfile,
     if speculative is not None and mode != "explicit" and not refusal:
         refusal = (f"speculative decoding runs in parallel_mode explicit only; this plan is "
                    f"{mode} (give --parallel-mode explicit)")
+    if speculative is not None and limits.graph_shapes != "dynamic" and not refusal:
+        # a verification's lm_head rows (k + 1 per sequence) take the head graph of dynamic
+        # rows; static graphs would compile a head per row count while serving
+        refusal = (f"speculative decoding needs graph_shapes dynamic (the default), not "
+                   f"{limits.graph_shapes}: its verifications run in the prefill graphs and "
+                   f"the lm_head graph of dynamic rows")
     if refusal:
         report.errors.append(refusal)
         return report
@@ -142,7 +148,8 @@ def make_plan(config: ModelConfig, strategy: Strategy, profile: HardwareProfile,
     dtype_bytes = DTYPE_BYTES[report.dtype]
     report.warmup_graphs = warmup_graphs(shard_plan, profile, limits, dtype_bytes, mode)
     report.graph_shapes = limits.graph_shapes
-    report.devices, layout = _device_memory(shard_plan, profile, report.dtype, limits)
+    report.devices, layout = _device_memory(shard_plan, profile, report.dtype, limits,
+                                            speculative)
     report.workspace_formula = _workspace_formula(profile, limits)
     report.collectives_per_token = _collectives(shard_plan, dtype_bytes, limits.max_num_seqs)
     if layout is not None:
@@ -222,18 +229,23 @@ def _hardware_refusal(strategy, profile, mode):
     return None
 
 
-def _device_memory(shard_plan, profile, dtype, limits):
-    """Per rank what `engine_memory` allocates; and the KV layout (the same on every rank)."""
+def _device_memory(shard_plan, profile, dtype, limits, speculative=None):
+    """Per rank what `engine_memory` allocates (a draft model's weights and KV cache counted
+    with the target's); and the target's KV layout (the same on every rank)."""
     devices, layout = [], None
+    draft, verify_rows = speculation_memory(speculative, limits)
     for rank in range(shard_plan.world_size):
         tensor_rank = shard_plan.tensor_rank(rank)
-        memory = engine_memory(shard_plan, profile, dtype, limits, tensor_rank, strict=False)
+        memory = engine_memory(shard_plan, profile, dtype, limits, tensor_rank, strict=False,
+                               draft=draft, verify_rows=verify_rows)
         layout = memory.layout
-        total = memory.weights_bytes + memory.kv_cache_bytes + memory.workspace_bytes
+        weights = memory.weights_bytes + memory.draft_weights_bytes
+        kv_cache = memory.kv_cache_bytes + memory.draft_kv_bytes
         devices.append(DeviceMemory(
             rank=rank, tensor_rank=tensor_rank, data_rank=shard_plan.data_rank(rank),
-            weights_bytes=memory.weights_bytes, kv_cache_bytes=memory.kv_cache_bytes,
-            workspace_bytes=memory.workspace_bytes, total_bytes=total,
+            weights_bytes=weights, kv_cache_bytes=kv_cache,
+            workspace_bytes=memory.workspace_bytes,
+            total_bytes=weights + kv_cache + memory.workspace_bytes,
             capacity_bytes=memory.capacity_bytes))
     return devices, layout
 
