@@ -381,3 +381,35 @@ def test_plan_takes_tensor_parallel_size_for_the_shipped_strategy(capsys):
     assert reports[0] == reports[1]
     assert main(["plan", "--model", "qwen2-72b", "--hardware", "cpu"]) == 2
     assert "give --strategy FILE or --tensor-parallel-size N" in capsys.readouterr().err
+
+
+def test_a_draft_model_shares_each_device_with_its_weights_and_kv_cache(small_checkpoint):
+    """Speculative decoding's draft runs whole on every rank: its weights, and a KV cache of
+    as many blocks as the target's, are counted on each device, and the target's pool is
+    smaller by the draft's share of each block; static graphs are refused."""
+    from msinfer.speculative_config import SpeculativeConfig
+
+    config = load_config("qwen2-7b")
+    limits = EngineLimits.for_model(config, max_model_len=32768, max_num_seqs=64)
+    plain = make_plan(config, strategy("qwen2_tp2.yaml"), DUO, limits)
+    draft_config = load_config(small_checkpoint)
+    spec = SpeculativeConfig(method="draft_model", model=small_checkpoint)
+    drafted = make_plan(config, strategy("qwen2_tp2.yaml"), DUO, limits, speculative=spec)
+    assert not plain.errors and not drafted.errors
+    draft_weights = sum(2 * (s[0] * (s[1] if len(s) > 1 else 1))  # float16 on the 310P
+                        for s in draft_config.parameter_shapes().values())
+    draft_block = block_bytes(draft_config.num_layers, draft_config.num_kv_heads,
+                              head_dim=draft_config.head_dim)
+    target_block = block_bytes(28, 2, head_dim=128)  # 4 KV heads over 2 ranks
+    for before, after in zip(plain.devices, drafted.devices):
+        assert after.weights_bytes == before.weights_bytes + draft_weights
+        blocks = drafted.kv_blocks + 1
+        assert after.kv_cache_bytes == blocks * (target_block + draft_block)
+        # the same budget, now shared by both caches' blocks (the verification's logits
+        # rows, max_prefill_tokens, enlarge the workspace)
+        assert after.workspace_bytes >= before.workspace_bytes
+    assert drafted.kv_blocks < plain.kv_blocks
+    static = make_plan(config, strategy("qwen2_tp2.yaml"), DUO,
+                       EngineLimits.for_model(config, graph_shapes="static"),
+                       speculative=SpeculativeConfig(method="ngram"))
+    assert "graph_shapes dynamic" in static.errors[0]
