@@ -6,12 +6,14 @@ penalties, grammar mask and stop checks see the tokens accepted before it: the e
 the rows in order). Then:
 - greedy: the row's argmax; the proposal is accepted when it is that token, so the output is
   token for token the output without speculation;
-- sampled: the proposers here propose one token with certainty (q = 1 for it), so the
-  proposal x is accepted with probability min(1, p(x) / q(x)) = p(x), and on rejection the
-  token is drawn from the residual max(0, p - q), normalised: p without x (Leviathan et al.
-  2023, "Fast Inference from Transformers via Speculative Decoding", as vLLM's rejection
-  sampler). The result is distributed as p: the target's distribution is kept, and with a
-  seeded generator the draws (one per row) repeat.
+- sampled: the proposers here propose one token with certainty (q = 1 for it). The standard
+  rule (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding";
+  vLLM's rejection sampler) accepts the proposal x with probability min(1, p(x) / q(x)) =
+  p(x) and on rejection draws from the residual max(0, p - q), normalised: p without x.
+  Drawing one token from p and accepting x when it is x is that same rule (accepted with
+  probability p(x); otherwise a draw from p conditioned on not x, the residual), with one
+  uniform per emitted token, as a decode step draws it: a seeded request's tokens are the
+  ones it samples without speculation, whatever was proposed.
 The first row that rejects ends the run; after k accepted proposals the last row gives one
 more token (the bonus), so a step yields 1 .. k + 1 tokens.
 """
@@ -28,21 +30,9 @@ def decide(scores, params, generator, proposed):
     proposal): the token sampled as a decode step samples it."""
     if params.greedy:
         token = int(np.argmax(scores))
-        return token, token == proposed
-    ids, probs = row_distribution(scores, params)
-    if proposed is None:
-        return int(draw(ids, probs, generator)), False
-    at = np.searchsorted(ids, proposed)
-    p = probs[at] if at < ids.size and ids[at] == proposed else 0.0
-    if generator.random() < p:
-        return int(proposed), True
-    if p >= 1.0:  # rounding: the proposal held all the mass, nothing else can be drawn
-        return int(proposed), True
-    residual = probs.copy()
-    if p:
-        residual[at] = 0.0
-    residual /= residual.sum()
-    return int(draw(ids, residual, generator)), False
+    else:
+        token = int(draw(*row_distribution(scores, params), generator))
+    return token, token == proposed
 
 
 def accepted_count(tokens, proposal) -> int:
