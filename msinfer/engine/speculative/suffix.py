@@ -110,8 +110,9 @@ class SuffixProposer(Proposer):
         best, best_score = [], 0.0
         for m in range(1, len(context)):
             found = tree.match(context[len(context) - m:])
-            if found is None:
-                break  # a longer suffix cannot match either
+            if found is None or not tree.continues(*found):
+                # a longer suffix matches (or continues) only where this one does
+                break
             limit = min(k, int(m * self.max_spec_factor + 1e-6))
             tokens, score = tree.follow(*found, limit, self.min_token_prob)
             if score >= best_score:

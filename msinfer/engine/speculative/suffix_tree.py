@@ -66,8 +66,15 @@ class SuffixTree:
         self.root.count += 1
         if len(active) > self.max_depth:
             active.popleft()  # max_depth long: it stays where it ends
+        removable, root = self.removable, self.root
         for i, node in enumerate(active):
-            active[i] = self._extend_suffix(node, sid, end, token)
+            if node.count == 1 and node.children is None and node is not root:
+                # the common case, inlined: a leaf only this suffix reaches grows in place
+                node.length += 1
+                if removable:
+                    node.ends[sid] = end + 1
+            else:
+                active[i] = self._extend_suffix(node, sid, end, token)
 
     def _extend_suffix(self, node: _Node, sid, end: int, token: int) -> _Node:
         """A suffix of `sid` ending at `node` (just before index `end`) takes `token`;
@@ -110,10 +117,7 @@ class SuffixTree:
             parent.children[parent_key] = child
             if parent.best is node:
                 parent.best = child
-            if node.ends:
-                node.ends.pop(sid, None)
-                if node.ends:  # cannot happen (the suffix was alone here); kept exact
-                    child.ends = {**node.ends, **(child.ends or {})}
+            # `node` goes; only this suffix ended there (the counts say so)
             self._set_end(child, sid, end + 1)
             return child
         del node.children[self._first(child)]
@@ -266,6 +270,11 @@ class SuffixTree:
                 return None
             used += 1
         return node, used
+
+    @staticmethod
+    def continues(node: _Node, used: int) -> bool:
+        """Does any occurrence of the matched path go on (within max_depth)?"""
+        return used < node.length or node.best is not None
 
     def follow(self, node: _Node, used: int, max_tokens: int, min_prob: float):
         """From a matched path: the most frequent continuation while its estimated
