@@ -68,8 +68,8 @@ class SuffixTree:
             active.popleft()  # max_depth long: it stays where it ends
         removable, root = self.removable, self.root
         for i, node in enumerate(active):
-            if node.count == 1 and node.children is None and node is not root:
-                # the common case, inlined: a leaf only this suffix reaches grows in place
+            if node.count == 1 and not node.children and node is not root:
+                # a leaf only this suffix reaches (the common case) grows in place
                 node.length += 1
                 if removable:
                     node.ends[sid] = end + 1
@@ -80,11 +80,7 @@ class SuffixTree:
         """A suffix of `sid` ending at `node` (just before index `end`) takes `token`;
         returns the node where it ends now."""
         child = node.children.get(token) if node.children else None
-        if child is None:
-            if node.count == 1 and node is not self.root:
-                node.length += 1  # a leaf only this suffix reaches: it grows
-                self._set_end(node, sid, end + 1)
-                return node
+        if child is None:  # (a leaf only this suffix reaches grew in _append)
             new = _Node(1, node, sid, end, 1)
             if node.children is None:
                 node.children = {}
@@ -240,7 +236,7 @@ class SuffixTree:
         """A node whose one child has its count (no suffix ends at it) becomes part of the
         child, as appending would have built it."""
         if (node is self.root or node.parent is None or not node.children
-                or len(node.children) != 1 or node.ends):
+                or len(node.children) != 1):
             return
         (child,) = node.children.values()
         if child.count != node.count:
