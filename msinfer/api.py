@@ -15,6 +15,7 @@ from . import log
 from .config import eos_token_ids
 from .engine import LLMEngine, RequestOutput
 from .engine.sampling import SamplingParams
+from .engine.speculative.acceptance import acceptance_words
 from .engine.tokenizer import encode_prompts
 from .engine_config import EngineConfig, engine_config
 from .errors import MsinferError, NonFiniteLogits
@@ -54,6 +55,10 @@ class LLM:
     compile_cache: where `warmup()` keeps compiled graphs for the next start of the same
         configuration (engine/compile_cache.py): a directory; None (the default):
         $MSINFER_COMPILE_CACHE, else ~/.cache/msinfer/compile; False: none.
+    speculative_config: speculative decoding, as vLLM's: a dict (or its JSON text), e.g.
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}; methods
+        "ngram", "suffix", "draft_model" (with "model", the draft's directory); None (the
+        default): none (msinfer/speculative_config.py, docs/speculative.md).
     """
 
     def __init__(self, model_dir: str | EngineConfig, **settings):
@@ -84,7 +89,8 @@ class LLM:
         # The planner's check, here too, so every entry point refuses an illegal or oversized
         # plan before any device or collective is touched.
         report = check_plan_or_raise(self.config, self.strategy, self.profile, self.limits,
-                                     dtype=cfg.dtype, parallel_mode=self.parallel_mode)
+                                     dtype=cfg.dtype, parallel_mode=self.parallel_mode,
+                                     speculative=cfg.speculative)
         self.dtype_reason = report.dtype_reason
         self.compute_dtype = report.dtype  # "float32", "float16" or "bfloat16"
         self.shard_plan = self.strategy.resolve(self.config, self.parallel_mode)
@@ -109,6 +115,14 @@ class LLM:
         _log_start(self, report)
         runner = build_runner(cfg.model, ctx, self.memory.layout, self.limits,
                               self.dist.world_size, self.profile)
+        proposer = None
+        if cfg.speculative is not None:
+            if self.parallel_mode != "explicit":
+                raise MsinferError("speculative decoding runs in explicit mode; this plan is "
+                                   f"{self.parallel_mode} (give --parallel-mode explicit)")
+            if cfg.speculative.method == "draft_model":
+                proposer = draft_model_proposer(cfg.speculative.model, self.config, ctx.dtype,
+                                                self.memory.layout, self.limits, self.profile)
         self._tokenizer = None
         self.engine = LLMEngine(
             runner, self.memory.layout, self.limits, vocab_size=self.config.vocab_size,
@@ -116,7 +130,8 @@ class LLM:
             seed=replica_seed(seed, self.shard_plan.data_rank(self.dist.rank)
                               if self.replicas > 1 else 0),
             tokenizer=(lambda: self.tokenizer) if self.has_tokenizer else None,
-            prefix_caching=cfg.enable_prefix_caching)
+            prefix_caching=cfg.enable_prefix_caching, speculative=cfg.speculative,
+            proposer=proposer)
         self._batches = 0
 
     @functools.cached_property
@@ -127,13 +142,19 @@ class LLM:
         if root is False:
             return None
         from .engine.compile_cache import CompileCache, default_root, weight_files
-        return CompileCache(root or default_root(), dict(
+        key = dict(
             config=dataclasses.asdict(self.config), weights=weight_files(self.model_dir),
             strategy=dataclasses.asdict(self.strategy), mode=self.parallel_mode,
             rank=self.dist.rank, world_size=self.dist.world_size, dtype=self.compute_dtype,
             hardware=self.profile.name, limits=dataclasses.asdict(self.limits),
             layout=dataclasses.asdict(self.memory.layout),
-            shapes=self.engine.runner.shapes()))
+            shapes=self.engine.runner.shapes())
+        spec = self.engine_config.speculative
+        if spec is not None:  # a draft model's graphs are cached beside the target's
+            key["speculative"] = dataclasses.asdict(spec)
+            if spec.model:
+                key["draft_weights"] = weight_files(spec.model)
+        return CompileCache(root or default_root(), key)
 
     def warmup(self, on_shape=None) -> int:
         """Compile (or load from the compile cache) every graph serving can use, so that no
@@ -150,7 +171,7 @@ class LLM:
     @property
     def compilations(self) -> int:
         """Graphs compiled so far."""
-        return self.engine.runner.compilations
+        return sum(r.compilations for r in self.engine.runners)
 
     @property
     def has_tokenizer(self) -> bool:
@@ -187,13 +208,12 @@ class LLM:
             self.engine.add_request(ids[i], token_lists[i], params[i], prompt=texts[i])
         finished = {}
         progress = log.Progress("generating", len(mine))
+        start = self.engine.stats()
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 if out.finished:
                     finished[out.request_id] = out
-            stats = self.engine.stats()
-            progress.step(len(finished), f"{stats.num_running} running, "
-                                         f"{stats.num_waiting} waiting")
+            progress.step(len(finished), self._progress_words(start, self.engine.stats()))
         outputs = [finished.get(ids[i]) if i in ids else None for i in range(len(encoded))]
         if self.replicas > 1:
             self._exchange(outputs)
@@ -202,6 +222,15 @@ class LLM:
             more = f" (and {len(failed) - 1} more prompt(s))" if len(failed) > 1 else ""
             raise NonFiniteLogits(f"{failed[0].error or 'non-finite logits'}{more}", outputs)
         return outputs
+
+    def _progress_words(self, start, stats):
+        """What generate's progress line says of the engine: its queues, and with
+        speculative decoding the acceptance since `start` (the EngineStats the call began
+        with)."""
+        words = f"{stats.num_running} running, {stats.num_waiting} waiting"
+        spec = self.engine_config.speculative
+        accepted = spec and acceptance_words(start, stats, spec.num_speculative_tokens)
+        return f"{words}; {accepted}" if accepted else words
 
     def _exchange(self, outputs):
         """Give every rank every replica's finished outputs, each field exactly as its replica
@@ -264,3 +293,35 @@ def _describe(plan):
         parts.append(f"{plan.data} data replicas")
     return ", ".join(parts) or "one device"
 
+
+
+def draft_model_proposer(model_dir, target_config, dtype, layout, limits, profile):
+    """Speculative decoding's draft model (engine/speculative/draft_model.py): the whole
+    draft on this rank (a small model: no collectives, the same proposals on every rank), in
+    the target's compute dtype, with a KV cache of the target's blocks (its block tables
+    address both)."""
+    from .config import ModelConfig
+    from .engine.model_runner import build_runner
+    from .engine.speculative.draft_model import DraftModelProposer
+    from .hardware import DTYPE_BYTES
+    from .layers.parallel_context import ParallelContext
+    from .parallel.strategy import Strategy
+    from .planning.kv_layout import CacheLayout
+
+    config = ModelConfig.from_model_dir(model_dir, "auto")
+    if config.vocab_size != target_config.vocab_size:
+        raise MsinferError(f"speculative_config: the draft model {model_dir} has a vocabulary "
+                           f"of {config.vocab_size} tokens, the target {target_config.vocab_size}: "
+                           f"a draft must share the target's tokenizer")
+    if limits.max_model_len > config.max_context_len:
+        raise MsinferError(f"speculative_config: max_model_len {limits.max_model_len} exceeds "
+                           f"the draft model's context ({config.max_context_len})")
+    plan = Strategy.default(tensor=1).resolve(config, "explicit")
+    ctx = ParallelContext(config=config, plan=plan, mode="explicit", dtype=dtype)
+    draft_layout = CacheLayout(config.num_layers, config.num_kv_heads, config.head_dim,
+                               layout.block_size, layout.num_blocks,
+                               DTYPE_BYTES[str(dtype).lower()])
+    log.get().info("draft model %s: %d layers, KV cache %.1f MiB", model_dir,
+                   config.num_layers, draft_layout.total_bytes / 2 ** 20)
+    runner = build_runner(model_dir, ctx, draft_layout, limits, 1, profile)
+    return DraftModelProposer(runner, limits.max_prefill_tokens, limits.max_model_len)

@@ -4,7 +4,9 @@ Same interface as msinfer's LLMEngine (add_request / abort_request / step / stat
 refusals (`check_request_limits`) and stop-string cut (`find_stop`), a KV pool counted in
 blocks, a running-batch limit and a step delay, but no model: a request's tokens are the UTF-8
 bytes of a fixed text (with multi-byte characters, so streaming meets incomplete characters),
-starting at an offset its prompt chooses.
+starting at an offset its prompt chooses. With `speculative` (a SpeculativeConfig) it counts
+speculative decoding's drafts as the engine's stats do (`count_draft`), one token a step
+still.
 """
 import math
 import time
@@ -64,7 +66,7 @@ class _Request:
 
 class FakeEngine:
     def __init__(self, max_model_len=96, num_blocks=32, block_size=8, max_num_seqs=4,
-                 step_delay=0.01, vocab_size=300, text=TEXT):
+                 step_delay=0.01, vocab_size=300, text=TEXT, speculative=None):
         self.text = text  # the bytes requests generate, from an offset their prompt picks
         self.max_model_len, self.num_blocks, self.block_size = max_model_len, num_blocks, block_size
         self.max_num_seqs, self.step_delay, self.vocab_size = max_num_seqs, step_delay, vocab_size
@@ -79,6 +81,8 @@ class FakeEngine:
         self.prompt_tokens = self.generation_tokens = 0
         self.steps = self.step_count = 0
         self.resets = 0  # prefix-cache resets applied
+        self.speculative = speculative
+        self.spec = [0, 0, 0, [0] * (speculative.num_speculative_tokens if speculative else 0)]
         self.decisions = []
         # what LLMEngine's scheduler holds, as the planted-divergence hook reads it
         self.scheduler = types.SimpleNamespace(running=self.running, waiting=self.waiting)
@@ -154,6 +158,8 @@ class FakeEngine:
                 self.decisions.append([r.request_id, None, "length"])
                 outputs.append(self._output(r, "length"))
                 continue
+            if self.speculative and r.generated:
+                self.count_draft(len(r.generated))
             token = r.planned[len(r.generated)]
             r.generated.append(token)
             self.generation_tokens += 1
@@ -172,6 +178,16 @@ class FakeEngine:
             self.decisions.append([r.request_id, token, reason])
             outputs.append(self._output(r, reason))
         return outputs
+
+    def count_draft(self, generated):
+        """A decode step's draft of k tokens, of which `generated` % (k + 1) are accepted."""
+        k = self.speculative.num_speculative_tokens
+        accepted = generated % (k + 1)
+        self.spec[0] += 1
+        self.spec[1] += k
+        self.spec[2] += accepted
+        for position in range(accepted):
+            self.spec[3][position] += 1
 
     def apply_decisions(self, decisions):
         by_id = {r.request_id: r for r in self.running}
@@ -210,8 +226,12 @@ class FakeEngine:
                          for i, t in enumerate(r.prompt_ids[1:], 1)]
 
     def stats(self):
+        drafts, draft_tokens, accepted, per_position = self.spec
         return EngineStats(len(self.running), len(self.waiting), self.num_blocks, self._used(),
-                           0, self.prompt_tokens, self.generation_tokens)
+                           0, self.prompt_tokens, self.generation_tokens,
+                           spec_num_drafts=drafts, spec_num_draft_tokens=draft_tokens,
+                           spec_num_accepted_tokens=accepted,
+                           spec_accepted_per_pos=tuple(per_position))
 
 
 class FakeSchedule:

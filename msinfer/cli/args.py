@@ -7,6 +7,7 @@ from ..engine_config import (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_MODEL_LEN, DEFAULT_
 from ..errors import MsinferError
 from ..hardware import AUTO, HARDWARE_CHOICES
 from ..planning.memory import KV_CACHE_UTILIZATION
+from ..speculative_config import SpeculativeConfig
 
 
 def add_model_and_strategy(parser, tensor_parallel=False):
@@ -101,12 +102,28 @@ def add_engine_arguments(parser):
                         help="KV cache per rank: bytes (2147483648) or with a unit (512MiB, "
                              "2GiB, 1.5GB) (default: "
                              f"{KV_CACHE_UTILIZATION:.0%}% of what weights and workspace leave)")
+    parser.add_argument("--speculative-config", type=speculative_config, default=None,
+                        metavar="JSON",
+                        help="speculative decoding, as vLLM's: a JSON object, e.g. "
+                             "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                             "\"prompt_lookup_max\": 4}'; methods ngram, suffix, draft_model "
+                             "(with \"model\": DIR) (docs/speculative.md) (default: none)")
 
 
 def kv_cache_bytes(text):
     """argparse type of --kv-cache-memory: bytes as an int. A bad value raises MsinferError,
     which cli.main reports as a one-line error (exit 2)."""
     return parse_bytes(text, "--kv-cache-memory")
+
+
+def speculative_config(text):
+    """argparse type of --speculative-config: a SpeculativeConfig. A bad value raises
+    MsinferError naming the key, which cli.main reports as a one-line error (exit 2)."""
+    try:
+        return SpeculativeConfig.parse(text)
+    except MsinferError as e:
+        raise MsinferError(str(e).replace("speculative_config:", "--speculative-config:", 1)
+                           ) from None
 
 
 def limits_from_args(config, args):

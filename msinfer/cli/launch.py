@@ -84,7 +84,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--log-dir", default="msrun_log", help="msrun's worker logs")
     p.add_argument("--dry-run", action="store_true",
                    help="print the command and each rank's environment, do not run it")
-    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- generate ...",
+    # dest not "command": that is the subcommand's name, which cli.main's errors begin with
+    p.add_argument("rank_command", nargs=argparse.REMAINDER, metavar="-- generate ...",
                    help="the msinfer command every rank runs")
     # The sibling subcommands' parsers read the rank command: no import of msinfer.cli.
     p.set_defaults(func=run, rank_parsers=subparsers.choices)
@@ -93,7 +94,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..hardware import choose_hardware, get_profile
 
-    rank_args = list(args.command)
+    rank_args = list(args.rank_command)
     if rank_args and rank_args[0] == "--":
         rank_args = rank_args[1:]
     # Chosen once here (npu-smi runs once) and given to every rank that takes --hardware.
@@ -213,7 +214,8 @@ def _check_plan(args, command, rank, profile):
     config = load_config(rank.model, getattr(rank, "quantization", "auto"))
     plan = check_plan_or_raise(config, strategy, profile, limits_from_args(config, rank),
                                dtype=getattr(rank, "dtype", None),
-                               parallel_mode=getattr(rank, "parallel_mode", None))
+                               parallel_mode=getattr(rank, "parallel_mode", None),
+                               speculative=getattr(rank, "speculative_config", None))
     print(with_hardware_choice(format_plan(plan), profile.name, args.hardware_choice),
           file=sys.stderr, flush=True)
 

@@ -15,7 +15,7 @@ def _run(args):
     strategy = job_strategy(args.strategy, args.tensor_parallel_size)
     name, how = choose_hardware(args.hardware)
     plan = make_plan(config, strategy, get_profile(name), limits_from_args(config, args),
-                     args.dtype, args.parallel_mode)
+                     args.dtype, args.parallel_mode, args.speculative_config)
     if args.json:
         print(json.dumps({**plan.to_dict(), "hardware_choice": how}, indent=2))
     else:

@@ -113,6 +113,16 @@ class BlockManager:
             self.refs[block] = 1
             seq.block_table.append(block)
 
+    def shrink(self, seq: Sequence, tokens: int) -> None:
+        """Give back `seq`'s blocks past those positions 0..tokens-1 need: room taken for
+        speculative proposals that were rejected (nothing past the computed positions is
+        named, so they hold nothing reusable)."""
+        keep = self.layout.blocks_for(tokens)
+        while len(seq.block_table) > keep:
+            block = seq.block_table.pop()
+            self.refs[block] -= 1
+            self.free.appendleft(block)
+
     def _take_free(self) -> int:
         if self.free:
             return self.free.popleft()

@@ -23,8 +23,11 @@ from .. import log
 from ..engine_config import EngineLimits
 from ..errors import MsinferError
 from .block_manager import BlockManager
-from .sampling import Sampler, SamplingParams, logprobs_of_rows, request_logprobs
+from .sampling import (Sampler, SamplingParams, adjust_scores, logprobs_of_rows,
+                       request_logprobs)
 from .scheduler import Scheduler
+from .speculative.speculation import Speculation
+from .speculative.verify import decide
 from .sequence import Prefix, Sequence, Status
 from .structured import GrammarEngine, grammar_of
 from .tokenizer import IncrementalDecoder
@@ -87,6 +90,12 @@ class EngineStats:
     prefill_tokens_computed: int = 0  # prompt tokens run through prefill, recomputes included
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache at admission
     prefix_cache_hits: int = 0  # ... and found there (not computed)
+    # speculative decoding (vLLM's vllm:spec_decode_* counters): sequence-steps that verified
+    # proposals, tokens proposed, tokens accepted, and accepted at each proposal position
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple = ()
 
 
 def check_request_limits(ids, params, vocab_size, max_model_len, layout, *, has_tokenizer,
@@ -128,14 +137,18 @@ def check_request_limits(ids, params, vocab_size, max_model_len, layout, *, has_
 
 class LLMEngine:
     def __init__(self, runner, layout, limits: EngineLimits, vocab_size: int, eos_token_ids,
-                 seed: int, tokenizer=None, prefix_caching: bool = True):
+                 seed: int, tokenizer=None, prefix_caching: bool = True, speculative=None,
+                 proposer=None):
         """limits: the EngineConfig's (max_model_len, max_num_seqs, max_prefill_tokens).
         tokenizer: a callable returning the Tokenizer (loaded when first needed), or None
         for checkpoints without tokenizer.json (token-id prompts, no text, no stop strings).
-        prefix_caching: reuse computed full blocks of earlier prompts (block_manager.py)."""
+        prefix_caching: reuse computed full blocks of earlier prompts (block_manager.py).
+        speculative: a SpeculativeConfig (speculative decoding), with the `proposer` it
+        names (engine/speculative/: built from the config when not given)."""
         self.runner = runner
         self.layout = layout
         self.limits = limits
+        self.speculative = speculative
         self.blocks = BlockManager(layout, prefix_caching=prefix_caching)
         self.scheduler = Scheduler(self.blocks, limits)
         self.vocab_size = vocab_size
@@ -154,6 +167,13 @@ class LLMEngine:
         self.prefill_tokens_computed = 0
         self.step_count = 0
         self.decisions = []  # of the last run_step: [request id, token, finish reason]
+        self.speculation = None
+        if speculative is not None:
+            if proposer is None:
+                from .speculative import build_proposer
+                proposer = build_proposer(speculative)
+            self.speculation = Speculation(speculative, proposer)
+        self._verifying = {}  # request id -> its Chunk, of the step run last
 
     # ---- requests ----
 
@@ -201,6 +221,11 @@ class LLMEngine:
         return bool(self._requests)
 
     def stats(self) -> EngineStats:
+        spec = self.speculation
+        counters = {} if spec is None else dict(
+            spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_pos=tuple(spec.accepted_per_pos))
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_blocks_total=self.blocks.num_usable, num_blocks_used=self.blocks.num_used,
@@ -209,7 +234,7 @@ class LLMEngine:
             generation_tokens_total=self.generation_tokens_total,
             prefill_tokens_computed=self.prefill_tokens_computed,
             prefix_cache_queries=self.blocks.queried_tokens,
-            prefix_cache_hits=self.blocks.hit_tokens)
+            prefix_cache_hits=self.blocks.hit_tokens, **counters)
 
     # ---- the step ----
 
@@ -230,7 +255,14 @@ class LLMEngine:
         """(outputs of the requests aborted since the last step, the scheduler's decisions for
         this step); the schedule is empty when there is nothing to run."""
         outputs, self._aborted = self._aborted, []
-        return outputs, self.scheduler.schedule()
+        spec = self.speculation
+        if spec is None:
+            return outputs, self.scheduler.schedule()
+        schedule = self.scheduler.schedule(spec.lookahead(self.max_model_len))
+        if schedule.verifies:
+            spec.propose(schedule, self.blocks)
+        self._verifying = {c.seq.request_id: c for c in schedule.verifies}
+        return outputs, schedule
 
     def run_step(self, schedule, sample: bool = True) -> list[RequestOutput]:
         """Run `schedule`'s graphs. With `sample`: sample each finished row, decide what ends,
@@ -238,22 +270,27 @@ class LLMEngine:
         None, finish reason or None] per row). Without (a follower): the graphs only; []."""
         self.step_count += 1
         self.decisions = []
-        seqs, logits = self._run(schedule, score=sample)
-        if not seqs or not sample:
+        seqs, logits, verified = self._run(schedule, score=sample)
+        if not sample:
             return []
-        outputs, seqs, logits = self._drop_unsampled(seqs, logits)
+        outputs = []
+        if seqs:
+            outputs, seqs, logits = self._drop_unsampled(seqs, logits)
         if seqs:
             tokens, logprobs = self._sample(seqs, logits)
             outputs += self._postprocess(seqs, tokens, logprobs)
+        for chunk, rows in verified:
+            outputs.append(self._verify(chunk, rows))
         return outputs
 
     def _run(self, schedule, score):
         """Run the step's graphs and move each sequence's `computed`; the sequences whose
         next token is due and their logits rows (prompt rows scored on the way, with
-        `score`)."""
-        seqs, logits = [], []
-        if schedule.chunks:
-            completed, rows = self._run_prefill(schedule.chunks, score)
+        `score`), and the verifications with theirs ([(Chunk, rows)])."""
+        seqs, logits, verified = [], [], []
+        if schedule.chunks or schedule.verifies:
+            completed, rows, verified = self._run_prefill(schedule.verifies + schedule.chunks,
+                                                          score)
             if completed:
                 seqs += completed
                 logits.append(rows)
@@ -265,15 +302,21 @@ class LLMEngine:
             seqs += schedule.decodes
         # one call's logits need no copy (16 x 151,936 float32 is 9.7 MB)
         return seqs, (logits[0] if len(logits) == 1 else
-                      np.concatenate(logits) if logits else None)
+                      np.concatenate(logits) if logits else None), verified
 
     def _run_prefill(self, chunks, score):
-        """The prefill call: (the sequences whose prompt it completes, their logits rows).
-        Rows scoring prompt tokens come first in each chunk's rows (Chunk.logit_positions)."""
+        """The prefill call: (the sequences whose prompt it completes, their logits rows,
+        [(verification Chunk, its rows)]). Rows scoring prompt tokens come first in each
+        chunk's rows (Chunk.logit_positions). A verification's `computed` moves when its
+        tokens are decided (_settle)."""
         positions = [chunk.logit_positions() for chunk in chunks]
         chunk_logits = self.runner.prefill(chunks)
-        completing, row = [], 0
+        completing, verified, row = [], [], 0
         for chunk, chunk_positions in zip(chunks, positions):
+            if chunk.proposal:
+                verified.append((chunk, chunk_logits[row:row + chunk.count]))
+                row += chunk.count
+                continue
             scoring = len(chunk_positions) - chunk.completes
             if scoring:
                 if score:  # only the leader of a tensor group keeps values
@@ -286,9 +329,11 @@ class LLMEngine:
             chunk.seq.computed += chunk.count
             self.prefill_tokens_computed += chunk.count
             self.blocks.computed(chunk.seq)
-        completed = [c.seq for c in chunks if c.completes]
+        completed = [c.seq for c in chunks if c.completes and not c.proposal]
+        if not completing:
+            return completed, None, verified
         return completed, (chunk_logits if row == len(completing)
-                           else chunk_logits[completing])
+                           else chunk_logits[completing]), verified
 
     def _drop_unsampled(self, seqs, logits):
         """Finish the rows that get no token: max_tokens 0 (the prompt scored, nothing to
@@ -336,18 +381,76 @@ class LLMEngine:
             self.decisions.append([seq.request_id, token, reason])
         return outputs
 
+    def _verify(self, chunk, rows):
+        """Decide a verification's tokens (verify.py): row j, scored as a decode step would
+        score it after the tokens accepted before it, keeps proposal j or replaces it and
+        ends the run; all k kept, the last row adds one more. Its output and decision (the
+        tokens as a list)."""
+        seq, proposal = chunk.seq, chunk.proposal
+        if not np.isfinite(rows).all():
+            output = self._fail(seq)
+            self.decisions.append([seq.request_id, None, seq.finish_reason])
+            return output
+        tokens, reason = [], None
+        for j, row in enumerate(rows):
+            proposed = proposal[j] if j < len(proposal) else None
+            token, accepted = decide(self._scores(seq, row), seq.params, seq.generator,
+                                     proposed)
+            seq.append_token(token)
+            tokens.append(token)
+            self.generation_tokens_total += 1
+            if seq.logprobs is not None:
+                seq.logprobs.append(logprobs_of_rows(row[None], [token],
+                                                     seq.params.logprobs)[0])
+            reason = seq.stop_reason(token, self.eos_token_ids, self.max_model_len)
+            if reason or not accepted:
+                break
+        self._settle(chunk, tokens, reason)
+        self.decisions.append([seq.request_id, tokens, reason])
+        return self._output(seq)
+
+    def _scores(self, seq, row):
+        """One row's scores as sampling sees them: penalties, logit_bias, min_tokens and the
+        grammar's mask applied (a copy where any applies; `row` stays the model's)."""
+        params = seq.params
+        if params.changes_scores(len(seq.generated)):
+            row = adjust_scores(row, params, seq.prompt_token_ids, seq.generated,
+                                self.eos_token_ids)
+        if params.structured_outputs:
+            row = np.array(row, dtype=np.float32)
+            self._grammar_of(seq).mask(row)
+        return row
+
+    def _settle(self, chunk, tokens, reason):
+        """After a verification emitted `tokens` (appended): its counters; and, unless it
+        finished, the cache holds the positions before its new last token (the rejected
+        proposals' slots are given back and will be written again)."""
+        seq = chunk.seq
+        self.speculation.verified(chunk, tokens)
+        if reason:
+            self._finish(seq, reason)
+            return
+        seq.computed = seq.length - 1
+        self.blocks.computed(seq)
+        self.blocks.shrink(seq, seq.length)
+
     def apply_decisions(self, decisions) -> None:
-        """A follower's half of the leader's `run_step`: append each row's token and finish
-        what the leader finished (rows as in `decisions`)."""
+        """A follower's half of the leader's `run_step`: append each row's token (a
+        verification's tokens) and finish what the leader finished (rows as in
+        `decisions`)."""
         for request_id, token, reason in decisions:
             seq = self._requests.get(request_id)
             if seq is None:
                 raise MsinferError(f"the leader decided for request {request_id!r}, which "
                                    f"this rank does not hold")
-            if token is not None:
-                seq.append_token(token)
-                self.generation_tokens_total += 1
-            if reason:
+            tokens = token if isinstance(token, list) else [] if token is None else [token]
+            for t in tokens:
+                seq.append_token(t)
+            self.generation_tokens_total += len(tokens)
+            chunk = self._verifying.get(request_id)
+            if chunk is not None and token is not None:
+                self._settle(chunk, tokens, reason)
+            elif reason:
                 self._finish(seq, reason)
 
     def _guide(self, seqs, logits):
@@ -360,14 +463,19 @@ class LLMEngine:
                 continue
             if seq.params.logprobs is not None:
                 model_rows[row] = logits[row].copy()
-            if seq.guided is None:  # first sampled here (a preempted one keeps its state)
-                if self._grammars is None:
-                    self._grammars = GrammarEngine(self._tokenizer(), self.vocab_size,
-                                                   self.eos_token_ids)
-                seq.guided = self._grammars.start(seq.params.structured_outputs)
-                seq.guided.advance_all(seq.generated)
-            seq.guided.mask(logits[row])
+            self._grammar_of(seq).mask(logits[row])
         return model_rows
+
+    def _grammar_of(self, seq):
+        """The grammar state of a guided sequence, started when it is first sampled (a
+        preempted one keeps its state)."""
+        if seq.guided is None:
+            if self._grammars is None:
+                self._grammars = GrammarEngine(self._tokenizer(), self.vocab_size,
+                                               self.eos_token_ids)
+            seq.guided = self._grammars.start(seq.params.structured_outputs)
+            seq.guided.advance_all(seq.generated)
+        return seq.guided
 
     def _score_prompt(self, seq, logits):
         """Record the logprobs of the prompt tokens that `logits` rows (one per position
@@ -394,6 +502,8 @@ class LLMEngine:
         seq.finish_reason = reason
         self.scheduler.remove(seq)
         del self._requests[seq.request_id]
+        if self.speculation is not None:
+            self.speculation.finished(seq)
 
     def _output(self, seq) -> RequestOutput:
         """What `seq` holds now: while it runs, its lists seen through Prefix views (no copy
@@ -414,29 +524,39 @@ class LLMEngine:
     # ---- compile ahead ----
 
     def warmup(self, compile_cache=None, on_shape=None) -> int:
-        """Compile every graph the engine can use (the calls of `runner.shapes()`); returns how
-        many were compiled (or loaded from `compile_cache`, a compile_cache.CompileCache).
-        `on_shape(text)` hears the progress after each shape. Writes and reads only the
-        cache's reserved block."""
-        before = self.runner.compilations
-        shapes = self.runner.shapes()
+        """Compile every graph the engine can use (the calls of `runner.shapes()`, and of a
+        draft model's runner); returns how many were compiled (or loaded from
+        `compile_cache`, a compile_cache.CompileCache). `on_shape(text)` hears the progress
+        after each shape. Writes and reads only the caches' reserved block."""
+        runners = self.runners
+        before = sum(r.compilations for r in runners)
         with (compile_cache.session() if compile_cache else contextlib.nullcontext()) as cache:
             progress = log.Progress("loading graphs" if cache == "load" else "compiling graphs",
-                                    self.runner.graph_count, on_step=on_shape)
-            self._compile(shapes, progress)
-        return self.runner.compilations - before
+                                    sum(r.graph_count for r in runners), on_step=on_shape)
+            self._compile(runners, progress)
+        return sum(r.compilations for r in runners) - before
 
-    def _compile(self, shapes, progress):
+    @property
+    def runners(self) -> list:
+        """The target's model runner, and the draft model's (speculative decoding)."""
+        draft = getattr(self.speculation and self.speculation.proposer, "runner", None)
+        return [self.runner] + ([draft] if draft is not None else [])
+
+    def _compile(self, runners, progress):
         # MindSpore runs gc.collect() before each graph it compiles, which walks every object
         # of the process (some 200k in a server); frozen, they are skipped.
         frozen_before = gc.get_freeze_count()  # someone else's freeze is left as it was
         gc.collect()
         gc.freeze()
         try:
-            for shape in shapes:  # progress in graphs: a call may compile several
-                self.runner.compile_shape(shape)
-                progress.step(self.runner.compilations,
-                              f"{shape.kind} {shape.size} x {shape.context}, {shape.rows} rows")
+            done = 0
+            for runner in runners:  # progress in graphs: a call may compile several
+                for shape in runner.shapes():
+                    runner.compile_shape(shape)
+                    progress.step(done + runner.compilations,
+                                  f"{shape.kind} {shape.size} x {shape.context}, "
+                                  f"{shape.rows} rows")
+                done += runner.compilations
         finally:
             if not frozen_before:
                 gc.unfreeze()

@@ -153,7 +153,7 @@ class ModelRunner:
             end = c.start + c.count
             span = np.arange(c.start, end)
             seq_slots = self.layout.slots(c.seq.block_table, np.arange(end))
-            ids[token:token + c.count] = c.seq.token_slice(c.start, end)
+            ids[token:token + c.count] = c.token_ids()
             positions[token:token + c.count] = span
             write[token:token + c.count] = seq_slots[c.start:]
             owner[token:token + c.count] = i

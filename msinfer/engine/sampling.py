@@ -206,11 +206,14 @@ class Sampler:
         if greedy.any():
             tokens[greedy] = np.argmax(logits[greedy], axis=1)
         for row in np.flatnonzero(~greedy):
-            tokens[row] = _sample_row(logits[row], params[row], generators[row])
+            tokens[row] = draw(*row_distribution(logits[row], params[row]), generators[row])
         return tokens
 
 
-def _sample_row(logits, params, generator):
+def row_distribution(logits, params):
+    """(token ids, their probabilities) that sampling `params` draws from for one row of
+    scores: temperature, then top-k, top-p and min-p as Hugging Face applies them (the ids
+    ascending; speculative decoding's acceptance reads the same distribution)."""
     scores = logits.astype(np.float64) / params.temperature
     ids = np.arange(scores.size)
     if 0 < params.top_k < scores.size:
@@ -230,6 +233,11 @@ def _sample_row(logits, params, generator):
         keep = probs >= params.min_p * probs.max()
         ids, probs = ids[keep], probs[keep]
         probs /= probs.sum()
+    return ids, probs
+
+
+def draw(ids, probs, generator):
+    """One of `ids` with `probs` (they sum to 1 up to rounding), by one uniform draw."""
     cumulative = np.cumsum(probs)
     pick = np.searchsorted(cumulative, generator.random() * cumulative[-1], side="right")
     return ids[min(pick, ids.size - 1)]

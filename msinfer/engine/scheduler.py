@@ -30,22 +30,33 @@ from .sequence import Sequence, Status
 
 @dataclasses.dataclass
 class Chunk:
-    """Prefill of positions start .. start + count - 1 of `seq`."""
+    """Prefill of positions start .. start + count - 1 of `seq`; or, with a `proposal`
+    (speculative decoding), the verification of a decoding sequence: its last token and the
+    proposed tokens after it, each position's logits needed."""
 
     seq: Sequence
     start: int
     count: int
+    proposal: tuple = ()
 
     @property
     def completes(self) -> bool:
-        """Reaches the sequence's last token: its logits give the next token."""
-        return self.start + self.count == self.seq.length
+        """Reaches the sequence's last token (and its proposals): logits give the next token."""
+        return self.start + self.count == self.seq.length + len(self.proposal)
+
+    def token_ids(self) -> list[int]:
+        end = self.start + self.count
+        return (self.seq.token_slice(self.start, min(end, self.seq.length))
+                + list(self.proposal[:end - max(self.start, self.seq.length)]))
 
     def logit_positions(self) -> list[int]:
         """The positions of this chunk whose logits the step needs, ascending: those that
-        score prompt tokens (Sequence.unscored_prompt), then the last one when it completes."""
-        unscored = self.seq.unscored_prompt
+        score prompt tokens (Sequence.unscored_prompt), then the last one when it completes;
+        a verification's every position."""
         end = self.start + self.count
+        if self.proposal:
+            return list(range(self.start, end))
+        unscored = self.seq.unscored_prompt
         positions = list(range(max(self.start, unscored.start), min(end, unscored.stop)))
         if self.completes:
             positions.append(end - 1)
@@ -57,14 +68,20 @@ class Schedule:
     decodes: list[Sequence]  # one new token each
     chunks: list[Chunk]
     preempted: list[Sequence]  # this step, latest admitted first; none of them scheduled
+    # decoding sequences that may verify proposals (speculative decoding): Chunks from their
+    # last token, counting the proposals the scheduler made room for; the engine fills in
+    # the proposals (LLMEngine.begin_step), and those left with none decode in `decodes`
+    verifies: list[Chunk] = dataclasses.field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not self.decodes and not self.chunks
+        return not self.decodes and not self.chunks and not self.verifies
 
     def describe(self) -> str:
         tokens = sum(c.count for c in self.chunks)
-        return (f"{len(self.decodes)} decodes and {len(self.chunks)} prefill chunks "
+        proposed = sum(len(c.proposal) for c in self.verifies)
+        return (f"{len(self.decodes)} decodes, {len(self.verifies)} verifications "
+                f"({proposed} proposed tokens) and {len(self.chunks)} prefill chunks "
                 f"({tokens} tokens)")
 
     def digest(self) -> str:
@@ -75,9 +92,9 @@ class Schedule:
         for seq in self.decodes:
             h.update(f"d{seq.request_id}:{seq.length}:{seq.token_hash()}:"
                      f"{seq.block_table};".encode())
-        for c in self.chunks:
+        for c in self.verifies + self.chunks:
             h.update(f"c{c.seq.request_id}:{c.start}:{c.count}:{c.seq.token_hash()}:"
-                     f"{c.seq.block_table};".encode())
+                     f"{c.proposal}:{c.seq.block_table};".encode())
         return h.hexdigest()
 
 
@@ -108,7 +125,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
-    def schedule(self) -> Schedule:
+    def schedule(self, lookahead=None) -> Schedule:
+        """This step's decisions. `lookahead(seq, decoding)`: with speculative decoding, the
+        tokens to make room for after a decoding sequence's last one (0: none), asked once
+        per decoding sequence, `decoding` of them in the step."""
         preempted = []
         decodes = []
         for seq in list(self.running):
@@ -128,6 +148,11 @@ class Scheduler:
         chunks = []
         budget = self.max_prefill_tokens
         context = self.max_context
+        verifies = []
+        if lookahead is not None:
+            decodes, verifies = self._verifications(decodes, lookahead, budget, context)
+            budget -= sum(c.count for c in verifies)
+            context -= sum(c.start + c.count for c in verifies)
         for seq in self.running:
             chunk = self._chunk(seq, budget, context) if seq.prefilling else None
             if chunk:
@@ -155,7 +180,27 @@ class Scheduler:
                 chunks.append(chunk)
                 budget -= chunk.count
                 context -= chunk.start + chunk.count
-        return Schedule(decodes, chunks, preempted)
+        return Schedule(decodes, chunks, preempted, verifies)
+
+    def _verifications(self, decodes, lookahead, budget, context):
+        """(plain decodes, verifications): a decoding sequence verifies proposals when it
+        wants some and its last token with them fits the step's prefill budget, context and
+        the free blocks (taken now for all of them: the engine gives back what goes unused).
+        Verifications run in the prefill call (Chunk.proposal); their priority over prefill
+        chunks is a decode's."""
+        plain, verifies = [], []
+        for seq in decodes:
+            wanted = lookahead(seq, len(decodes))
+            span = seq.length + wanted
+            if (wanted and 1 + wanted <= budget and span <= context
+                    and self.blocks.can_hold(seq, span)):
+                self.blocks.grow(seq, span)
+                verifies.append(Chunk(seq, seq.computed, 1 + wanted))
+                budget -= 1 + wanted
+                context -= span
+            else:
+                plain.append(seq)
+        return plain, verifies
 
     def _chunk(self, seq: Sequence, budget: int, context: float) -> Chunk | None:
         """The next chunk of `seq` within the token budget and the context left (its chunk

@@ -88,6 +88,7 @@ class PlanReport:
     warmup_graphs: int | None = None  # graphs warm-up compiles per rank (planning/shapes.py)
     graph_shapes: str = "static"  # EngineLimits.graph_shapes
     quantization: str | None = None  # msModelSlim's schemes, said in words; None: float
+    speculative: dict | None = None  # the SpeculativeConfig's settings; None: no speculation
     errors: list[str] = dataclasses.field(default_factory=list)
     warnings: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
@@ -102,10 +103,11 @@ class PlanReport:
 
 def make_plan(config: ModelConfig, strategy: Strategy, profile: HardwareProfile,
               limits: EngineLimits | None = None, dtype: str | None = None,
-              parallel_mode: str | None = None) -> PlanReport:
+              parallel_mode: str | None = None, speculative=None) -> PlanReport:
     """Check and size a plan of the engine's `limits` (defaults for this model when None).
-    parallel_mode None: decide_parallel_mode's choice. Problems the hardware or the mode
-    cannot run end up in `errors`; bad values raise MsinferError."""
+    parallel_mode None: decide_parallel_mode's choice; speculative: the engine's
+    SpeculativeConfig, None without speculation. Problems the hardware or the mode cannot run
+    end up in `errors`; bad values raise MsinferError."""
     limits = limits or EngineLimits.for_model(config)
     mode = decide_parallel_mode(parallel_mode, strategy)
     report = PlanReport(model=config.source, strategy=strategy.source, hardware=profile.name,
@@ -115,7 +117,8 @@ def make_plan(config: ModelConfig, strategy: Strategy, profile: HardwareProfile,
                       max_prefill_tokens=limits.max_prefill_tokens,
                       block_size=limits.block_size,
                       memory_bandwidth_bytes_per_s=profile.memory_bandwidth_bytes_per_s,
-                      parallel_mode=mode)
+                      parallel_mode=mode,
+                      speculative=speculative and dataclasses.asdict(speculative))
     refusal = _hardware_refusal(strategy, profile, mode)
     if config.quantization is not None:
         report.quantization = quantization_words(config.quantization)
@@ -123,6 +126,9 @@ def make_plan(config: ModelConfig, strategy: Strategy, profile: HardwareProfile,
             refusal = (f"{config.source}: a quantized checkpoint ({report.quantization}) runs "
                        f"in parallel_mode explicit only: semi_auto's layouts are written for "
                        f"float weights")
+    if speculative is not None and mode != "explicit" and not refusal:
+        refusal = (f"speculative decoding runs in parallel_mode explicit only; this plan is "
+                   f"{mode} (give --parallel-mode explicit)")
     if refusal:
         report.errors.append(refusal)
         return report
@@ -160,13 +166,23 @@ def make_plan(config: ModelConfig, strategy: Strategy, profile: HardwareProfile,
 
 def check_plan_or_raise(config: ModelConfig, strategy: Strategy, profile: HardwareProfile,
                         limits: EngineLimits | None = None, dtype: str | None = None,
-                        parallel_mode: str | None = None) -> PlanReport:
+                        parallel_mode: str | None = None, speculative=None) -> PlanReport:
     """The gate of `msinfer launch` and `LLM(...)`: the report when the plan fits, else
     PlanRefused with the first error."""
-    report = make_plan(config, strategy, profile, limits, dtype, parallel_mode)
+    report = make_plan(config, strategy, profile, limits, dtype, parallel_mode, speculative)
     if report.errors:
         raise PlanRefused(report.errors[0])
     return report
+
+
+def _speculation_words(settings) -> str:
+    k = settings["num_speculative_tokens"]
+    source = {"ngram": f"n-grams of {settings['prompt_lookup_min']}.."
+                       f"{settings['prompt_lookup_max']} tokens looked up in the prompt and "
+                       f"output", "suffix": "suffix decoding over this and recent requests",
+              "draft_model": f"the draft model {settings['model']}"}[settings["method"]]
+    return (f"{settings['method']}: up to {k} tokens proposed per sequence and step ({source}),"
+            f" verified in one forward of {k + 1} positions per sequence (docs/speculative.md)")
 
 
 def quantization_words(quantization) -> str:
@@ -463,6 +479,8 @@ def format_plan(report: PlanReport) -> str:
         lines.append(_wrap("  dtype      ", f"{report.dtype}: {report.dtype_reason}"))
     if report.quantization:
         lines.append(_wrap("  quantized  ", report.quantization))
+    if report.speculative:
+        lines.append(_wrap("  speculate  ", _speculation_words(report.speculative)))
     if report.warmup_graphs:
         if report.parallel_mode != "explicit":
             shapes = "one per call shape: semi_auto lays out each graph for its shapes"

@@ -215,7 +215,8 @@ def _front(llm, links, options):
                            f"{e.strerror}") from None
     channel = links.channel
     metrics = ServerMetrics(names[0], llm.engine.stats(), replicas=llm.replicas,
-                            max_model_len=llm.engine.max_model_len)
+                            max_model_len=llm.engine.max_model_len,
+                            speculative=getattr(llm.engine, "speculative", None))
     remotes = [RemoteReplica(i, link, on_step=metrics.observer(i))
                for i, link in enumerate(links.replicas, start=1)]
     stopping = threading.Event()

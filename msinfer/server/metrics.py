@@ -13,11 +13,17 @@ each replica's last `EngineStats` when scraped; latencies are observed as reques
 tokens and finish. With data-parallel replicas every series is per replica: vLLM's `engine`
 label is the replica's index (as vLLM labels its data-parallel engines), msinfer's series
 have a `replica` label.
+
+With speculative decoding configured (and only then, as vLLM), vLLM's
+`vllm:spec_decode_*` counters (vllm/v1/spec_decode/metrics.py) count drafts, proposed and
+accepted tokens, and accepted tokens by proposal position.
 """
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .stats_log import StatsLog
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -46,10 +52,13 @@ def build_1_2_5_buckets(max_value):
 
 
 class ServerMetrics:
-    def __init__(self, model_name, stats, replicas=1, max_model_len=None):
+    def __init__(self, model_name, stats, replicas=1, max_model_len=None, speculative=None):
         """stats: replica 0's EngineStats before its first step (every replica starts alike);
-        max_model_len sizes the token-count histograms' buckets (as vLLM's)."""
+        max_model_len sizes the token-count histograms' buckets (as vLLM's); speculative: the
+        engine's SpeculativeConfig (None: no vllm:spec_decode_* series)."""
         self.registry = CollectorRegistry()
+        self.speculative = speculative
+        self.stats_log = StatsLog(speculative)  # the periodic log line, from the same stats
         self.stats = [stats] * replicas  # each replica's after its last step
         self._model = model_name
         self._cache_info = None  # describe_cache()
@@ -140,6 +149,7 @@ class ServerMetrics:
     def observe_step(self, replica, handoff_seconds, step_seconds, stats):
         """After a pass of `replica`'s engine loop (step_seconds None: no step ran)."""
         self.stats[replica] = stats
+        self.stats_log.observe(self.stats)
         if step_seconds is None:
             return
         label = str(replica)
@@ -223,6 +233,8 @@ class _EngineCollector:
                      "Prefix cache hits, in terms of number of cached tokens.",
                      lambda s: s.prefix_cache_hits)
         yield from self._prompt_sources(family)
+        if self.metrics.speculative is not None:
+            yield from self._speculation(family)
         yield from self._info(model)
         yield family(CounterMetricFamily, "vllm:num_preemptions",
                      "Cumulative number of preemption from the engine.",
@@ -260,6 +272,27 @@ class _EngineCollector:
         yield family(CounterMetricFamily, "vllm:gpu_prefix_cache_hits",
                      "GPU prefix cache hits, in terms of number of cached tokens.",
                      lambda s: s.prefix_cache_hits)
+
+    def _speculation(self, family):
+        """vLLM's speculative decoding counters: drafts (sequence-steps that verified
+        proposals), tokens proposed, tokens accepted, and accepted by proposal position
+        (0..k-1, every position from the start, as vLLM's)."""
+        yield family(CounterMetricFamily, "vllm:spec_decode_num_drafts",
+                     "Number of spec decoding drafts.", lambda s: s.spec_num_drafts)
+        yield family(CounterMetricFamily, "vllm:spec_decode_num_draft_tokens",
+                     "Number of draft tokens.", lambda s: s.spec_num_draft_tokens)
+        yield family(CounterMetricFamily, "vllm:spec_decode_num_accepted_tokens",
+                     "Number of accepted tokens.", lambda s: s.spec_num_accepted_tokens)
+        f = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                "Accepted tokens per draft position.",
+                                labels=["model_name", "engine", "position"])
+        k = self.metrics.speculative.num_speculative_tokens
+        for replica, s in enumerate(self.metrics.stats):
+            counts = list(s.spec_accepted_per_pos) + [0] * k
+            for position in range(k):
+                f.add_metric([self.metrics._model, str(replica), str(position)],
+                             counts[position])
+        yield f
 
     def _info(self, model):
         """vllm:cache_config_info, and vllm:lora_requests_info as the Gateway API Inference

@@ -32,7 +32,8 @@ class RunningServer:
         self.llm = llm or fake_llm(**engine_options)
         self.engine = self.llm.engine
         self.metrics = ServerMetrics(MODEL, self.engine.stats(),
-                                     max_model_len=self.engine.max_model_len)
+                                     max_model_len=self.engine.max_model_len,
+                                     speculative=getattr(self.engine, "speculative", None))
         self.loop = EngineLoop(self.engine, Leader([]), self.metrics.observer(0))
         config = ServerConfig(model_names=[MODEL], max_model_len=self.engine.max_model_len,
                               api_key=api_key, max_queue=max_queue,

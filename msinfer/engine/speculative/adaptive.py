@@ -1,0 +1,62 @@
+"""How many tokens to propose for a sequence this step, so that speculation never costs much.
+
+A verification forward over k + 1 positions costs more than a one-token decode step (on CPU
+a padded chunk; on any device more compute), and pays only when proposals are accepted. Two
+rules keep a losing bet small:
+- per sequence, a proposal none of whose tokens were accepted doubles a back-off: the
+  sequence decodes plainly for that many steps before proposing again (1, 2, 4 ... up to
+  MAX_BACKOFF); one accepted token resets it. Text with no repeats stops being verified after
+  a few misses, and is tried again now and then;
+- per step, no speculation when more sequences decode than `disable_by_batch_size` (vLLM's
+  setting): a large batch already reads the weights once for many tokens.
+The state changes only from what every rank of a tensor group knows (the tokens the leader
+decided), so every rank decides the same counts.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+MAX_BACKOFF = 32  # steps, at most, a sequence waits before proposing again
+# no speculation when more sequences than this decode in a step, unless set (the batch at
+# which a verification forward's extra positions stop being nearly free: bench/results/
+# speculative.md)
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+
+
+@dataclasses.dataclass
+class _Odds:
+    backoff: int = 0  # steps to wait after the next miss
+    wait: int = 0  # plain decode steps left before the next proposal
+
+
+class ProposalBudget:
+    def __init__(self, config):
+        self.k = config.num_speculative_tokens
+        self.batch_bound = (config.disable_by_batch_size if config.disable_by_batch_size
+                            is not None else DEFAULT_DISABLE_BY_BATCH_SIZE)
+        self._odds = {}  # request id -> _Odds
+
+    def wanted(self, seq, decoding: int, max_model_len: int) -> int:
+        """Tokens to propose for `seq` this step (0: decode plainly), with `decoding`
+        sequences decoding in the step: k, less where max_tokens or max_model_len end the
+        sequence sooner (a step emits at most proposals + 1 tokens)."""
+        if decoding > self.batch_bound:
+            return 0
+        odds = self._odds.get(seq.request_id)
+        if odds is not None and odds.wait:
+            odds.wait -= 1
+            return 0
+        left = min(seq.params.max_tokens - len(seq.generated), max_model_len - seq.length)
+        return max(0, min(self.k, left - 1))
+
+    def proposed(self, seq, count: int, accepted: int) -> None:
+        """`seq` verified `count` proposals (> 0) and kept `accepted` of them."""
+        odds = self._odds.setdefault(seq.request_id, _Odds())
+        if accepted:
+            odds.backoff = 0
+        else:
+            odds.backoff = min(MAX_BACKOFF, max(1, 2 * odds.backoff))
+            odds.wait = odds.backoff
+
+    def finished(self, seq) -> None:
+        self._odds.pop(seq.request_id, None)

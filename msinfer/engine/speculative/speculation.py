@@ -1,0 +1,64 @@
+"""The engine's speculative decoding, apart from the model calls: how many tokens each
+decoding sequence may propose (adaptive.py), asking the proposer and fitting the schedule to
+what it proposed, and, once verified, the counters vLLM reports (vllm:spec_decode_*).
+
+A step with speculation (LLMEngine.begin_step): the scheduler makes room for up to k tokens
+after each decoding sequence that wants them (Schedule.verifies), the proposer fills them in,
+the engine runs those sequences' last token and proposals through the prefill call (one
+forward: every position's logits) and keeps the run its sampling agrees with (verify.py).
+"""
+from __future__ import annotations
+
+from .adaptive import ProposalBudget
+from .verify import accepted_count
+
+
+class Speculation:
+    def __init__(self, config, proposer):
+        self.config = config
+        self.proposer = proposer
+        self.budget = ProposalBudget(config)
+        self.num_drafts = 0  # verifications of at least one proposed token
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * config.num_speculative_tokens
+
+    def lookahead(self, max_model_len):
+        """The scheduler's `lookahead`: room for this many proposals after `seq`."""
+        return lambda seq, decoding: self.budget.wanted(seq, decoding, max_model_len)
+
+    def propose(self, schedule, blocks) -> None:
+        """Fill `schedule.verifies` with the proposer's tokens; a sequence given none decodes
+        plainly. The blocks taken for proposals not made are given back."""
+        chunks = schedule.verifies
+        seqs = [c.seq for c in chunks]
+        # a seeded sampled request's proposals come from its own tokens only: what else runs
+        # must not change its output (Proposer.propose)
+        private = [s.params.seed is not None and not s.params.greedy for s in seqs]
+        proposals = self.proposer.propose(seqs, [c.count - 1 for c in chunks], private)
+        kept = []
+        for chunk, proposal in zip(chunks, proposals):
+            proposal = tuple(int(t) for t in proposal[:chunk.count - 1])
+            blocks.shrink(chunk.seq, chunk.seq.length + len(proposal))
+            if proposal:
+                chunk.proposal, chunk.count = proposal, 1 + len(proposal)
+                kept.append(chunk)
+            else:
+                schedule.decodes.append(chunk.seq)
+        schedule.verifies = kept
+
+    def verified(self, chunk, tokens) -> None:
+        """`chunk`'s sequence emitted `tokens` from its verification: count them, and tell the
+        budget how the proposal fared."""
+        proposal = chunk.proposal
+        accepted = accepted_count(tokens, proposal)
+        self.num_drafts += 1
+        self.num_draft_tokens += len(proposal)
+        self.num_accepted_tokens += accepted
+        for position in range(accepted):
+            self.accepted_per_pos[position] += 1
+        self.budget.proposed(chunk.seq, len(proposal), accepted)
+
+    def finished(self, seq) -> None:
+        self.proposer.finished(seq)
+        self.budget.finished(seq)
