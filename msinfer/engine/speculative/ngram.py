@@ -11,7 +11,8 @@ to k tokens after it, fewer when the sequence ends sooner.
 
 Cost: each sequence keeps an index {n-gram: start of its earliest occurrence}, extended by the
 tokens added since the last call (O(new tokens x (max - min + 1)) per step) and dropped by
-finished(); a lookup is max - min + 1 dict probes. Memory: about 0.15 KB per token and n.
+finished(); a lookup is max - min + 1 dict probes. Memory: about 0.1 KB per distinct
+n-gram, so at most that x (max - min + 1) per token (bench/proposers.py).
 """
 from __future__ import annotations
 

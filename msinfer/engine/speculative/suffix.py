@@ -9,9 +9,10 @@ Two kinds of suffix tree (suffix_tree.py), both cut at suffix_decoding_max_tree_
   would make one too many (FIFO, as Arctic's cache; 0: no global tree).
 
 Each step, with the last max_tree_depth tokens as context: for every match length m (1 up to
-the context's length - 1, stopping at the first suffix that is in no tree path), the most
-frequent continuation of the matched path is followed while its estimated probability (the
-product of count ratios) stays >= suffix_decoding_min_token_prob, for at most
+the context's length - 1, stopping at the first suffix that occurs nowhere or is never
+followed by anything, as no longer one is), the most frequent continuation of the matched
+path is followed while its estimated probability (the product of count ratios) stays
+>= suffix_decoding_min_token_prob, for at most
 min(k, int(m x suffix_decoding_max_spec_factor)) tokens. The draft of the highest score (sum of
 its tokens' probabilities; ties to the longer match) wins; the request's own tree's draft is
 taken over the global one's unless the global one scores higher. One path, no token tree: that
@@ -110,8 +111,9 @@ class SuffixProposer(Proposer):
         best, best_score = [], 0.0
         for m in range(1, len(context)):
             found = tree.match(context[len(context) - m:])
-            if found is None:
-                break  # a longer suffix cannot match either
+            if found is None or not tree.continues(*found):
+                # a longer suffix matches (or continues) only where this one does
+                break
             limit = min(k, int(m * self.max_spec_factor + 1e-6))
             tokens, score = tree.follow(*found, limit, self.min_token_prob)
             if score >= best_score:

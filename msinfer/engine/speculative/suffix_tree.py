@@ -66,18 +66,21 @@ class SuffixTree:
         self.root.count += 1
         if len(active) > self.max_depth:
             active.popleft()  # max_depth long: it stays where it ends
+        removable, root = self.removable, self.root
         for i, node in enumerate(active):
-            active[i] = self._extend_suffix(node, sid, end, token)
+            if node.count == 1 and not node.children and node is not root:
+                # a leaf only this suffix reaches (the common case) grows in place
+                node.length += 1
+                if removable:
+                    node.ends[sid] = end + 1
+            else:
+                active[i] = self._extend_suffix(node, sid, end, token)
 
     def _extend_suffix(self, node: _Node, sid, end: int, token: int) -> _Node:
         """A suffix of `sid` ending at `node` (just before index `end`) takes `token`;
         returns the node where it ends now."""
         child = node.children.get(token) if node.children else None
-        if child is None:
-            if node.count == 1 and node is not self.root:
-                node.length += 1  # a leaf only this suffix reaches: it grows
-                self._set_end(node, sid, end + 1)
-                return node
+        if child is None:  # (a leaf only this suffix reaches grew in _append)
             new = _Node(1, node, sid, end, 1)
             if node.children is None:
                 node.children = {}
@@ -110,10 +113,7 @@ class SuffixTree:
             parent.children[parent_key] = child
             if parent.best is node:
                 parent.best = child
-            if node.ends:
-                node.ends.pop(sid, None)
-                if node.ends:  # cannot happen (the suffix was alone here); kept exact
-                    child.ends = {**node.ends, **(child.ends or {})}
+            # `node` goes; only this suffix ended there (the counts say so)
             self._set_end(child, sid, end + 1)
             return child
         del node.children[self._first(child)]
@@ -236,7 +236,7 @@ class SuffixTree:
         """A node whose one child has its count (no suffix ends at it) becomes part of the
         child, as appending would have built it."""
         if (node is self.root or node.parent is None or not node.children
-                or len(node.children) != 1 or node.ends):
+                or len(node.children) != 1):
             return
         (child,) = node.children.values()
         if child.count != node.count:
@@ -266,6 +266,11 @@ class SuffixTree:
                 return None
             used += 1
         return node, used
+
+    @staticmethod
+    def continues(node: _Node, used: int) -> bool:
+        """Does any occurrence of the matched path go on (within max_depth)?"""
+        return used < node.length or node.best is not None
 
     def follow(self, node: _Node, used: int, max_tokens: int, min_prob: float):
         """From a matched path: the most frequent continuation while its estimated
