@@ -250,7 +250,7 @@ def test_suffix_min_token_prob_cuts_the_draft():
     assert suffix(min_prob=0.6, factor=4.0).propose([seq(tokens)], [3]) == [[]]
 
 
-def test_suffix_uses_other_requests_outputs_unless_private():
+def test_suffix_uses_other_requests_outputs():
     p = suffix(factor=4.0)
     done = seq([100, 101, 10, 11, 12, 13, 14], prompt_len=2, request_id="done")
     assert p.propose([done], [4]) == [[]]
@@ -258,7 +258,6 @@ def test_suffix_uses_other_requests_outputs_unless_private():
     # a new request whose output begins like the finished one's
     new = seq([200, 10, 11], prompt_len=1, request_id="new")
     assert p.propose([new], [4]) == [[12, 13, 14]]
-    assert p.propose([new], [4], private=[True]) == [[]]
     # prompts do not enter the global tree: 100, 101 were the finished one's prompt
     probe = seq([300, 100], prompt_len=1, request_id="probe")
     assert p.propose([probe], [4]) == [[]]
@@ -324,21 +323,19 @@ def test_suffix_proposer_equals_the_reference_over_several_requests():
         before = {s.request_id: len(s.generated) for s in running}
         for s in running:
             s.generated.extend(rng.randrange(4) for _ in range(rng.randint(1, 2)))
-        private = [rng.random() < 0.3 for _ in running]
-        got = p.propose(running, [k] * len(running), private=private)
-        for s, own_only, proposal in zip(running, private, got):
+        got = p.propose(running, [k] * len(running))
+        for s, proposal in zip(running, got):
             tokens = s.prompt_token_ids + s.generated
             context = tokens[-depth:]
             want, score = reference_best(reference_counts([tokens], depth), context, k,
                                          factor, min_prob)
-            if not own_only:
-                # the global tree as it was when this sequence proposed: every running
-                # sequence's new tokens are added before its own proposal
-                view = global_view(outputs, running, s, before)
-                other, other_score = reference_best(reference_counts(view, depth), context, k,
-                                                    factor, min_prob)
-                if other_score > score:
-                    want = other
+            # the global tree as it was when this sequence proposed: every running
+            # sequence's new tokens are added before its own proposal
+            view = global_view(outputs, running, s, before)
+            other, other_score = reference_best(reference_counts(view, depth), context, k,
+                                                factor, min_prob)
+            if other_score > score:
+                want = other
             assert proposal == want, step
         if rng.random() < 0.2:
             done = running.pop(rng.randrange(len(running)))

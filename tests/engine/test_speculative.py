@@ -57,7 +57,7 @@ class Replay(Proposer):
     def __init__(self, reference, corrupt=3):
         self.reference, self.corrupt, self.calls, self.done = reference, corrupt, 0, []
 
-    def propose(self, seqs, counts, private=None):
+    def propose(self, seqs, counts):
         out = []
         for seq, count in zip(seqs, counts):
             at = len(seq.generated)
@@ -73,7 +73,7 @@ class Replay(Proposer):
 
 
 class Garbage(Proposer):
-    def propose(self, seqs, counts, private=None):
+    def propose(self, seqs, counts):
         return [[(s.last_token * 7 + 3 + i) % VOCAB for i in range(c)]
                 for s, c in zip(seqs, counts)]
 

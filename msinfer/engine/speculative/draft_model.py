@@ -54,9 +54,7 @@ class DraftModelProposer(Proposer):
         self.max_context = max_context
         self.written = {}  # request id -> positions 0 .. n - 1 the draft's cache has written
 
-    def propose(self, seqs, counts, private=None):
-        """Greedy drafts: the draft model reads only each sequence's own tokens (`private`
-        holds already)."""
+    def propose(self, seqs, counts):
         drafts = [_Draft(seq) for seq in seqs]
         first = self._catch_up(drafts)
         for draft, token in zip(drafts, first):

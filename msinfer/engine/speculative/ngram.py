@@ -35,10 +35,7 @@ class NgramProposer(Proposer):
         self.max_n = config.prompt_lookup_max
         self._index: dict[str, _NgramIndex] = {}
 
-    def propose(self, seqs: list, counts: list[int],
-                private: list[bool] | None = None) -> list[list[int]]:
-        """`private` is accepted for the interface's sake: prompt lookup only ever reads the
-        sequence's own tokens, so every proposal is already private."""
+    def propose(self, seqs: list, counts: list[int]) -> list[list[int]]:
         return [self._propose_one(seq, k) if k > 0 else [] for seq, k in zip(seqs, counts)]
 
     def finished(self, seq) -> None:

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 
 class Proposer:
-    def propose(self, seqs: list, counts: list[int],
-                private: list[bool] | None = None) -> list[list[int]]:
+    def propose(self, seqs: list, counts: list[int]) -> list[list[int]]:
         """For each sequence of `seqs` (engine/sequence.py Sequence: prompt_token_ids +
         generated are its tokens so far), at most `counts[i]` proposed next tokens; [] when
-        it has nothing to propose. `private[i]` True: propose from that sequence's own tokens
-        only, never from other requests' (a seeded sampled request, whose output must not
-        depend on what else ran); None: no sequence is private."""
+        it has nothing to propose. Proposals may come from other requests too: a seeded
+        request's tokens do not depend on them (verify.py)."""
         raise NotImplementedError
 
     def finished(self, seq) -> None:

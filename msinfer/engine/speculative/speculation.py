@@ -31,11 +31,7 @@ class Speculation:
         """Fill `schedule.verifies` with the proposer's tokens; a sequence given none decodes
         plainly. The blocks taken for proposals not made are given back."""
         chunks = schedule.verifies
-        seqs = [c.seq for c in chunks]
-        # a seeded sampled request's proposals come from its own tokens only: what else runs
-        # must not change its output (Proposer.propose)
-        private = [s.params.seed is not None and not s.params.greedy for s in seqs]
-        proposals = self.proposer.propose(seqs, [c.count - 1 for c in chunks], private)
+        proposals = self.proposer.propose([c.seq for c in chunks], [c.count - 1 for c in chunks])
         kept = []
         for chunk, proposal in zip(chunks, proposals):
             proposal = tuple(int(t) for t in proposal[:chunk.count - 1])

@@ -20,10 +20,9 @@ is what the engine verifies. Ties between equally frequent continuations go to t
 token id (Arctic's order there is an artifact of its linked lists); no clock, no randomness,
 so every rank of a tensor group proposes the same tokens.
 
-Private requests: proposals from the global tree depend on what other requests generated, so a
-seeded sampled request would not reproduce its output when run beside others. propose(...,
-private=[...]) marks sequences that must draw on their own tree only (their output still feeds
-the global tree, which never changes their own proposals).
+Proposals from the global tree depend on what other requests generated; a seeded sampled
+request's tokens do not (verify.py draws one token per row, whatever was proposed), so it may
+use them.
 """
 from __future__ import annotations
 
@@ -53,16 +52,13 @@ class SuffixProposer(Proposer):
         self._cached: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._next_global_id = 0
 
-    def propose(self, seqs: list, counts: list[int],
-                private: list[bool] | None = None) -> list[list[int]]:
-        """Up to counts[i] tokens for seqs[i]; private[i] True: from its own prompt and
-        output only. Sequences are taken in order (each one's new tokens enter the global
-        tree before the next proposes), the same on every rank."""
+    def propose(self, seqs: list, counts: list[int]) -> list[list[int]]:
+        """Up to counts[i] tokens for seqs[i]. Sequences are taken in order (each one's new
+        tokens enter the global tree before the next proposes), the same on every rank."""
         out = []
-        for i, (seq, k) in enumerate(zip(seqs, counts)):
+        for seq, k in zip(seqs, counts):
             context = self._update(seq)
-            own_only = bool(private and private[i])
-            out.append(self._speculate(seq.request_id, context, k, own_only) if k > 0 else [])
+            out.append(self._speculate(seq.request_id, context, k) if k > 0 else [])
         return out
 
     def finished(self, seq) -> None:
@@ -96,14 +92,10 @@ class SuffixProposer(Proposer):
             request.seen = total
         return seq.token_slice(max(total - self.max_depth, 0), total)
 
-    def _speculate(self, request_id: str, context: list[int], k: int,
-                   own_only: bool) -> list[int]:
+    def _speculate(self, request_id: str, context: list[int], k: int) -> list[int]:
         tokens, score = self._best_draft(self._requests[request_id].tree, context, k)
-        if not own_only:
-            other, other_score = self._best_draft(self._global, context, k)
-            if other_score > score:
-                tokens = other
-        return tokens
+        other, other_score = self._best_draft(self._global, context, k)
+        return other if other_score > score else tokens
 
     def _best_draft(self, tree: SuffixTree, context: list[int], k: int):
         """The best draft over match lengths 1 .. len(context) - 1 (Arctic's
