@@ -14,7 +14,8 @@ processor's forms (hardware.cpu_matmul_forms), so that the sharded lm_head's tra
 gather runs. --model2 DIR runs another checkpoint (e.g. another model family) in the same job
 once the first one's results are written (or its --sampling outputs), to OUT/rank_R.model2.npz
 (a second --model2 to model3.npz; --model2-strategy: its strategy): one job start, several
-models.
+models. --speculative-config JSON (and --model2-speculative-config, the n-th --model2's) runs
+it with speculative decoding.
 """
 import argparse
 import dataclasses
@@ -52,6 +53,9 @@ def main():
     p.add_argument("--model2-strategy", action="append", default=[],
                    help="the n-th --model2's strategy (default: --strategy)")
     p.add_argument("--graph-shapes", help="EngineLimits.graph_shapes (default: the engine's)")
+    p.add_argument("--speculative-config", help="speculative decoding's settings (JSON)")
+    p.add_argument("--model2-speculative-config", action="append", default=[],
+                   help="the n-th --model2's speculative decoding settings (default: none)")
     args = p.parse_args()
     os.environ.setdefault("GLOG_v", "3")
     if args.weight_first:
@@ -68,7 +72,7 @@ def main():
         join_once_per_job()
     baseline = rss_bytes()
     try:
-        llm = make_llm(args.model, args.strategy, args.graph_shapes)
+        llm = make_llm(args.model, args.strategy, args.graph_shapes, args.speculative_config)
     except MsinferError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -86,7 +90,8 @@ def main():
                       after_load=after_load)
     for number, path in enumerate(args.model2, start=2):
         strategies = args.model2_strategy[number - 2:number - 1] or [args.strategy]
-        other = make_llm(path, strategies[0], args.graph_shapes)
+        speculative = args.model2_speculative_config[number - 2:number - 1] or [None]
+        other = make_llm(path, strategies[0], args.graph_shapes, speculative[0])
         write_results(other, prompts, args, f"rank_{rank}.model{number}.npz",
                       new_tokens=args.model2_new_tokens)
     try:
@@ -120,11 +125,12 @@ def join_once_per_job():
     distributed.tensor_group = tensor_group
 
 
-def make_llm(model, strategy, graph_shapes):
+def make_llm(model, strategy, graph_shapes, speculative=None):
     from msinfer import LLM
 
     return LLM(model, strategy=strategy, max_len=128, block_size=4, max_prefill_tokens=16,
-               kv_cache_memory=1 << 20, graph_shapes=graph_shapes)
+               kv_cache_memory=1 << 20, graph_shapes=graph_shapes,
+               speculative_config=speculative)
 
 
 def write_results(llm, prompts, args, name, baseline=0, after_load=0, new_tokens=None):
@@ -154,7 +160,9 @@ def write_results(llm, prompts, args, name, baseline=0, after_load=0, new_tokens
              launcher=llm.dist.launcher,
              rss_baseline=baseline, rss_after_load=after_load,
              peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-             param_bytes=param_bytes, kv_bytes=kv_bytes)
+             param_bytes=param_bytes, kv_bytes=kv_bytes,
+             spec=[getattr(llm.engine.stats(), f"spec_num_{n}")
+                   for n in ("drafts", "draft_tokens", "accepted_tokens")])
 
 
 def output_fields(out):

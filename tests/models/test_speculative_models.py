@@ -5,6 +5,9 @@ repeated spans (proposals accepted) and random ones (proposals rejected: the KV 
 seeded sampling gives the tokens it gives without speculation; structured output and penalties give what the engine without
 speculation gives. The engine's settings of test_parity (KV blocks of 4 tokens, prefill
 chunks of 16) make verifications cross blocks and share the prefill call with prompts."""
+import json
+import sys
+
 import numpy as np
 import pytest
 
@@ -91,3 +94,34 @@ def test_seeded_sampling_repeats_and_penalties_and_grammar_are_kept(plain, specu
     for want, have in zip(expected[0].logprobs, got[0].logprobs):
         assert want.keys() == have.keys()
         assert all(abs(want[t] - have[t]) < 1e-4 for t in want)
+
+
+@pytest.mark.multirank
+def test_two_tensor_ranks_speculate_as_one_and_give_transformers_tokens(checkpoint,
+                                                                        tmp_path_factory):
+    """One mpirun job of two tensor ranks runs the checkpoint with each method in turn
+    (--model2 twice, the same directory): every rank proposes alike (the schedule digest
+    covers the proposals), the leader decides and the follower settles its verifications
+    from the leader's token lists; greedy tokens and logprobs equal on both ranks and
+    transformers'."""
+    from test_distributed import (PROMPTS, check_ranks_against_hf, mpirun_prefix, run_job,
+                                  worker_args)
+
+    model_dir, config, hf = checkpoint
+    out_dir = tmp_path_factory.mktemp("spec_tp2")
+    methods = [dict(METHODS["ngram"]), dict(METHODS["suffix"]),
+               dict(METHODS["draft_model"], model=model_dir)]
+    cmd = (mpirun_prefix(2) + [sys.executable]
+           + worker_args(model_dir, "qwen2_tp2.yaml", out_dir)
+           + ["--speculative-config", json.dumps(methods[0])])
+    for method in methods[1:]:
+        cmd += ["--model2", model_dir, "--model2-speculative-config", json.dumps(method)]
+    code, out, _ = run_job(cmd)
+    assert code == 0, out[-4000:]
+    for number, results in enumerate(("npz", "model2.npz", "model3.npz")):
+        ranks = check_ranks_against_hf(out_dir, 2, hf, "mpirun-bridge", results=results)
+        drafts, draft_tokens, accepted = ranks[0]["spec"].tolist()
+        assert drafts > 0 and 0 <= accepted <= draft_tokens, methods[number]
+        if number == 2:
+            assert accepted >= 0.9 * draft_tokens  # its own draft
+    assert max(map(len, PROMPTS)) > 16  # a prompt of several chunks beside verifications
