@@ -218,16 +218,31 @@ STALL = 5  # --stall-timeout of the sharded jobs below
 @pytest.mark.multirank
 def test_tp4_under_mpirun_serves_the_same_completions_and_a_stopped_rank_ends_it(
         server, model_dir, tmp_path):
-    """One start of the 4-rank job: same greedy completions as tp1; the hand-off cost is in
-    /metrics; a rank that stops (SIGSTOP: alive, silent) fails /health within the stall
-    timeout, its in-flight request gets an answer, and the job ends non-zero."""
+    """One start of the 4-rank job, speculating with a draft model (the checkpoint itself:
+    its proposals are accepted, several tokens a step): same greedy completions as tp1 (no
+    speculation), whole and streamed (the tokens of a step stream as accepted), vLLM's
+    spec_decode counters count; the hand-off cost is in /metrics; a rank that stops
+    (SIGSTOP: alive, silent) fails /health within the stall timeout, its in-flight request
+    gets an answer, and the job ends non-zero."""
     log = str(tmp_path / "tp4.log")
+    draft = json.dumps({"method": "draft_model", "model": model_dir,
+                        "num_speculative_tokens": 3})
     job = ServerProcess(["launch", "--nproc", "4", "--strategy", TP4, "--", "serve",
-                         "--model", model_dir, *SERVE_ARGS, "--stall-timeout", str(STALL)],
+                         "--model", model_dir, *SERVE_ARGS, "--stall-timeout", str(STALL),
+                         "--speculative-config", draft],
                         log, ready_timeout=900)
     try:
         for prompt in PROMPTS:
             assert greedy(job, prompt).choices[0].text == greedy(server, prompt).choices[0].text
+        long = dict(model=NAME, prompt=PROMPTS[3], max_tokens=30, temperature=0,
+                    extra_body={"ignore_eos": True})
+        whole = server.client().completions.create(**long)
+        chunks = list(job.client().completions.create(**long, stream=True))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == \
+            whole.choices[0].text and whole.usage.completion_tokens == 30
+        accepted = job.metric("vllm:spec_decode_num_accepted_tokens_total")
+        assert 0 < accepted <= job.metric("vllm:spec_decode_num_draft_tokens_total")
+        assert len(chunks) < 20  # several accepted tokens in one chunk
         chat = [{"role": "user", "content": "Hi there"}]
         assert (job.client().chat.completions.create(model=NAME, messages=chat, max_tokens=8,
                                                      temperature=0).choices[0].message.content
@@ -275,8 +290,8 @@ def qwen3_dir(tiny_checkpoint):
 def test_dp2_tp2_replicas_share_the_requests_and_a_diverging_rank_ends_the_job(
         qwen3_dir, tmp_path):
     """The deploy guide's dp2 x tp2 job, one start, serving Qwen3 with --reasoning-parser
-    qwen3: 32 requests sharing a prefix give offline generation's completions (without the
-    prefix cache); both replicas served (the counts add up to 32) and every prompt token was
+    qwen3 and speculating with n-grams: 32 requests sharing a prefix give offline
+    generation's completions (without the prefix cache, nor speculation); both replicas served (the counts add up to 32) and every prompt token was
     computed once or taken from a replica's cache; chat with thinking on and off, whole and
     streamed, through the openai client (check_qwen3_chat); then rank 3 (replica 1's follower)
     is made to drop a request: every rank names it and its step, /health fails, the job ends
@@ -288,7 +303,8 @@ def test_dp2_tp2_replicas_share_the_requests_and_a_diverging_rank_ends_the_job(
     env = {"MSINFER_PLANT_DIVERGENCE": f"3:{trigger}"}
     job = ServerProcess(["launch", "--nproc", "4", "--strategy", DP2_TP2, "--", "serve",
                          "--model", model_dir, *SERVE_ARGS, "--stall-timeout", str(STALL),
-                         "--reasoning-parser", "qwen3"],
+                         "--reasoning-parser", "qwen3", "--speculative-config",
+                         json.dumps({"method": "ngram", "num_speculative_tokens": 3})],
                         str(tmp_path / "dp2tp2.log"), ready_timeout=900, env=env)
     try:
         # n=2 unseeded, the job's first request: one choice on each replica, each replica's
@@ -316,6 +332,7 @@ def test_dp2_tp2_replicas_share_the_requests_and_a_diverging_rank_ends_the_job(
                   hardware="cpu", enable_prefix_caching=False)
         offline = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0))
         assert [got[i][:2] for i in range(32)] == [(o.text, o.finish_reason) for o in offline]
+        assert job.metric("vllm:spec_decode_num_drafts_total") > 0  # proposals verified
         served = [job.metric("vllm:request_success_total", f'engine="{r}"') for r in (0, 1)]
         assert min(served) > 0 and sum(served) == 32 + 2, served  # and the pair's two
         prompt_tokens = sum(g[2] for g in got.values())
