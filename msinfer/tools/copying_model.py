@@ -26,10 +26,9 @@ tokens' code is zero):
   frequency is so low that they hardly turn over the whole context (a match scores the same
   near or far), value T, written to O; a sink token scores SINK_SCORE of a full match
   (from its SINK entry and a constant query), more than any partial one;
-- lm_head reads O as the copied token's logits (COPY_LOGIT for a full match), T as a smaller
-  logit for the token after this one on a fixed random cycle through the vocabulary (what
-  it says where nothing is copied: a long walk that repeats no bigram for ~vocab tokens, so
-  it starts no copy of itself), and a random readout of F.
+- lm_head reads O as the copied token's logits (COPY_LOGIT for a full match), and where
+  nothing is copied a random function of the last two tokens (a random readout of HQ) and
+  of F decides.
 Everything else (the other heads, layer 1's MLP, layers 2 and on) is random and writes only
 F, so the network is a real one whose filler sets the choice where nothing is copied: a
 draft and a target of different depth on the same seed copy alike and differ elsewhere.
@@ -52,15 +51,17 @@ STATIC_ANGLE = 0.5
 POSITION_MARGIN = 40.0
 MATCH_SCALE = 6.0
 SINK_SCORE = 0.8  # of a full match; partial matches score <= 0.6 of it
-COPY_LOGIT = 40.0  # the copied token's logit (other tokens: <= 0.6 of it)
-# Where nothing is copied: the token after this one on a random cycle through the vocabulary
-# gets this logit (others <= 0.6 of it), and the random readout of F adds logits of this
-# spread, which decide now and then (more so the deeper the model, its filler writing F).
-NEXT_ON_CYCLE_LOGIT = 6.0
+COPY_LOGIT = 150.0  # the copied token's logit (other tokens: <= 0.6 of it)
+# Where nothing is copied: logits from a random readout of HQ, the code of the last two
+# tokens (a random function of them, of spread BIGRAM_LOGIT / sqrt(code_dims): a walk that
+# repeats no bigram, so it starts no copy of itself, unlike a function of the last token,
+# which loops once it comes back to a token), plus a random readout of F of this spread,
+# that decides now and then (the depth's filler writes F: a draft and its target differ).
+BIGRAM_LOGIT = 40.0
 FALLBACK_LOGIT_STD = 1.0
 FILLER_GAIN = 0.25  # size of each random block's output into F
-# What one attention or MLP block adds to |F|^2 at FILLER_GAIN (measured: 20 x gain^2).
-FILLER_BLOCK_ENERGY = 20 * FILLER_GAIN ** 2
+# What one attention or MLP block adds to |F|^2 at FILLER_GAIN (measured: about 8 x gain^2).
+FILLER_BLOCK_ENERGY = 8 * FILLER_GAIN ** 2
 EMBED_FREE_NORM = 2.0  # each token's random part in F (the embedding's contribution to F)
 # A sink token's SINK entry, over a code's norm: large, so that the norm at a sink position,
 # and with it the sink's key, hardly depends on what else that position holds.
@@ -189,9 +190,6 @@ class _Random:
     def __init__(self, seed):
         self.seed = seed
 
-    def permutation(self, name, values):
-        return np.random.default_rng([self.seed, zlib.crc32(name.encode())]).permutation(values)
-
     def normal(self, name, shape, std):
         rng = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
         return rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
@@ -209,6 +207,10 @@ class _Random:
             writes = np.zeros(shape, np.float32)
             writes[layout.F] = values[layout.F] * FILLER_GAIN
             return writes
+        if name != "lm_head.weight" and shape[-1] == layout.hidden:
+            # Not the constant entry: what every position reads alike would push F one
+            # way everywhere, and the same few tokens would win wherever F decides.
+            values[:, layout.const] = 0
         return values
 
 
@@ -310,18 +312,19 @@ def _induction_head(weights, config, layout):
 
 
 def _lm_head(weights, codes, sinks, config, layout, rng):
-    """The copied token's logit from O; where nothing is copied, the next token on a random
-    cycle from T and a random readout of F; sink tokens' logits are 0, below the best of the
-    others."""
+    """The copied token's logit from O; where nothing is copied, a random readout of HQ (the
+    last two tokens) and of F; sink tokens' logits are 0, below the best of the others."""
     head = weights["lm_head.weight"]
     head[:] = 0
     rms = _rms(layout, 6)
     head[:, layout.O] = codes * (COPY_LOGIT * rms / layout.code_dims)
-    cycle = rng.permutation("fallback cycle", np.flatnonzero(~sinks))
-    head[np.roll(cycle, -1), layout.T] = codes[cycle] * (NEXT_ON_CYCLE_LOGIT * rms
-                                                         / layout.code_dims)
+    signs = np.sign(rng.normal("bigram readout", (len(codes), layout.code_dims), 1))
+    head[:, layout.HQ] = signs * (BIGRAM_LOGIT * rms / layout.code_dims)
     free = layout.F.stop - layout.F.start
     free_norm = np.sqrt(EMBED_FREE_NORM ** 2 + 2 * config.num_layers * FILLER_BLOCK_ENERGY)
-    head[:, layout.F] = rng.normal("lm_head free part", (len(codes), free),
-                                   FALLBACK_LOGIT_STD * rms / free_norm)
+    readout = rng.normal("lm_head free part", (len(codes), free), 1.0)
+    # Rows of one norm: no token wins more often than others where F decides.
+    readout *= FALLBACK_LOGIT_STD * np.sqrt(free) * rms / free_norm / np.linalg.norm(
+        readout, axis=1, keepdims=True)
+    head[:, layout.F] = readout
     head[sinks] = 0
