@@ -1,10 +1,12 @@
 """`msinfer make-tiny-model`: a random-weight Qwen2 or Qwen3 checkpoint (dense, or MoE with
---moe) for tests and benchmarks."""
+--moe) for tests and benchmarks; with --copying a Qwen2 that copies spans of its context
+(for speculative decoding)."""
 import argparse
 
 from .. import log
 from ..errors import MsinferError
-from ..tools.tiny_model import DTYPES, FAMILIES, MOE_DEFAULTS, SHAPE_PRESETS, make_tiny_model
+from ..tools.tiny_model import (COPYING_SHAPE, DTYPES, FAMILIES, MOE_DEFAULTS, SHAPE_PRESETS,
+                                make_tiny_model)
 
 
 def register(subparsers):
@@ -32,6 +34,14 @@ def register(subparsers):
     p.add_argument("--config-style", choices=("4", "5"),
                    help="config.json as transformers 4.x or 5.x writes it (default 4)")
     p.add_argument("--max-position", type=int)
+    p.add_argument("--rope-theta", type=float,
+                   help="rotary base (default 1e6, Qwen2's; 1e8 with --copying)")
+    p.add_argument("--copying", action="store_true",
+                   help="weights that copy spans of the context (an induction circuit, not "
+                        "random): n-gram and draft proposals are accepted on it. Default "
+                        "shape: 2 layers, hidden 256, heads 4 over 2 KV heads, vocab 2048; "
+                        "a target for a draft is the same with more --layers and the same "
+                        "--seed")
     moe = p.add_argument_group("mixture of experts (--moe qwen3: Qwen3-MoE, qwen2: Qwen2-MoE)")
     moe.add_argument("--moe", choices=sorted(FAMILIES),
                      help="a MoE model of this family (sets --family)")
@@ -49,9 +59,15 @@ def register(subparsers):
 
 def cli_arguments(args):
     """make_tiny_model's keyword arguments: the preset's shape, then the flags given."""
-    kwargs = dict(SHAPE_PRESETS[args.preset]) if args.preset else {}
+    if args.preset:
+        kwargs = dict(SHAPE_PRESETS[args.preset])
+    else:
+        kwargs = dict(COPYING_SHAPE) if args.copying else {}
+    if args.copying:
+        kwargs["copying"] = True
     for key in ("family", "layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate",
-                "vocab", "tie", "dtype", "shards", "seed", "config_style", "max_position"):
+                "vocab", "tie", "dtype", "shards", "seed", "config_style", "max_position",
+                "rope_theta"):
         if getattr(args, key) is not None:
             kwargs[key] = getattr(args, key)
     moe_keys = [k for k in MOE_DEFAULTS if getattr(args, k) is not None]
@@ -80,7 +96,8 @@ def _run_cli(args):
         meters.setdefault("weights", log.Progress("writing weights", total)).step(done)
 
     config = make_tiny_model(args.dir, progress=progress, **cli_arguments(args))
-    print(f"wrote {args.dir}: {config.model_type}, {config.num_layers} layers, "
+    kind = "copying " if args.copying else ""
+    print(f"wrote {args.dir}: {kind}{config.model_type}, {config.num_layers} layers, "
           f"hidden {config.hidden_size}, "
           f"{config.num_parameters():,} parameters, {config.torch_dtype}")
     return 0

@@ -6,7 +6,8 @@ directory holds: config.json (4.x or 5.x spelling), safetensors weights (one fil
 with an index; float32, float16 or real bfloat16), generation_config.json, and a byte-level
 BPE tokenizer.json with Qwen2's special tokens and the family's real chat template
 (Qwen2.5-Instruct's, or Qwen3's with thinking and tools). Transformers loads it as
-Qwen2ForCausalLM (Qwen3ForCausalLM).
+Qwen2ForCausalLM (Qwen3ForCausalLM). With `copying=True` the weights are not random but a
+Qwen2 that copies spans of its context (copying_model.py), for speculative decoding.
 
 Same arguments and seed, same bytes: every tensor draws from its own generator, seeded by
 (seed, tensor name), so sharding or dtype do not change the values either.
@@ -20,6 +21,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import MsinferError, positive_int
+from . import copying_model
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Qwen3's vocabulary holds these as added tokens that are not special (decoding keeps them);
@@ -39,6 +41,9 @@ CHAT_TEMPLATE_FILES = {"qwen2": "qwen2.5-instruct.jinja", "qwen3": "qwen3.jinja"
 _SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                   r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 ROPE_THETA = 1000000.0  # Qwen2's
+# A copying model's: its induction head matches on rotary pairs that hardly turn over the
+# context, and at 1e8 half of a 64-wide head's pairs do over 4096 positions.
+COPYING_ROPE_THETA = 1e8
 # The tokenizer trains at most this many tokens (its English corpus holds about 500 merges,
 # and training stays a matter of milliseconds); the rest of the model's vocabulary is filled
 # with tokens no merge reaches (short letter strings), so that every id decodes to text.
@@ -56,6 +61,10 @@ SHAPE_PRESETS = {
                              head_dim=128, intermediate=3072, vocab=151936, tie=True,
                              max_position=40960),
 }
+
+# A copying model's shape (make_tiny_model(copying=True)), the CLI's with --copying: a 2-layer
+# draft; a target is the same with more layers (the same seed: the same copying circuit).
+COPYING_SHAPE = dict(layers=2, hidden=256, heads=4, kv_heads=2, intermediate=704, vocab=2048)
 
 DTYPES = {"float32": ("F32", 4), "float16": ("F16", 2), "bfloat16": ("BF16", 2)}
 MOE_ARCHITECTURES = {"qwen2": "Qwen2MoeForCausalLM", "qwen3": "Qwen3MoeForCausalLM"}
@@ -85,21 +94,29 @@ def default_intermediate(hidden):
 def make_tiny_model(out_dir, *, layers=2, hidden=64, heads=4, kv_heads=2, intermediate=None,
                     vocab=512, tie=False, dtype="float32", seed=0, shards=1, config_style="4",
                     max_position=4096, family="qwen2", head_dim=None, moe=None,
-                    progress=None):
+                    copying=False, rope_theta=None, progress=None):
     """Writes a random Qwen2 (or Qwen3: `family="qwen3"`) checkpoint directory; returns its
     ModelConfig. `head_dim`: the attention head size, written to config.json (None: hidden /
     heads, written for Qwen3, whose configs always carry it). `moe`: a mixture-of-experts
     model of the family (Qwen2-MoE / Qwen3-MoE), a dict of MOE_DEFAULTS' keys (None: dense).
+    `copying`: weights that copy spans of the context (copying_model.py; a dense Qwen2,
+    untied, e.g. hidden 256, heads 4 of 64, vocab 2048), the same circuit for the same seed
+    and shape whatever the layer count. `rope_theta`: None is Qwen2's 1e6
+    (COPYING_ROPE_THETA with `copying`).
 
     `progress(done, total, name)` is called after each tensor is written.
     """
     if intermediate is None:
         intermediate = default_intermediate(hidden)
+    if rope_theta is None:
+        rope_theta = COPYING_ROPE_THETA if copying else ROPE_THETA
     config_style = str(config_style)
     _check_arguments(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
                      intermediate=intermediate, vocab=vocab, dtype=dtype, seed=seed,
                      shards=shards, config_style=config_style, max_position=max_position,
-                     family=family, head_dim=head_dim)
+                     family=family, head_dim=head_dim, rope_theta=rope_theta)
+    if copying and moe is not None:
+        raise MsinferError("make-tiny-model: copying models are dense (no --moe)")
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise MsinferError(f"{out_dir} is not empty; make-tiny-model writes into a new directory")
 
@@ -108,7 +125,8 @@ def make_tiny_model(out_dir, *, layers=2, hidden=64, heads=4, kv_heads=2, interm
     config_json = model_config_dict(
         layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, intermediate=intermediate,
         vocab=vocab, tie=tie, dtype=dtype, max_position=max_position, config_style=config_style,
-        bos_token_id=end_of_text, eos_token_id=end_of_text, family=family, head_dim=head_dim)
+        bos_token_id=end_of_text, eos_token_id=end_of_text, family=family, head_dim=head_dim,
+        rope_theta=rope_theta)
     if moe is not None:
         config_json.update(moe_config_dict(family, hidden, **moe))
     config_path = os.path.join(out_dir, "config.json")
@@ -117,6 +135,8 @@ def make_tiny_model(out_dir, *, layers=2, hidden=64, heads=4, kv_heads=2, interm
     if shards > len(config.parameter_shapes()):
         raise MsinferError(f"make-tiny-model: shards={shards} is more than the checkpoint's "
                            f"{len(config.parameter_shapes())} tensors")
+    if copying:
+        copying_model.check_copying_config(config)
 
     os.makedirs(out_dir, exist_ok=True)
     _write_json(config_path, config_json)
@@ -125,13 +145,20 @@ def make_tiny_model(out_dir, *, layers=2, hidden=64, heads=4, kv_heads=2, interm
     _write_json(os.path.join(out_dir, "generation_config.json"), {
         "bos_token_id": end_of_text, "eos_token_id": [end_of_turn, end_of_text],
         "pad_token_id": end_of_text})
-    _write_weights(out_dir, config.parameter_shapes(), dtype, seed, shards, progress)
+    if copying:
+        sinks = [tokenizer.token_to_id(t) for t in added_tokens(family)]
+        weights = copying_model.copying_weights(config, seed, sinks)
+        tensor = weights.__getitem__
+    else:
+        def tensor(name):
+            return random_tensor(name, config.parameter_shapes()[name], seed)
+    _write_weights(out_dir, config.parameter_shapes(), tensor, dtype, shards, progress)
     return config
 
 
 def model_config_dict(*, layers, hidden, heads, kv_heads, intermediate, vocab, tie, dtype,
                       max_position, config_style, bos_token_id, eos_token_id, family="qwen2",
-                      head_dim=None):
+                      head_dim=None, rope_theta=ROPE_THETA):
     """config.json as transformers 4.x (`rope_theta`, `torch_dtype`) or 5.x writes it."""
     config = {
         "architectures": [FAMILIES[family]],
@@ -160,9 +187,9 @@ def model_config_dict(*, layers, hidden, heads, kv_heads, intermediate, vocab, t
     elif head_dim is not None:
         config["head_dim"] = head_dim
     if config_style == "4":
-        config.update(rope_theta=ROPE_THETA, torch_dtype=dtype, transformers_version="4.40.1")
+        config.update(rope_theta=rope_theta, torch_dtype=dtype, transformers_version="4.40.1")
     else:
-        config.update(rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
+        config.update(rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
                       dtype=dtype, layer_types=["full_attention"] * layers,
                       transformers_version="5.0.0")
     return dict(sorted(config.items()))
@@ -335,7 +362,8 @@ def _encode(values, dtype):
     return values.astype("<f2" if dtype == "float16" else "<f4", copy=False)
 
 
-def _write_weights(out_dir, shapes, dtype, seed, shards, progress):
+def _write_weights(out_dir, shapes, tensor, dtype, shards, progress):
+    """The checkpoint's safetensors files; tensor(name) gives each tensor's float32 values."""
     names = list(shapes)
     code, itemsize = DTYPES[dtype]
     sizes = [int(np.prod(shapes[n])) * itemsize for n in names]
@@ -357,7 +385,7 @@ def _write_weights(out_dir, shapes, dtype, seed, shards, progress):
         with open(os.path.join(out_dir, filename), "wb") as f:
             f.write(_safetensors_header({n: shapes[n] for n in group}, code, itemsize))
             for name in group:  # one tensor in memory at a time
-                f.write(memoryview(_encode(random_tensor(name, shapes[name], seed), dtype)))
+                f.write(memoryview(_encode(tensor(name), dtype)))
                 done += 1
                 if progress:
                     progress(done, len(names), name)
@@ -387,7 +415,8 @@ def _write_json(path, value):
 
 
 def _check_arguments(*, layers, hidden, heads, kv_heads, intermediate, vocab, dtype, seed,
-                     shards, config_style, max_position, family="qwen2", head_dim=None):
+                     shards, config_style, max_position, family="qwen2", head_dim=None,
+                     rope_theta=ROPE_THETA):
     def bad(why):
         raise MsinferError(f"make-tiny-model: {why}")
 
@@ -413,6 +442,9 @@ def _check_arguments(*, layers, hidden, heads, kv_heads, intermediate, vocab, dt
     if family in FAMILIES and vocab < 256 + len(added_tokens(family)):
         bad(f"vocab={vocab} must be at least {256 + len(added_tokens(family))} "
             f"(256 bytes + {family}'s added tokens)")
+    if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)) \
+            or not rope_theta > 1:
+        bad(f"rope_theta={rope_theta!r} must be a number above 1")
     if dtype not in DTYPES:
         bad(f"dtype={dtype!r} must be one of {', '.join(DTYPES)}")
     if config_style not in ("4", "5"):
