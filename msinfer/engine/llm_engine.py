@@ -20,7 +20,7 @@ import gc
 import numpy as np
 
 from .. import log
-from ..engine_config import EngineLimits
+from ..engine_config import EngineConfig
 from ..errors import MsinferError
 from .block_manager import BlockManager
 from .sampling import Sampler, SamplingParams, logprobs_of_rows, request_logprobs
@@ -127,20 +127,21 @@ def check_request_limits(ids, params, vocab_size, max_model_len, layout, *, has_
 
 
 class LLMEngine:
-    def __init__(self, runner, layout, limits: EngineLimits, vocab_size: int, eos_token_ids,
-                 seed: int, tokenizer=None, prefix_caching: bool = True):
-        """limits: the EngineConfig's (max_model_len, max_num_seqs, max_prefill_tokens).
-        tokenizer: a callable returning the Tokenizer (loaded when first needed), or None
-        for checkpoints without tokenizer.json (token-id prompts, no text, no stop strings).
-        prefix_caching: reuse computed full blocks of earlier prompts (block_manager.py)."""
+    def __init__(self, runner, layout, config: EngineConfig, eos_token_ids, seed: int,
+                 tokenizer=None):
+        """config: the EngineConfig, whole: its limits (max_model_len, max_num_seqs,
+        max_prefill_tokens), prefix caching (reuse computed full blocks of earlier prompts:
+        block_manager.py) and the model's vocabulary size; what a server reads of the
+        engine's settings (`self.config`). tokenizer: a callable returning the Tokenizer
+        (loaded when first needed), or None for checkpoints without tokenizer.json (token-id
+        prompts, no text, no stop strings)."""
         self.runner = runner
         self.layout = layout
-        self.limits = limits
-        self.blocks = BlockManager(layout, prefix_caching=prefix_caching)
-        self.scheduler = Scheduler(self.blocks, limits)
-        self.vocab_size = vocab_size
-        self.max_model_len = limits.max_model_len
-        self.max_num_seqs = limits.max_num_seqs
+        self.config = config
+        self.limits = config.limits
+        self.blocks = BlockManager(layout, prefix_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, config.limits)
+        self.vocab_size = config.model_config.vocab_size
         self.eos_token_ids = set(eos_token_ids)
         self.seed = seed
         self._tokenizer = tokenizer
@@ -181,8 +182,8 @@ class LLMEngine:
     def check_request(self, ids: list[int], params: SamplingParams, name: str = "prompt"
                       ) -> None:
         """Refuse what could never run, with the numbers, before anything is queued."""
-        check_request_limits(ids, params, self.vocab_size, self.max_model_len, self.layout,
-                             has_tokenizer=self._tokenizer is not None, name=name)
+        check_request_limits(ids, params, self.vocab_size, self.limits.max_model_len,
+                             self.layout, has_tokenizer=self._tokenizer is not None, name=name)
 
     def abort_request(self, request_id: str) -> None:
         seq = self._requests.get(request_id)
@@ -329,7 +330,7 @@ class LLMEngine:
             self.generation_tokens_total += 1
             if seq.logprobs is not None:
                 seq.logprobs.append(logprobs.get(row))
-            reason = seq.stop_reason(token, self.eos_token_ids, self.max_model_len)
+            reason = seq.stop_reason(token, self.eos_token_ids, self.limits.max_model_len)
             if reason:
                 self._finish(seq, reason)
             outputs.append(self._output(seq))
