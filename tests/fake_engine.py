@@ -88,7 +88,6 @@ class FakeEngine:
         self.config = stub_engine_config(
             EngineLimits(max_model_len=max_model_len, block_size=block_size,
                          max_num_seqs=max_num_seqs), vocab_size)
-        self.blocks = types.SimpleNamespace(prefix_caching=True)  # the router reads it
         self.waiting, self.running = [], []
         self.aborted_ids = []
         self.pending_aborts = []
@@ -96,11 +95,12 @@ class FakeEngine:
         self.steps = self.step_count = 0
         self.resets = 0  # prefix-cache resets applied
         self.decisions = []
-        # what LLMEngine's scheduler holds, as the planted-divergence hook reads it
-        self.scheduler = types.SimpleNamespace(running=self.running, waiting=self.waiting)
 
     def warmup(self):
         pass
+
+    def compiling(self):
+        return False  # no graphs
 
     def add_request(self, request_id, prompt_token_ids, params, prompt=None):
         ids = list(prompt_token_ids)
@@ -248,5 +248,5 @@ class FakeSchedule:
 def fake_llm(**engine_options):
     engine = FakeEngine(**engine_options)
     return types.SimpleNamespace(engine=engine, tokenizer=engine.tokenizer, replicas=1,
-                                 dist=types.SimpleNamespace(rank=0, world_size=1),
-                                 config=types.SimpleNamespace(vocab_size=engine.vocab_size))
+                                 engine_config=engine.config,
+                                 dist=types.SimpleNamespace(rank=0, world_size=1))

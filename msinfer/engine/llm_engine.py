@@ -198,6 +198,12 @@ class LLMEngine:
         """Forget the prefix cache; False (nothing done) while a request holds blocks."""
         return self.blocks.reset_prefix_cache()
 
+    def listen_to_prefix_cache(self, listener) -> None:
+        """Tell `listener` the prefix cache's changes from now on, as vLLM's KV events say
+        them (server/kv_events.py): stored(names, parent name or None, tokens),
+        removed(names), cleared()."""
+        self.blocks.listener = listener
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
@@ -413,6 +419,15 @@ class LLMEngine:
                              scheduled_at=seq.scheduled_at)
 
     # ---- compile ahead ----
+
+    def compiling(self) -> bool:
+        """Whether a graph is compiling now (its first use, in the step in progress): a
+        server's stall watch waits longer for it."""
+        return self.runner.compiling_since is not None
+
+    def warmup_calls(self) -> int:
+        """The model calls `warmup` runs, one per graph shape the engine can use."""
+        return len(self.runner.shapes())
 
     def warmup(self, compile_cache=None, on_shape=None) -> int:
         """Compile every graph the engine can use (the calls of `runner.shapes()`); returns how

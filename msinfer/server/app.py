@@ -30,11 +30,12 @@ from .serving_tokenize import ServingTokenize
 _KEYED_PATHS = ("/v1", "/tokenize", "/detokenize", "/tokenizer_info")
 
 
-def build_app(engine_loop, tokenizer, config, metrics):
-    """The FastAPI app over `engine_loop` (config: a serving.ServerConfig)."""
+def build_app(engine_loop, tokenizer, config, engine_config, metrics):
+    """The FastAPI app over `engine_loop` (a lockstep.EngineLoop or a replicas.Router);
+    config: the server's ServerConfig; engine_config: the served engine's EngineConfig."""
     # /openapi.json as vLLM serves it (what clients and API fuzzers read); no docs pages
     app = FastAPI(title="msinfer", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
-    serving = Serving(engine_loop, tokenizer, config, metrics)
+    serving = Serving(engine_loop, tokenizer, config, engine_config, metrics)
     completion, chat = ServingCompletion(serving), ServingChat(serving)
     tokens = ServingTokenize(serving)
     _add_error_handlers(app, metrics)
@@ -59,9 +60,8 @@ def build_app(engine_loop, tokenizer, config, metrics):
 
     @app.get("/v1/models")
     async def models():
-        root = config.root or config.model_names[0]
-        return p.ModelList(data=[p.ModelCard(id=name, root=root,
-                                             max_model_len=config.max_model_len)
+        return p.ModelList(data=[p.ModelCard(id=name, root=engine_config.model,
+                                             max_model_len=engine_config.max_model_len)
                                  for name in config.model_names])
 
     @app.get("/version")

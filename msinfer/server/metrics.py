@@ -46,17 +46,19 @@ def build_1_2_5_buckets(max_value):
 
 
 class ServerMetrics:
-    def __init__(self, model_name, stats, replicas=1, max_model_len=None):
-        """stats: replica 0's EngineStats before its first step (every replica starts alike);
-        max_model_len sizes the token-count histograms' buckets (as vLLM's)."""
+    def __init__(self, model_name, engine_config, stats, replicas=1):
+        """engine_config: the served engine's EngineConfig (its max_model_len sizes the
+        token-count histograms' buckets, as vLLM's; its KV cache settings are
+        vllm:cache_config_info's labels); stats: replica 0's EngineStats before its first step
+        (every replica starts alike)."""
         self.registry = CollectorRegistry()
         self.stats = [stats] * replicas  # each replica's after its last step
         self._model = model_name
-        self._cache_info = None  # describe_cache()
+        self._cache_info = _cache_info(engine_config, stats.num_blocks_total)
         self._tokens_seen = [stats.prompt_tokens_total + stats.generation_tokens_total] * replicas
         self.registry.register(_EngineCollector(self))
         labels = ["model_name", "engine"]
-        token_buckets = build_1_2_5_buckets(max_model_len or stats.num_blocks_total or 1)
+        token_buckets = build_1_2_5_buckets(engine_config.max_model_len)
 
         def histogram(name, doc, buckets):
             return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
@@ -122,12 +124,6 @@ class ServerMetrics:
         self.inference_time = phase("inference", "Histogram of time spent in RUNNING phase for "
                                     "request.")
 
-    def describe_cache(self, block_size, num_blocks, prefix_caching, dtype=None):
-        """vllm:cache_config_info's labels (what gateways read of the KV cache's geometry)."""
-        self._cache_info = {"block_size": str(block_size), "num_gpu_blocks": str(num_blocks),
-                            "enable_prefix_caching": str(bool(prefix_caching)),
-                            "cache_dtype": str(dtype or "auto"), "num_cpu_blocks": "0"}
-
     def observe_request_params(self, n):
         """A request's `n` (vllm:request_params_n), as it is taken."""
         self.request_n.labels(self._model, "0").observe(n)
@@ -184,6 +180,14 @@ class ServerMetrics:
 
     def observe_rejected(self, status):
         self.rejected.labels(self._model, str(status)).inc()
+
+
+def _cache_info(engine_config, num_blocks):
+    """vllm:cache_config_info's labels (what gateways read of the KV cache's geometry)."""
+    return {"block_size": str(engine_config.limits.block_size),
+            "num_gpu_blocks": str(num_blocks),
+            "enable_prefix_caching": str(engine_config.enable_prefix_caching),
+            "cache_dtype": "auto", "num_cpu_blocks": "0"}
 
 
 class _EngineCollector:
@@ -265,13 +269,12 @@ class _EngineCollector:
         """vllm:cache_config_info, and vllm:lora_requests_info as the Gateway API Inference
         Extension reads it (no adapters: msinfer serves none; its value is the time, as
         vLLM's)."""
-        if self.metrics._cache_info is not None:
-            info = self.metrics._cache_info
-            f = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine "
-                                  "CacheConfig", labels=["engine", *info])
-            for replica in range(len(self.metrics.stats)):
-                f.add_metric([str(replica), *info.values()], 1)
-            yield f
+        info = self.metrics._cache_info
+        f = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine "
+                              "CacheConfig", labels=["engine", *info])
+        for replica in range(len(self.metrics.stats)):
+            f.add_metric([str(replica), *info.values()], 1)
+        yield f
         f = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
                               labels=["max_lora", "waiting_lora_adapters",
                                       "running_lora_adapters"])
