@@ -140,26 +140,11 @@ def _replica(llm, links, config):
                       watch=StepWatch(config.stall_timeout, fail, rank, llm.engine.compiling))
     channel.watch(fail)
     start_heartbeats([front], stopped.is_set)
-
-    def take_requests():
-        while True:
-            try:
-                frame = front.recv(timeout=config.stall_timeout)
-            except PeerGone as e:
-                if not stopped.is_set():
-                    channel.fail(str(e))
-                    _die(str(e))
-                return
-            if uplink.take(loop, frame):
-                continue
-            if "fail" in frame:  # rank 0 answers its clients, then goes: after it
-                channel.fail(frame["fail"])
-                _die_after(front, f"the job failed: {frame['fail']}")
-            elif "stop" in frame:
-                return
     _warmup(llm, config)
     loop.open()
-    reader = threading.Thread(target=take_requests, daemon=True, name="msinfer-front-link")
+    reader = threading.Thread(target=_take_requests, daemon=True, name="msinfer-front-link",
+                              args=(front, channel, uplink, loop, stopped,
+                                    config.stall_timeout))
     reader.start()
     front.send({"ready": dataclasses.astuple(llm.engine.stats())})
     try:
@@ -175,6 +160,27 @@ def _replica(llm, links, config):
     stopped.set()
     log.get().info("serve: replica %d stopped after %d steps", replica, loop.steps)
     return 0
+
+
+def _take_requests(front, channel, uplink, loop, stopped, timeout):
+    """A replica leader's reader of rank 0's frames (`front`): requests, aborts and drains
+    to its engine `loop` (through `uplink`), until rank 0 says stop; rank 0 failing or gone
+    (unless `stopped`: expected) ends the process."""
+    while True:
+        try:
+            frame = front.recv(timeout=timeout)
+        except PeerGone as e:
+            if not stopped.is_set():
+                channel.fail(str(e))
+                _die(str(e))
+            return
+        if uplink.take(loop, frame):
+            continue
+        if "fail" in frame:  # rank 0 answers its clients, then goes: after it
+            channel.fail(frame["fail"])
+            _die_after(front, f"the job failed: {frame['fail']}")
+        elif "stop" in frame:
+            return
 
 
 class FrontEnd:

@@ -62,22 +62,7 @@ class ServerMetrics:
 
         def histogram(name, doc, buckets):
             return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
-        self.ttft = histogram("vllm:time_to_first_token_seconds",
-                              "Histogram of time to first token in seconds.", TTFT_BUCKETS)
-        self.itl = histogram("vllm:inter_token_latency_seconds",
-                             "Histogram of inter-token latency in seconds.",
-                             TOKEN_LATENCY_BUCKETS)
-        # vLLM's name for the same observations before 0.11 (older dashboards read it)
-        self.tpot = histogram("vllm:time_per_output_token_seconds",
-                              "Histogram of time per output token in seconds (the same "
-                              "observations as vllm:inter_token_latency_seconds).",
-                              TOKEN_LATENCY_BUCKETS)
-        self.request_tpot = histogram(
-            "vllm:request_time_per_output_token_seconds",
-            "Histogram of time_per_output_token_seconds per request.", TOKEN_LATENCY_BUCKETS)
-        self.e2e = histogram("vllm:e2e_request_latency_seconds",
-                             "Histogram of e2e request latency in seconds.",
-                             REQUEST_LATENCY_BUCKETS)
+        self._latency_histograms(histogram)
         self.request_prompt_tokens = histogram("vllm:request_prompt_tokens",
                                                "Number of prefill tokens processed.",
                                                token_buckets)
@@ -101,6 +86,26 @@ class ServerMetrics:
                                  "A tensor group leader's time to hand one step's frame to "
                                  "the other ranks of its group", ["model_name", "replica"],
                                  buckets=_HANDOFF_BUCKETS, registry=self.registry)
+
+    def _latency_histograms(self, histogram):
+        """vLLM's latencies: to the first token, between tokens, per output token of a
+        request, end to end."""
+        self.ttft = histogram("vllm:time_to_first_token_seconds",
+                              "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds",
+                             "Histogram of inter-token latency in seconds.",
+                             TOKEN_LATENCY_BUCKETS)
+        # vLLM's name for the same observations before 0.11 (older dashboards read it)
+        self.tpot = histogram("vllm:time_per_output_token_seconds",
+                              "Histogram of time per output token in seconds (the same "
+                              "observations as vllm:inter_token_latency_seconds).",
+                              TOKEN_LATENCY_BUCKETS)
+        self.request_tpot = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.", TOKEN_LATENCY_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds",
+                             "Histogram of e2e request latency in seconds.",
+                             REQUEST_LATENCY_BUCKETS)
 
     def _request_histograms(self, histogram, token_buckets):
         """vLLM's request parameters, and its split of a request's time: waiting to be
