@@ -53,13 +53,16 @@ class StubRunner:
 
 def stub_engine(batch):
     from msinfer.engine import LLMEngine
-    from msinfer.engine_config import EngineLimits
+    from msinfer.config import ModelConfig
+    from msinfer.engine_config import EngineConfig, EngineLimits
     from msinfer.planning.kv_layout import CacheLayout
     layout = CacheLayout(num_layers=1, kv_heads=1, head_dim=4, block_size=16,
                          num_blocks=batch * 64 + 2, dtype_bytes=4)
     limits = EngineLimits(max_model_len=1024, max_num_seqs=batch, max_prefill_tokens=256)
-    return LLMEngine(StubRunner(batch), layout, limits, vocab_size=VOCAB, eos_token_ids=[],
-                     seed=0)
+    model = ModelConfig(vocab_size=VOCAB, hidden_size=4, intermediate_size=4, num_layers=1,
+                        num_heads=1, num_kv_heads=1, head_dim=4)  # only its vocabulary is read
+    config = EngineConfig(model="<stub>", model_config=model, limits=limits)
+    return LLMEngine(StubRunner(batch), layout, config, eos_token_ids=[], seed=0)
 
 
 def timed_steps(engine, batch, logprobs, steps, prefix):

@@ -126,12 +126,10 @@ class LLM:
                                                 self.memory.layout, self.limits, self.profile)
         self._tokenizer = None
         self.engine = LLMEngine(
-            runner, self.memory.layout, self.limits, vocab_size=self.config.vocab_size,
-            eos_token_ids=self.eos_token_ids(),
+            runner, self.memory.layout, cfg, eos_token_ids=self.eos_token_ids(),
             seed=replica_seed(seed, self.shard_plan.data_rank(self.dist.rank)
                               if self.replicas > 1 else 0),
             tokenizer=(lambda: self.tokenizer) if self.has_tokenizer else None,
-            prefix_caching=cfg.enable_prefix_caching, speculative=cfg.speculative,
             proposer=proposer)
         self._batches = 0
 

@@ -122,14 +122,15 @@ PROFILES = {
         # ~17 GB/s with MindSpore 2.10.
         memory_bandwidth_bytes_per_s=17e9,
         dtypes=("float32", "float16"),
-        # MindSpore 2.10 on CPU: bfloat16 MatMul fails, float16 runs about 11x slower.
+        # MindSpore 2.10 on CPU: bfloat16 MatMul fails, float16 runs far slower (docs/engine.md,
+        # "Measured figures behind the code").
         dtype_note="bfloat16 matmul fails in MindSpore on CPU",
         p2p_copy=True,
         # The Python process with MindSpore loaded; an allowance.
         runtime_reserve_bytes=1 * GiB,
         shared_host_memory=True,
         min_layers_per_graph=2,
-        # Measured ~0.10 (workspace.py), with a margin.
+        # Measured ~0.10 (docs/engine.md, "Measured figures behind the code"), with a margin.
         layer_peak_growth=0.15,
     ),
 }
@@ -168,18 +169,13 @@ def rows_within(rows, bounds) -> bool:
     return rows >= first and (last is None or rows <= last)
 
 
-# Measured on this project's machines, 0.5B shapes, kernel for kernel and through 24 layers of
-# distinct weights (so that they stream from memory), best of 5 (bench/README.md: the
-# matmul_forms probe).
-# AMD EPYC (family 25 model 17): x @ W beat x @ W.T at decode sizes (16 rows: gate/up 2.8 vs
-# 5.4 ms; 1 row: 1.4 vs 1.8 ms; equal at 256); the lm_head (W @ x.T).T from 8 rows (16 rows:
-# 31 vs 41 ms). Intel Xeon with AVX-512 (family 6 model 167), the four projections of 24
-# layers: 1 row x @ W.T 55 ms, x @ W 58, (W @ x.T).T 83; 2 rows 60 / 84 / 89; 4 rows 104 /
-# 104 / 89; 16 rows 152 / 175 / 108; 32 rows 209 / 227 / 156; 64 rows 272 / 328 / 278;
-# 256 rows 917 / 1030 / 1139. AMD EPYC family 26 (results/matmul_forms_amd_f26.json, two
-# runs): x @ W.T 52-57 ms vs x @ W 61-67 at 1 row, equal at 2, 1.5 x slower at 4-32 rows, where
-# x @ W and (W @ x.T).T trade places from run to run; it keeps the AMD forms. An unmeasured
-# processor takes the AMD forms.
+# The fastest forms measured on this project's machines, 0.5B shapes, kernel for kernel and
+# through 24 layers of distinct weights (so that they stream from memory); the figures are in
+# docs/engine.md, "Measured figures behind the code". AMD EPYC (family 25 model 17): x @ W at
+# decode sizes, the lm_head (W @ x.T).T from 8 rows. Intel Xeon with AVX-512 (family 6 model
+# 167): x @ W.T, except (W @ x.T).T for the MLP from 4 to 32 rows. AMD EPYC family 26: no
+# form clearly best from run to run; it keeps the AMD forms. An unmeasured processor takes
+# the AMD forms.
 CPU_MATMUL_FORMS = {
     "AuthenticAMD": CpuMatmulForms(in_out=True),
     "GenuineIntel": CpuMatmulForms(in_out=False, mlp_weight_first=(4, 32)),

@@ -12,9 +12,11 @@ import math
 import time
 import types
 
+from msinfer.config import ModelConfig
 from msinfer.engine import EngineStats, RequestOutput  # the real engine's output types
 from msinfer.engine.llm_engine import check_request_limits
 from msinfer.engine.tokenizer import find_stop
+from msinfer.engine_config import EngineConfig, EngineLimits
 from msinfer.errors import MsinferError
 from msinfer.planning.kv_layout import CacheLayout
 
@@ -54,6 +56,18 @@ class ByteTokenizer:
             "<assistant>" + no_think if add_generation_prompt else "")
 
 
+def stub_engine_config(limits, vocab_size, model="/models/fake", prefix_caching=True,
+                       speculative=None):
+    """An EngineConfig for an engine without a checkpoint (a stub runner, the fake engine):
+    `limits` and a model of `vocab_size` tokens (its other sizes are never read), and
+    `speculative` a SpeculativeConfig or None."""
+    model_config = ModelConfig(vocab_size=vocab_size, hidden_size=8, intermediate_size=8,
+                               num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8,
+                               source=model)
+    return EngineConfig(model=model, model_config=model_config, limits=limits,
+                        enable_prefix_caching=prefix_caching, speculative=speculative)
+
+
 class _Request:
     def __init__(self, request_id, prompt_ids, params, prompt, text=TEXT):
         self.request_id, self.prompt_ids, self.params, self.prompt = (
@@ -74,7 +88,10 @@ class FakeEngine:
         self.layout = CacheLayout(num_layers=1, kv_heads=1, head_dim=1, block_size=block_size,
                                   num_blocks=num_blocks + 1, dtype_bytes=1)
         self.tokenizer = ByteTokenizer()
-        self.blocks = types.SimpleNamespace(prefix_caching=True)  # the router reads it
+        # the settings LLMEngine carries (what the server reads of them)
+        self.config = stub_engine_config(
+            EngineLimits(max_model_len=max_model_len, block_size=block_size,
+                         max_num_seqs=max_num_seqs), vocab_size, speculative=speculative)
         self.waiting, self.running = [], []
         self.aborted_ids = []
         self.pending_aborts = []
@@ -84,11 +101,12 @@ class FakeEngine:
         self.speculative = speculative
         self.spec = [0, 0, 0, [0] * (speculative.num_speculative_tokens if speculative else 0)]
         self.decisions = []
-        # what LLMEngine's scheduler holds, as the planted-divergence hook reads it
-        self.scheduler = types.SimpleNamespace(running=self.running, waiting=self.waiting)
 
     def warmup(self):
         pass
+
+    def compiling(self):
+        return False  # no graphs
 
     def add_request(self, request_id, prompt_token_ids, params, prompt=None):
         ids = list(prompt_token_ids)
@@ -252,5 +270,5 @@ class FakeSchedule:
 def fake_llm(**engine_options):
     engine = FakeEngine(**engine_options)
     return types.SimpleNamespace(engine=engine, tokenizer=engine.tokenizer, replicas=1,
-                                 dist=types.SimpleNamespace(rank=0, world_size=1),
-                                 config=types.SimpleNamespace(vocab_size=engine.vocab_size))
+                                 engine_config=engine.config,
+                                 dist=types.SimpleNamespace(rank=0, world_size=1))

@@ -12,12 +12,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fake_engine import fake_llm  # noqa: E402
 
 from msinfer import log  # noqa: E402
-from msinfer.server.api_server import ServeOptions, serve  # noqa: E402
+from msinfer.server.api_server import serve  # noqa: E402
+from msinfer.server.server_config import ServerConfig  # noqa: E402
 
 
 def main(port, directory, step_delay):
-    llm = fake_llm(step_delay=float(step_delay), max_model_len=200, num_blocks=64)
-    llm.engine.max_num_seqs = 4
+    llm = fake_llm(step_delay=float(step_delay), max_model_len=200, num_blocks=64,
+                   max_num_seqs=4)
 
     def warmup(on_shape=None):
         open(os.path.join(directory, "warming"), "w").close()
@@ -25,7 +26,7 @@ def main(port, directory, step_delay):
             time.sleep(0.01)
     llm.warmup = warmup
     log.setup()
-    return serve(llm, ServeOptions(model_names=["fake"], port=int(port), shutdown_timeout=60,
+    return serve(llm, ServerConfig(model_names=["fake"], port=int(port), shutdown_timeout=60,
                                    stall_timeout=30))
 
 

@@ -40,8 +40,8 @@ class ServerProcess:
         self.log_path = log_path
         self.not_ready_seen = []
         # joining MindSpore's scheduler: a retry every 1 s, not 3-5 s (test_commtest's FAST_JOIN)
-        env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", GLOG_v="3",
-                   MS_RETRY_INTERVAL_LOWER="1", MS_RETRY_INTERVAL_UPPER="1", **(env or {}))
+        env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1", "GLOG_v": "3",
+               "MS_RETRY_INTERVAL_LOWER": "1", "MS_RETRY_INTERVAL_UPPER": "1", **(env or {})}
         self.log = open(log_path, "w")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "msinfer"] + argv + ["--port", str(self.port)],

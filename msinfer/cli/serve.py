@@ -83,13 +83,9 @@ def _check_args(args):
 def run(args):
     from ..api import LLM
     from ..engine_config import EngineConfig
-    from ..server.api_server import ServeOptions, serve
+    from ..server.api_server import serve
+    from ..server.server_config import ServerConfig
 
     _check_args(args)
-    llm = LLM(EngineConfig.from_args(args))
-    return serve(llm, ServeOptions(
-        model_names=args.served_model_name or [args.model], host=args.host, port=args.port,
-        api_key=args.api_key, max_queue=args.max_queue,
-        shutdown_timeout=args.shutdown_timeout, max_request_bytes=args.max_request_bytes,
-        stall_timeout=args.stall_timeout, reasoning_parser=args.reasoning_parser,
-        lazy_warmup=args.lazy_warmup, kv_events_config=args.kv_events_config))
+    config = ServerConfig.from_args(args)
+    return serve(LLM(EngineConfig.from_args(args)), config)

@@ -166,65 +166,91 @@ class CompileCache:
         "load" (a complete entry), "fill" (an empty one) or None (off: the entry is in use,
         unusable, or this process used the cache before). Writes the manifest when the body
         finishes."""
-        import mindspore as ms
+        lock = self._lock()
+        if lock is None:
+            yield None
+            return
+        with lock:
+            manifest = os.path.join(self.path, MANIFEST)
+            complete = os.path.isfile(manifest)
+            if not complete:
+                self._clear_unfinished()
+            before = self._graph_files()
+            log.get().info("compile cache: %s %s", "loading from" if complete else "filling",
+                           self.path)
+            with _mindspore_cache(self.path):
+                yield "load" if complete else "fill"
+            after = self._graph_files()
+            if complete:
+                self._report_recompiled(before, after)
+            with open(manifest + ".tmp", "w") as f:
+                json.dump(dict(self.material, graphs=len(after), written=time.time()), f,
+                          indent=1, sort_keys=True, default=str)
+            os.replace(manifest + ".tmp", manifest)
 
+    def _lock(self):
+        """This entry's lock file, opened and locked for this process; None (said in the
+        log) when the cache cannot be used: used in this process before, an entry script
+        MindSpore cannot read, a directory that cannot be written, or another process's."""
         global _used_in_process
         logger = log.get()
         if _used_in_process:
             logger.info("compile cache: used once in this process already (MindSpore numbers "
                         "its graphs per process): compiling without it")
-            yield None
-            return
+            return None
         _used_in_process = True
         from mindspore.graph import api
         entry = api.entry_script_path  # MindSpore reads it (and its imports) at each compile
         if entry is not None and not os.path.isfile(entry):
             logger.info("compile cache: the entry script %s is not a file (python -c, a "
                         "notebook): compiling without it", entry)
-            yield None
-            return
+            return None
         try:
             os.makedirs(self.path, exist_ok=True)
             lock = open(os.path.join(self.path, ".lock"), "w")
         except OSError as e:
             logger.warning("compile cache %s unusable (%s): compiling without it", self.path,
                            e.strerror)
-            yield None
+            return None
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock.close()
+            logger.warning("compile cache %s is in use by another process: compiling "
+                           "without it", self.path)
+            return None
+        return lock
+
+    def _clear_unfinished(self):
+        """Empty an entry that has graphs but no manifest (its warm-up did not finish)."""
+        if not self._graph_files():
             return
-        with lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                logger.warning("compile cache %s is in use by another process: compiling "
-                               "without it", self.path)
-                yield None
-                return
-            manifest = os.path.join(self.path, MANIFEST)
-            complete = os.path.isfile(manifest)
-            if not complete and self._graph_files():
-                logger.warning("compile cache %s: an entry without its manifest (a warm-up "
-                               "that did not finish): rebuilding it", self.path)
-                for name in os.listdir(self.path):
-                    if name != ".lock":
-                        target = os.path.join(self.path, name)
-                        (shutil.rmtree if os.path.isdir(target) else os.remove)(target)
-            before = self._graph_files()
-            logger.info("compile cache: %s %s", "loading from" if complete else "filling",
-                        self.path)
-            ms.set_context(enable_compile_cache=True, compile_cache_path=self.path)
-            try:
-                yield "load" if complete else "fill"
-            finally:
-                ms.set_context(enable_compile_cache=False)
-            after = self._graph_files()
-            rebuilt = [p for p, stamp in before.items() if after.get(p) != stamp]
-            if complete and rebuilt:
-                logger.warning("compile cache %s: %d of %d graphs were unreadable or stale "
-                               "and were compiled again", self.path, len(rebuilt), len(before))
-            elif complete and len(after) > len(before):
-                logger.warning("compile cache %s: %d graphs were missing and were compiled",
-                               self.path, len(after) - len(before))
-            with open(manifest + ".tmp", "w") as f:
-                json.dump(dict(self.material, graphs=len(after), written=time.time()), f,
-                          indent=1, sort_keys=True, default=str)
-            os.replace(manifest + ".tmp", manifest)
+        log.get().warning("compile cache %s: an entry without its manifest (a warm-up that "
+                          "did not finish): rebuilding it", self.path)
+        for name in os.listdir(self.path):
+            if name != ".lock":
+                target = os.path.join(self.path, name)
+                (shutil.rmtree if os.path.isdir(target) else os.remove)(target)
+
+    def _report_recompiled(self, before, after):
+        """Log the graphs of a complete entry that MindSpore compiled again (unreadable or
+        stale: their files changed) or compiled anew (missing)."""
+        rebuilt = [p for p, stamp in before.items() if after.get(p) != stamp]
+        if rebuilt:
+            log.get().warning("compile cache %s: %d of %d graphs were unreadable or stale and "
+                              "were compiled again", self.path, len(rebuilt), len(before))
+        elif len(after) > len(before):
+            log.get().warning("compile cache %s: %d graphs were missing and were compiled",
+                              self.path, len(after) - len(before))
+
+
+@contextmanager
+def _mindspore_cache(path):
+    """MindSpore's compile cache on, in `path`, for the body."""
+    import mindspore as ms
+
+    ms.set_context(enable_compile_cache=True, compile_cache_path=path)
+    try:
+        yield
+    finally:
+        ms.set_context(enable_compile_cache=False)

@@ -20,7 +20,7 @@ import gc
 import numpy as np
 
 from .. import log
-from ..engine_config import EngineLimits
+from ..engine_config import EngineConfig
 from ..errors import MsinferError
 from .block_manager import BlockManager
 from .sampling import (Sampler, SamplingParams, adjust_scores, logprobs_of_rows,
@@ -136,24 +136,22 @@ def check_request_limits(ids, params, vocab_size, max_model_len, layout, *, has_
 
 
 class LLMEngine:
-    def __init__(self, runner, layout, limits: EngineLimits, vocab_size: int, eos_token_ids,
-                 seed: int, tokenizer=None, prefix_caching: bool = True, speculative=None,
-                 proposer=None):
-        """limits: the EngineConfig's (max_model_len, max_num_seqs, max_prefill_tokens).
-        tokenizer: a callable returning the Tokenizer (loaded when first needed), or None
-        for checkpoints without tokenizer.json (token-id prompts, no text, no stop strings).
-        prefix_caching: reuse computed full blocks of earlier prompts (block_manager.py).
-        speculative: a SpeculativeConfig (speculative decoding), with the `proposer` it
-        names (engine/speculative/: built from the config when not given)."""
+    def __init__(self, runner, layout, config: EngineConfig, eos_token_ids, seed: int,
+                 tokenizer=None, proposer=None):
+        """config: the EngineConfig, whole: its limits (max_model_len, max_num_seqs,
+        max_prefill_tokens), prefix caching (reuse computed full blocks of earlier prompts:
+        block_manager.py), speculative decoding (config.speculative, with `proposer`: built
+        from it when not given, engine/speculative/) and the model's vocabulary size; what a
+        server reads of the engine's settings (`self.config`). tokenizer: a callable
+        returning the Tokenizer (loaded when first needed), or None for checkpoints without
+        tokenizer.json (token-id prompts, no text, no stop strings)."""
         self.runner = runner
         self.layout = layout
-        self.limits = limits
-        self.speculative = speculative
-        self.blocks = BlockManager(layout, prefix_caching=prefix_caching)
-        self.scheduler = Scheduler(self.blocks, limits)
-        self.vocab_size = vocab_size
-        self.max_model_len = limits.max_model_len
-        self.max_num_seqs = limits.max_num_seqs
+        self.config = config
+        self.limits = config.limits
+        self.blocks = BlockManager(layout, prefix_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, config.limits)
+        self.vocab_size = config.model_config.vocab_size
         self.eos_token_ids = set(eos_token_ids)
         self.seed = seed
         self._tokenizer = tokenizer
@@ -168,11 +166,11 @@ class LLMEngine:
         self.step_count = 0
         self.decisions = []  # of the last run_step: [request id, token, finish reason]
         self.speculation = None
-        if speculative is not None:
+        if config.speculative is not None:
             if proposer is None:
                 from .speculative import build_proposer
-                proposer = build_proposer(speculative)
-            self.speculation = Speculation(speculative, proposer)
+                proposer = build_proposer(config.speculative)
+            self.speculation = Speculation(config.speculative, proposer)
         self._verifying = {}  # request id -> its Chunk, of the step run last
 
     # ---- requests ----
@@ -201,8 +199,8 @@ class LLMEngine:
     def check_request(self, ids: list[int], params: SamplingParams, name: str = "prompt"
                       ) -> None:
         """Refuse what could never run, with the numbers, before anything is queued."""
-        check_request_limits(ids, params, self.vocab_size, self.max_model_len, self.layout,
-                             has_tokenizer=self._tokenizer is not None, name=name)
+        check_request_limits(ids, params, self.vocab_size, self.limits.max_model_len,
+                             self.layout, has_tokenizer=self._tokenizer is not None, name=name)
 
     def abort_request(self, request_id: str) -> None:
         seq = self._requests.get(request_id)
@@ -216,6 +214,12 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache; False (nothing done) while a request holds blocks."""
         return self.blocks.reset_prefix_cache()
+
+    def listen_to_prefix_cache(self, listener) -> None:
+        """Tell `listener` the prefix cache's changes from now on, as vLLM's KV events say
+        them (server/kv_events.py): stored(names, parent name or None, tokens),
+        removed(names), cleared()."""
+        self.blocks.listener = listener
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -258,7 +262,7 @@ class LLMEngine:
         spec = self.speculation
         if spec is None:
             return outputs, self.scheduler.schedule()
-        schedule = self.scheduler.schedule(spec.lookahead(self.max_model_len))
+        schedule = self.scheduler.schedule(spec.lookahead(self.limits.max_model_len))
         if schedule.verifies:
             spec.propose(schedule, self.blocks)
         self._verifying = {c.seq.request_id: c for c in schedule.verifies}
@@ -374,7 +378,7 @@ class LLMEngine:
             self.generation_tokens_total += 1
             if seq.logprobs is not None:
                 seq.logprobs.append(logprobs.get(row))
-            reason = seq.stop_reason(token, self.eos_token_ids, self.max_model_len)
+            reason = seq.stop_reason(token, self.eos_token_ids, self.limits.max_model_len)
             if reason:
                 self._finish(seq, reason)
             outputs.append(self._output(seq))
@@ -402,7 +406,7 @@ class LLMEngine:
             if seq.logprobs is not None:
                 seq.logprobs.append(logprobs_of_rows(row[None], [token],
                                                      seq.params.logprobs)[0])
-            reason = seq.stop_reason(token, self.eos_token_ids, self.max_model_len)
+            reason = seq.stop_reason(token, self.eos_token_ids, self.limits.max_model_len)
             if reason or not accepted:
                 break
         self._settle(chunk, tokens, reason)
@@ -522,6 +526,15 @@ class LLMEngine:
                              scheduled_at=seq.scheduled_at)
 
     # ---- compile ahead ----
+
+    def compiling(self) -> bool:
+        """Whether a graph is compiling now (its first use, in the step in progress): a
+        server's stall watch waits longer for it."""
+        return self.runner.compiling_since is not None
+
+    def warmup_calls(self) -> int:
+        """The model calls `warmup` runs, one per graph shape the engine can use."""
+        return len(self.runner.shapes())
 
     def warmup(self, compile_cache=None, on_shape=None) -> int:
         """Compile every graph the engine can use (the calls of `runner.shapes()`, and of a

@@ -9,16 +9,17 @@ layer. Slots are on axis 0 because MindSpore's ScatterUpdate writes rows of axis
 splits (each rank holds its local heads), as in vLLM's blocks x block_size x kv_heads x
 head_dim. One tensor per layer, not one for all layers: a graph that runs several layers
 updates each of its caches once (MindSpore copies a whole tensor that one graph updates
-more than once: a 24-layer decode graph over one shared cache ran 4.7x slower, measured).
+more than once: a decode graph over one shared cache ran several times slower, measured:
+docs/engine.md, "Measured figures behind the code").
 
 Explicit mode holds the same bytes as rows of one head's vector, (num_slots x kv_heads,
 head_dim), row `slot * kv_heads + head` (`rows_shape`): a call writes its tokens' K/V at
 `head_rows` and gathers its context at `rows_by_head`, which is already the by-head order
 attention takes. Two things on MindSpore's CPU backend decide this: a Transpose of the
-gathered context keeps an int64 index per element for as long as its graph lives (a batch-16
-decode over 1,024 positions held 34 MB of them per layer, K and V), and reshaping a cache that
-the same graph updates copies the whole cache at every read (8 MB: 0.15 ms for the write and
-read without the reshape, 0.8 ms with it). semi_auto keeps (num_slots, kv_heads, head_dim):
+gathered context keeps an int64 index per element for as long as its graph lives (tens of MB
+per layer for a large decode step), and reshaping a cache that the same graph updates copies
+the whole cache at every read (docs/engine.md, "Measured figures behind the code").
+semi_auto keeps (num_slots, kv_heads, head_dim):
 MindSpore splits its head axis over the tensor ranks.
 
 Block 0 is never handed out: padded tokens of a compiled call write there, and padded context

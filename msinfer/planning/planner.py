@@ -79,7 +79,9 @@ class PlanReport:
     kv_blocks: int | None = None  # usable blocks per rank (one more is reserved)
     kv_tokens: int | None = None
     kv_bytes_per_token: int | None = None
-    concurrent_max_len_sequences: int | None = None  # per replica, each max_len tokens long
+    # vLLM's "maximum concurrency for max_model_len tokens per request": how many sequences of
+    # max_model_len tokens one replica's KV cache holds at once
+    max_concurrency: int | None = None
     collectives_per_token: list[Collective] = dataclasses.field(default_factory=list)
     workspace_formula: str | None = None
     decode_bytes_per_step: int | None = None  # read by the busiest device, full contexts
@@ -98,7 +100,10 @@ class PlanReport:
         return not self.errors
 
     def to_dict(self) -> dict:
-        return {"fits": self.fits, **dataclasses.asdict(self)}
+        # "concurrent_max_len_sequences": max_concurrency's name before, kept in --json for
+        # the scripts that read it
+        return {"fits": self.fits, **dataclasses.asdict(self),
+                "concurrent_max_len_sequences": self.max_concurrency}
 
 
 def make_plan(config: ModelConfig, strategy: Strategy, profile: HardwareProfile,
@@ -156,11 +161,11 @@ def make_plan(config: ModelConfig, strategy: Strategy, profile: HardwareProfile,
         report.kv_blocks = layout.num_blocks - 1
         report.kv_tokens = layout.usable_tokens
         report.kv_bytes_per_token = layout.total_bytes // layout.num_slots
-        report.concurrent_max_len_sequences = layout.usable_tokens // limits.max_model_len
+        report.max_concurrency = layout.usable_tokens // limits.max_model_len
         _decode_bound(report, shard_plan, dtype_bytes)
     _explain(report, shard_plan, profile)
     worst = max(report.devices, key=lambda d: d.total_bytes - d.capacity_bytes)
-    if worst.margin_bytes < 0 or layout is None or report.concurrent_max_len_sequences < 1:
+    if worst.margin_bytes < 0 or layout is None or report.max_concurrency < 1:
         report.errors.append(_does_not_fit(worst, layout, shard_plan, profile, report.dtype,
                                            limits))
     elif worst.margin_bytes < _TIGHT_MARGIN * worst.capacity_bytes and limits.kv_cache_memory:
@@ -348,7 +353,7 @@ def _decode_bound(report, shard_plan, dtype_bytes):
         rows, cols = shard_plan.local_shape("model.embed_tokens.weight")
         embedding = rows * cols * dtype_bytes
     weights = max(d.weights_bytes for d in report.devices) - embedding
-    batch = max(1, min(report.max_num_seqs, report.concurrent_max_len_sequences))
+    batch = max(1, min(report.max_num_seqs, report.max_concurrency))
     # A MoE model reads its active parameters: the routed experts of the step's tokens.
     weights_read = weights - _idle_expert_bytes(shard_plan, dtype_bytes, batch)
     full = weights_read + batch * report.max_model_len * report.kv_bytes_per_token
@@ -521,7 +526,7 @@ def format_plan(report: PlanReport) -> str:
                 f"{report.kv_blocks} blocks of {report.block_size} tokens = {report.kv_tokens} "
                 f"tokens "
                 f"per rank ({_size(report.kv_bytes_per_token)} per token): "
-                f"{report.concurrent_max_len_sequences} sequence(s) of "
+                f"{report.max_concurrency} sequence(s) of "
                 f"{report.max_model_len} tokens at "
                 f"once, more when shorter; the same pool is the prefix cache (free blocks keep "
                 f"what they hold until reused)")))
@@ -533,7 +538,7 @@ def format_plan(report: PlanReport) -> str:
             lines.append(f"    {c.kind:<10} x{c.count:<4} {_size(c.payload_bytes):>10} each  "
                          f"({c.where})")
     if report.decode_tokens_per_s_bound:
-        full = max(1, min(report.max_num_seqs, report.concurrent_max_len_sequences))
+        full = max(1, min(report.max_num_seqs, report.max_concurrency))
         lines += ["", _wrap("  decode     ", (
             f"at most {report.decode_tokens_per_s_bound:.1f} tokens/s with {full} full "
             f"{report.max_model_len}-token context(s) per replica "

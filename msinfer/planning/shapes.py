@@ -49,8 +49,9 @@ class ShapeBuckets:
         does not divide): every token and row count is a multiple of it."""
         max_prefill_tokens, max_len = limits.max_prefill_tokens, limits.max_model_len
         batch = power_buckets(step, round_up(limits.max_num_seqs, step))
-        # Powers of 2, not 4: a 128-token prompt ran as a padded 256-token chunk at 0.58x the
-        # speed (bench/README.md); the cost is two more chunk sizes to compile.
+        # Powers of 2, not 4: a 128-token prompt padded to a 256-token chunk ran markedly
+        # slower (docs/engine.md, "Measured figures behind the code"); the cost is two more
+        # chunk sizes to compile.
         chunk = power_buckets(round_up(min(16, max_prefill_tokens), step),
                               round_up(max_prefill_tokens, step))
         return cls(batch=batch, context=power_buckets(min(64, max_len), max_len), chunk=chunk,
@@ -92,10 +93,8 @@ class ExplicitGraphs:
     between SHORT_CHUNK tokens and the largest also in their rows. Decode steps, short chunks
     and full chunks keep their rows static: with every axis dynamic, MindSpore's CPU runtime
     re-infers and resizes each of a layer's ~100 kernels at every launch, at a cost that
-    grows with the rows and weighs most on short calls (0.5B shape, one process alternating
-    the two: batch-16 decode 247 ms a step fully dynamic, 231 ms with static rows; prompts of
-    8 and 20 tokens prefilled at 0.83-0.91x static graphs' tokens/s with dynamic rows,
-    1.06-1.07x with static rows: bench/README.md)."""
+    grows with the rows and weighs most on short calls (docs/engine.md, "Measured figures
+    behind the code")."""
 
     # Chunks of up to this many tokens (a chat turn, a short prompt) run in graphs of static
     # rows, one per chunk bucket up to it.
@@ -128,9 +127,9 @@ class ExplicitGraphs:
             # every layer's activations: workspace.py), a full chunk, and the largest decode
             # batch if its short contexts fit at least twice the layers its long ones do, also
             # have a stack of the most layers they may run, for the contexts where that fits:
-            # a long prompt's chunks ran at 0.87-0.92x the tokens/s in stacks of 2 layers where
-            # static graphs ran 6 (0.5B shape, max_model_len 4096, bench/README.md). One
-            # decode batch only, to keep the count small.
+            # a long prompt's chunks ran slower in stacks of 2 layers where static graphs ran 6
+            # (docs/engine.md, "Measured figures behind the code"). One decode batch only, to
+            # keep the count small.
             full = buckets.chunk[-1]
             fits = [layers_for(full, 1, t) for t in buckets.context if t >= full]
             self.fewest["full"], self.most = min(fits), {"full": max(fits)}

@@ -3,32 +3,29 @@ graph may run.
 
 A call's activations are transient: MindSpore takes them from its memory pool and frees each
 after its last use, so graphs share the pool and a graph of k layers peaks a little above one
-layer (0.5B shape, a 256-token chunk over 1,024 of context: pool peak 54 MB with one layer per
-graph, 68 MB with two, 130 MB with 24). The planner reserves one layer of the engine's largest
+layer (measured: docs/engine.md, "Measured figures behind the code", as every figure this
+module rests on). The planner reserves one layer of the engine's largest
 call (a max_prefill_tokens chunk, or a max_num_seqs decode step, over max_model_len of context), an
 upper estimate; each call then runs a pass over the layers in at most CALLS_PER_PASS graphs,
 with no more layers per graph than fit in that reserve, each layer past a graph's first
 adding the hardware profile's `layer_peak_growth` of a layer to its peak. Where unmeasured
 that is 1.0 (every layer's activations held: one layer per graph for the largest chunk, a
 quarter of the layers for a short decode step); on the CPU backend 0.15: a process's peak RSS
-grew by 0.10 of this module's estimate of one layer for each layer past the first (0.5B
-shape, stacks of 2 and 6 layers, over 4,096 of context: a 256-token chunk 21 MB a layer of
-217 MB estimated, a 16-sequence decode step 14 MB of 147 MB; compilation included). Few
-graph launches per step is what makes decoding fast (24 one-layer calls per step cost
-0.5B-shape batch-1 decode ~1.5x the time of one 24-layer call, measured).
+grew by less than that fraction of this module's estimate of one layer for each layer past
+the first (compilation included). Few graph launches per step is what makes decoding fast
+(24 one-layer calls per step cost batch-1 decode markedly more than one 24-layer call).
 
 What a compiled graph holds for its lifetime on the CPU backend is not its activations but
 its kernels' index tables: a broadcasting Add/Mul and a Transpose keep an int64 index per
 output element. Explicit mode avoids them where they are large (layers/cpu_forms.Expand,
 CacheLayout.rows_by_head); what is left, a prefill chunk's query and output transposes, is
-8 bytes per element of those tensors (3.7 MB per layer of a 256-token chunk, 0.5B shape).
+8 bytes per element of those tensors.
 
 On the CPU backend the reserve is two layers and a graph runs at least two (hardware profile
 `min_layers_per_graph`): MindSpore runs a graph of at most 100 kernels, which one decoder
 layer is, partly in the calling thread, which then competes with the runtime's two worker
-threads for two cores (perf: the caller spinning in ThreadPool::ParallelLaunch). Measured on
-the 0.5B shape, a 256-token chunk over 512 of context: 1.5 s for the 24 layers as one-layer
-graphs, 1.2 s as two-layer graphs (the same with four); 512-token prefill 174 -> 220 tokens/s.
+threads for two cores (perf: the caller spinning in ThreadPool::ParallelLaunch); two-layer
+graphs ran a prefill chunk faster than one-layer graphs, four no faster than two.
 """
 from ..parallel.strategy import first_layer
 
@@ -97,8 +94,8 @@ def stack_layers(shard_plan, dtype_bytes, limits, min_layers=1, growth=1.0):
 
 
 # A pass over the layers takes at most this many graph calls when memory allows: more layers
-# per graph buy little past it (0.5B shape, batch-1 decode: ~125 ms a step with 6 layers per
-# graph as with 24, 150 ms with 1).
+# per graph buy little past it (batch-1 decode as fast with 6 layers per graph as with 24:
+# docs/engine.md, "Measured figures behind the code").
 CALLS_PER_PASS = 4
 
 

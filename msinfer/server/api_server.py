@@ -1,8 +1,8 @@
-"""Running `msinfer serve` on one rank: `serve(llm, options)`, until the job stops.
+"""Running `msinfer serve` on one rank: `serve(llm, config)`, until the job stops.
 
 Every rank of a sharded job runs it, in one of three roles (handoff.py connects them):
-- rank 0, the front end: listens for HTTP, routes each request to a data replica
-  (replicas.py) and leads replica 0's tensor group (lockstep.py);
+- rank 0, the front end (`FrontEnd`): listens for HTTP, routes each request to a data
+  replica (replicas.py) and leads replica 0's tensor group (lockstep.py);
 - the first rank of every other tensor group leads its replica: it takes rank 0's requests,
   steps its group and reports the outputs back;
 - every other rank follows its group's leader step for step.
@@ -23,58 +23,38 @@ from .. import log
 from ..errors import MsinferError
 from .handoff import (EXIT_WAIT, PeerGone, log_summary, open_links, start_heartbeats,
                       wait_hung_up, watch_links)
-from .lockstep import EngineLoop, RanksDiverged, ServerBusy, StepWatch, follow
+from .lockstep import EngineLoop, RanksDiverged, StepWatch, follow
 
 _DEAD_RANK_GRACE = 2.0  # seconds /health reports the failure before rank 0 exits
 _REPORT_WAIT = _DEAD_RANK_GRACE + 3.0  # seconds a failing rank waits for its leader to go
 
 
-@dataclasses.dataclass
-class ServeOptions:
-    model_names: list  # names clients use; the first is reported back in responses
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str = None  # None: /v1 is open
-    max_queue: int = 1024  # waiting requests beyond which new ones get 503 + Retry-After
-    shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
-    max_request_bytes: int = None  # larger request bodies get 413; None: 4 MiB (serving.py)
-    stall_timeout: float = 60.0  # a step or a silence longer than this ends the job
-    reasoning_parser: str = None  # "qwen3": chat answers' <think> part as reasoning_content
-    lazy_warmup: bool = False  # ready at once, graphs compiled on first use (development)
-    kv_events_config: dict = None  # vLLM's KVEventsConfig: publish KV-cache events (kv_events.py)
-
-
-def serve(llm, options):
-    """Serve `llm` (an api.LLM) on this rank until the job stops; returns the exit code (0).
-    A failure anywhere in the job ends this process with exit code 1."""
+def serve(llm, config):
+    """Serve `llm` (an api.LLM; its engine's settings are `llm.engine_config`) on this rank
+    until the job stops, with the server's settings `config` (a ServerConfig); returns the
+    exit code (0). A failure anywhere in the job ends this process with exit code 1."""
     logger = log.get()
     rank = llm.dist.rank
     logger.info("serve: rank %d is process %d", rank, os.getpid())
     group = llm.dist.world_size // llm.replicas
-    links = open_links(llm.dist, group, silence=options.stall_timeout)
+    links = open_links(llm.dist, group, silence=config.stall_timeout)
     if rank == 0:
-        return _front(llm, links, options)
+        front = FrontEnd(llm, links, config)
+        front.start()
+        front.run()
+        return front.stop()
     if rank % group == 0:
-        return _replica(llm, links, options)
-    return _follow(llm, links.channel, options)
+        return _replica(llm, links, config)
+    return _follow(llm, links.channel, config)
 
 
-def _warmup(llm, options, on_shape=None):
-    if not options.lazy_warmup:
+def _warmup(llm, config, on_shape=None):
+    if not config.lazy_warmup:
         llm.warmup(on_shape)
         return
     log.get().warning("lazy warm-up: ready at once; each graph compiles on its first use "
                       "(warm-up would run %d calls), and the requests of that step wait for it "
-                      "(development only)", len(llm.engine.runner.shapes()))
-
-
-def _compiling(llm):
-    """Whether this rank's runner compiles a graph in the step in progress (None: cannot
-    say): the stall watch waits for a compile (lockstep.StepWatch)."""
-    runner = getattr(llm.engine, "runner", None)
-    if runner is None:
-        return None
-    return lambda: runner.compiling_since is not None
+                      "(development only)", llm.engine.warmup_calls())
 
 
 def _die(message):
@@ -115,7 +95,7 @@ def _ignore_signals():
         signal.signal(sig, lambda *_: logger.info("signal: rank 0 decides when to stop"))
 
 
-def _follow(llm, channel, options):
+def _follow(llm, channel, config):
     rank = llm.dist.rank
 
     def leave(message):
@@ -123,8 +103,8 @@ def _follow(llm, channel, options):
         _die_after(channel.link, message)
     _ignore_signals()
     channel.watch(lambda message: _die_after_rank0(channel, message))
-    watch = StepWatch(options.stall_timeout, leave, rank, _compiling(llm))
-    _warmup(llm, options)
+    watch = StepWatch(config.stall_timeout, leave, rank, llm.engine.compiling)
+    _warmup(llm, config)
     try:
         follow(llm.engine, channel, rank, watch)
     except PeerGone as e:
@@ -138,7 +118,7 @@ def _follow(llm, channel, options):
     return 0
 
 
-def _replica(llm, links, options):
+def _replica(llm, links, config):
     """Lead replica `rank // group`: rank 0's requests in, this group's outputs out."""
     from .replicas import ReplicaUplink
 
@@ -153,34 +133,18 @@ def _replica(llm, links, options):
         front.tell({"error": message})
         _die_after(front, message)
     _ignore_signals()
-    if options.kv_events_config:
+    if config.kv_events:
         from .kv_events import publish
-        publish(llm.engine, options.kv_events_config, rank=replica)
+        publish(llm.engine, config.kv_events, rank=replica)
     loop = EngineLoop(llm.engine, channel, on_step=uplink.on_step, replica=replica,
-                      watch=StepWatch(options.stall_timeout, fail, rank,
-                                           _compiling(llm)))
+                      watch=StepWatch(config.stall_timeout, fail, rank, llm.engine.compiling))
     channel.watch(fail)
     start_heartbeats([front], stopped.is_set)
-
-    def take_requests():
-        while True:
-            try:
-                frame = front.recv(timeout=options.stall_timeout)
-            except PeerGone as e:
-                if not stopped.is_set():
-                    channel.fail(str(e))
-                    _die(str(e))
-                return
-            if uplink.take(loop, frame):
-                continue
-            if "fail" in frame:  # rank 0 answers its clients, then goes: after it
-                channel.fail(frame["fail"])
-                _die_after(front, f"the job failed: {frame['fail']}")
-            elif "stop" in frame:
-                return
-    _warmup(llm, options)
+    _warmup(llm, config)
     loop.open()
-    reader = threading.Thread(target=take_requests, daemon=True, name="msinfer-front-link")
+    reader = threading.Thread(target=_take_requests, daemon=True, name="msinfer-front-link",
+                              args=(front, channel, uplink, loop, stopped,
+                                    config.stall_timeout))
     reader.start()
     front.send({"ready": dataclasses.astuple(llm.engine.stats())})
     try:
@@ -192,131 +156,177 @@ def _replica(llm, links, options):
     channel.close()
     log_summary(channel)
     front.send({"done": 1})
-    reader.join(timeout=options.stall_timeout)  # until rank 0 says stop: then it expects us gone
+    reader.join(timeout=config.stall_timeout)  # until rank 0 says stop: then it expects us gone
     stopped.set()
     log.get().info("serve: replica %d stopped after %d steps", replica, loop.steps)
     return 0
 
 
-def _front(llm, links, options):
-    import uvicorn
+def _take_requests(front, channel, uplink, loop, stopped, timeout):
+    """A replica leader's reader of rank 0's frames (`front`): requests, aborts and drains
+    to its engine `loop` (through `uplink`), until rank 0 says stop; rank 0 failing or gone
+    (unless `stopped`: expected) ends the process."""
+    while True:
+        try:
+            frame = front.recv(timeout=timeout)
+        except PeerGone as e:
+            if not stopped.is_set():
+                channel.fail(str(e))
+                _die(str(e))
+            return
+        if uplink.take(loop, frame):
+            continue
+        if "fail" in frame:  # rank 0 answers its clients, then goes: after it
+            channel.fail(frame["fail"])
+            _die_after(front, f"the job failed: {frame['fail']}")
+        elif "stop" in frame:
+            return
 
-    from .app import build_app
-    from .metrics import ServerMetrics
-    from .replicas import RemoteReplica, Router
-    from .serving import DEFAULT_MAX_REQUEST_BYTES, ServerConfig
 
-    logger = log.get()
-    names = options.model_names
-    try:
-        listener = socket.create_server((options.host, options.port))
-    except OSError as e:
-        raise MsinferError(f"cannot listen on {options.host}:{options.port}: "
-                           f"{e.strerror}") from None
-    channel = links.channel
-    metrics = ServerMetrics(names[0], llm.engine.stats(), replicas=llm.replicas,
-                            max_model_len=llm.engine.max_model_len,
-                            speculative=getattr(llm.engine, "speculative", None))
-    remotes = [RemoteReplica(i, link, on_step=metrics.observer(i))
-               for i, link in enumerate(links.replicas, start=1)]
-    stopping = threading.Event()
-    failing = threading.Lock()
+class FrontEnd:
+    """Rank 0: the HTTP server, the router over the data replicas, and the engine loop of
+    replica 0. `start` listens, warms up and waits until every replica is ready; `run` steps
+    replica 0 until drained; `drain` (the handler of SIGTERM and SIGINT) stops taking
+    requests; `stop` waits for the other replicas, then closes the links and the server. A
+    failure anywhere in the job (`fail`) fails /health, then ends the process non-zero."""
 
-    def rank_gone(message):
-        if not failing.acquire(blocking=False):
+    def __init__(self, llm, links, config):
+        from .metrics import ServerMetrics
+        from .replicas import RemoteReplica, Router
+
+        self.llm, self.config, self.channel = llm, config, links.channel
+        self.listener = _listen(config)
+        engine = llm.engine
+        self.metrics = ServerMetrics(config.model_names[0], llm.engine_config, engine.stats(),
+                                     replicas=llm.replicas)
+        self.remotes = [RemoteReplica(i, link, on_step=self.metrics.observer(i))
+                        for i, link in enumerate(links.replicas, start=1)]
+        self.loop = EngineLoop(engine, self.channel, replica=0,
+                               on_step=self.metrics.observer(0),
+                               watch=StepWatch(config.stall_timeout, self.fail, 0,
+                                               engine.compiling))
+        self.router = Router(self.loop, self.remotes, engine)
+        self._stopping = threading.Event()  # the job's last step ran: replicas may go
+        self._failing = threading.Lock()  # held by the one thread that ends the process
+        self._warm = threading.Event()
+        self._signals = []
+        self._server = self._http = None
+
+    def start(self):
+        """Serve HTTP (503 until ready), watch every rank, warm up, and take requests once
+        every replica is warm (or return at once on a failure or a drain)."""
+        config, router = self.config, self.router
+        if config.kv_events:
+            from .kv_events import publish
+            publish(self.llm.engine, config.kv_events)
+        self._serve_http()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self.drain)
+        self.channel.watch(self.fail)
+        self._watch_replicas()
+        started = time.monotonic()
+        _warmup(self.llm, config,
+                lambda text: setattr(router, "warming", f"warming up: {text}"))
+        router.warming = None
+        self._warm.set()
+        self.loop.open()
+        # the other replicas warm up too; a drain (a signal during warm-up) does not wait
+        while not (router.ready or router.failure or router.draining):
+            time.sleep(0.1)
+        log.get().info("serve: warm after %.1fs; listening on http://%s:%d (model %s, %d "
+                       "replica%s)", time.monotonic() - started, config.host,
+                       self.listener.getsockname()[1], config.model_names[0], router.replicas,
+                       "s" if router.replicas > 1 else "")
+
+    def _serve_http(self):
+        import uvicorn
+
+        from .app import build_app
+
+        app = build_app(self.router, self.llm.tokenizer, self.config, self.llm.engine_config,
+                        self.metrics)
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
+                                                     access_log=False,
+                                                     timeout_graceful_shutdown=5))
+        self._http = threading.Thread(target=self._server.run,
+                                      kwargs={"sockets": [self.listener]},
+                                      name="msinfer-http", daemon=True)
+        self._http.start()
+
+    def _watch_replicas(self):
+        """Heartbeats to the other replicas' leaders, and a thread that takes their frames
+        and notices when one goes silent."""
+        if not self.remotes:
+            return
+        by_link = {remote.link: remote for remote in self.remotes}
+        start_heartbeats(list(by_link), self._stopping.is_set)
+        threading.Thread(target=watch_links, daemon=True, name="msinfer-watch-replicas",
+                         args=(list(by_link), self._stopping.is_set, self.fail,
+                               self.config.stall_timeout,
+                               lambda link, frame: by_link[link].on_frame(link, frame))).start()
+
+    def run(self):
+        """Step replica 0 until drained; a failure ends the process (`fail`)."""
+        try:
+            self.loop.run()
+        except Exception as e:  # the job is failing (a rank's report), or the engine failed
+            if not self.router.failure:
+                log.get().exception("engine loop stopped")
+            self.fail(f"engine loop stopped: {e}")  # returns at once when already failing
+            threading.Event().wait()  # for the failing thread to end the process
+
+    def drain(self, sig, frame=None):
+        """The first signal drains; a second ends the drain: in-flight requests are aborted
+        at once, or, still warming up, the job ends (non-zero) without waiting for it."""
+        self._signals.append(sig)
+        name = signal.Signals(sig).name
+        if len(self._signals) == 1:
+            log.get().info("%s: draining (new requests get 503; in-flight ones have %.0fs)",
+                           name, self.config.shutdown_timeout)
+            self.router.drain(self.config.shutdown_timeout)
+        elif not self._warm.is_set():
+            _die(f"{name}: a second signal during warm-up")
+        else:
+            log.get().info("%s: a second signal: aborting in-flight requests now", name)
+            self.router.drain(0)
+
+    def fail(self, message):
+        """A rank is gone, stalled or out of step: /health fails now; every waiting client
+        and every other replica hears it; the process exits 1 after `_DEAD_RANK_GRACE` s."""
+        if not self._failing.acquire(blocking=False):
             return  # already going down
-        logger.error("%s: /health fails now, rank 0 exits in %.0fs", message,
-                     _DEAD_RANK_GRACE)
-        router.fail(message)
-        router.fail_all(message)
-        channel.fail(message)
-        for remote in remotes:
+        log.get().error("%s: /health fails now, rank 0 exits in %.0fs", message,
+                        _DEAD_RANK_GRACE)
+        self.router.fail(message)
+        self.router.fail_all(message)
+        self.channel.fail(message)
+        for remote in self.remotes:
             remote.stop(message)
         time.sleep(_DEAD_RANK_GRACE)
         os._exit(1)
 
-    loop = EngineLoop(llm.engine, channel, replica=0,
-                      on_step=metrics.observer(0),
-                      watch=StepWatch(options.stall_timeout, rank_gone, 0,
-                                      _compiling(llm)))
-    router = Router(loop, remotes, llm.engine)
-    kv_endpoints = ()
-    if options.kv_events_config:
-        from .kv_events import offset_endpoint, publish
-        publish(llm.engine, options.kv_events_config)
-        kv_endpoints = tuple(offset_endpoint(options.kv_events_config["endpoint"], r)
-                             for r in range(llm.replicas))
-    config = ServerConfig(model_names=names, max_model_len=llm.engine.max_model_len,
-                          api_key=options.api_key, max_queue=options.max_queue,
-                          max_request_bytes=options.max_request_bytes
-                          or DEFAULT_MAX_REQUEST_BYTES,
-                          root=getattr(llm, "model_dir", None),
-                          vocab_size=getattr(getattr(llm, "config", None), "vocab_size", None),
-                          reasoning_parser=options.reasoning_parser,
-                          max_num_seqs=getattr(llm.engine, "max_num_seqs", None),
-                          kv_events=options.kv_events_config, kv_events_endpoints=kv_endpoints)
-    app = build_app(router, llm.tokenizer, config, metrics)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
-                                           timeout_graceful_shutdown=5))
-    http = threading.Thread(target=server.run, kwargs={"sockets": [listener]},
-                            name="msinfer-http", daemon=True)
-    http.start()
+    def stop(self):
+        """After the drain: wait for the other replicas to drain and stop (rank 0 leaves
+        last), then close the links and the HTTP server; returns the exit code (0)."""
+        config = self.config
+        for remote in self.remotes:  # they drain as long as replica 0 did, then report done
+            if not remote.done.wait(timeout=config.shutdown_timeout + config.stall_timeout):
+                self.fail(f"replica {remote.index} did not stop after draining")
+        self._stopping.set()
+        for remote in self.remotes:
+            remote.stop()
+        wait_hung_up([remote.link for remote in self.remotes], EXIT_WAIT)
+        self.channel.close()
+        log_summary(self.channel)
+        self._server.should_exit = True
+        self._http.join(timeout=10)
+        log.get().info("serve: stopped after %d steps", self.loop.steps)
+        return 0
 
-    warm, signals = threading.Event(), []
 
-    def drain(sig, frame):
-        """The first signal drains; a second ends the drain: in-flight requests are aborted
-        at once, or, still warming up, the job ends (non-zero) without waiting for it."""
-        signals.append(sig)
-        name = signal.Signals(sig).name
-        if len(signals) == 1:
-            logger.info("%s: draining (new requests get 503; in-flight ones have %.0fs)",
-                        name, options.shutdown_timeout)
-            router.drain(options.shutdown_timeout)
-        elif not warm.is_set():
-            _die(f"{name}: a second signal during warm-up")
-        else:
-            logger.info("%s: a second signal: aborting in-flight requests now", name)
-            router.drain(0)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, drain)
-    channel.watch(rank_gone)
-    if remotes:
-        by_link = {remote.link: remote for remote in remotes}
-        start_heartbeats(list(by_link), stopping.is_set)
-        threading.Thread(target=watch_links, daemon=True, name="msinfer-watch-replicas",
-                         args=(list(by_link), stopping.is_set, rank_gone,
-                               options.stall_timeout,
-                               lambda link, frame: by_link[link].on_frame(link, frame))).start()
-    start = time.monotonic()
-    _warmup(llm, options, lambda text: setattr(router, "warming", f"warming up: {text}"))
-    router.warming = None
-    warm.set()
-    loop.open()
-    # the other replicas warm up too; a drain (a signal during warm-up) does not wait for them
-    while not (router.ready or router.failure or router.draining):
-        time.sleep(0.1)
-    logger.info("serve: warm after %.1fs; listening on http://%s:%d (model %s, %d replica%s)",
-                time.monotonic() - start, options.host, listener.getsockname()[1], names[0],
-                router.replicas, "s" if router.replicas > 1 else "")
+def _listen(config):
     try:
-        loop.run()
-    except Exception as e:  # the job is failing (a rank's report), or the engine failed
-        if not router.failure:
-            logger.exception("engine loop stopped")
-        rank_gone(f"engine loop stopped: {e}")  # returns at once when already failing
-        threading.Event().wait()  # for the failing thread to end the process
-    for remote in remotes:  # they drain as long as replica 0 did, then report done
-        if not remote.done.wait(timeout=options.shutdown_timeout + options.stall_timeout):
-            rank_gone(f"replica {remote.index} did not stop after draining")
-    stopping.set()
-    for remote in remotes:
-        remote.stop()
-    wait_hung_up([remote.link for remote in remotes], EXIT_WAIT)  # rank 0 leaves last
-    channel.close()
-    log_summary(channel)
-    server.should_exit = True
-    http.join(timeout=10)
-    logger.info("serve: stopped after %d steps", loop.steps)
-    return 0
+        return socket.create_server((config.host, config.port))
+    except OSError as e:
+        raise MsinferError(f"cannot listen on {config.host}:{config.port}: "
+                           f"{e.strerror}") from None

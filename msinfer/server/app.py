@@ -30,13 +30,13 @@ from .serving_tokenize import ServingTokenize
 _KEYED_PATHS = ("/v1", "/tokenize", "/detokenize", "/tokenizer_info")
 
 
-def build_app(engine_loop, tokenizer, config, metrics):
-    """The FastAPI app over `engine_loop` (config: a serving.ServerConfig)."""
+def build_app(engine_loop, tokenizer, config, engine_config, metrics):
+    """The FastAPI app over `engine_loop` (a lockstep.EngineLoop or a replicas.Router);
+    config: the server's ServerConfig; engine_config: the served engine's EngineConfig."""
     # /openapi.json as vLLM serves it (what clients and API fuzzers read); no docs pages
     app = FastAPI(title="msinfer", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
-    serving = Serving(engine_loop, tokenizer, config, metrics)
+    serving = Serving(engine_loop, tokenizer, config, engine_config, metrics)
     completion, chat = ServingCompletion(serving), ServingChat(serving)
-    tokens = ServingTokenize(serving)
     _add_error_handlers(app, metrics)
     _add_api_key_check(app, config, metrics)
     # Added last, so the outermost: a body beyond the limit is refused before anything reads it.
@@ -52,22 +52,39 @@ def build_app(engine_loop, tokenizer, config, metrics):
 
     add_fleet_routes(app, serving, health)
     add_responses_routes(app, serving, chat)
+    _add_info_routes(app, config, engine_config, metrics)
+    _add_tokenizer_routes(app, ServingTokenize(serving))
 
+    @app.post("/v1/completions")
+    async def completions(body: p.CompletionRequest, request: Request):
+        return await completion.create(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: p.ChatCompletionRequest, request: Request):
+        return await chat.create(body, request)
+
+    return app
+
+
+def _add_info_routes(app, config, engine_config, metrics):
+    """/metrics, /v1/models, /version."""
     @app.get("/metrics")
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():
-        root = config.root or config.model_names[0]
-        return p.ModelList(data=[p.ModelCard(id=name, root=root,
-                                             max_model_len=config.max_model_len)
+        return p.ModelList(data=[p.ModelCard(id=name, root=engine_config.model,
+                                             max_model_len=engine_config.max_model_len)
                                  for name in config.model_names])
 
     @app.get("/version")
     async def version():
         return p.VersionResponse(version=__version__)
 
+
+def _add_tokenizer_routes(app, tokens):
+    """vLLM's /tokenize, /detokenize and /tokenizer_info (tokens: a ServingTokenize)."""
     @app.post("/tokenize")
     async def tokenize(request: Request):
         body, headers = await tokens.tokenize(request)
@@ -81,16 +98,6 @@ def build_app(engine_loop, tokenizer, config, metrics):
     @app.get("/tokenizer_info")
     async def tokenizer_info():
         return tokens.tokenizer_info()
-
-    @app.post("/v1/completions")
-    async def completions(body: p.CompletionRequest, request: Request):
-        return await completion.create(body, request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: p.ChatCompletionRequest, request: Request):
-        return await chat.create(body, request)
-
-    return app
 
 
 def _error_response(status, message, type_, param=None, code=None, headers=None):

@@ -116,6 +116,6 @@ class KVEventPublisher:
 
 def publish(engine, config, rank=0):
     """Publish `engine`'s prefix-cache events per `config` (parse_config's); the endpoint."""
-    publisher = KVEventPublisher(config, engine.layout.block_size, rank)
-    engine.blocks.listener = publisher
+    publisher = KVEventPublisher(config, engine.config.limits.block_size, rank)
+    engine.listen_to_prefix_cache(publisher)
     return publisher.endpoint

@@ -16,18 +16,11 @@ when it runs a step. A watchdog (`StepWatch`) ends a step that does not complete
 """
 import concurrent.futures
 import dataclasses
-import os
 import threading
 import time
 
-from .. import log
 from ..engine.sampling import SamplingParams
 from ..errors import MsinferError
-
-# A test-only hook: "RANK:STEP" or "RANK:PATH" makes follower RANK drop a request from its own
-# state before step STEP (or the first step after PATH exists), as a rank that decided by
-# itself that the request finished would: the next frame must catch it.
-PLANT_DIVERGENCE = "MSINFER_PLANT_DIVERGENCE"
 
 
 class ServerBusy(Exception):
@@ -307,7 +300,6 @@ def follow(engine, channel, rank, watch=None):
     """A follower: apply its leader's frames, check that each step's schedule is the
     leader's, run it; until told to stop. RanksDiverged when it is not."""
     leader = channel.leader_rank
-    plant = _planted_divergence(rank)
     while True:
         frame = channel.recv()
         if frame is None:
@@ -327,9 +319,6 @@ def follow(engine, channel, rank, watch=None):
         except MsinferError as e:
             raise RanksDiverged(f"rank {rank} diverged from its leader, rank {leader}, before "
                                 f"step {step}: {e}") from None
-        if plant is not None and plant(step):
-            _drop_a_request(engine, rank, step)
-            plant = None
         _, schedule = engine.begin_step()
         digest, described = frame["schedule"]
         if engine.step_count + 1 != step or schedule.digest() != digest:
@@ -344,21 +333,3 @@ def follow(engine, channel, rank, watch=None):
         if watch is not None:
             watch.done()
 
-
-def _planted_divergence(rank):
-    value = os.environ.get(PLANT_DIVERGENCE, "")
-    target, _, when = value.partition(":")
-    if not value or not target.isdigit() or int(target) != rank:
-        return None
-    if when.isdigit():
-        return lambda step: step >= int(when)
-    return lambda step: os.path.exists(when)
-
-
-def _drop_a_request(engine, rank, step):
-    running = engine.scheduler.running or list(engine.scheduler.waiting)
-    if running:
-        request_id = running[-1].request_id
-        log.get().warning("%s: rank %d drops request %r before step %d (planted divergence)",
-                          PLANT_DIVERGENCE, rank, request_id, step)
-        engine.abort_request(request_id)

@@ -52,39 +52,26 @@ def build_1_2_5_buckets(max_value):
 
 
 class ServerMetrics:
-    def __init__(self, model_name, stats, replicas=1, max_model_len=None, speculative=None):
-        """stats: replica 0's EngineStats before its first step (every replica starts alike);
-        max_model_len sizes the token-count histograms' buckets (as vLLM's); speculative: the
-        engine's SpeculativeConfig (None: no vllm:spec_decode_* series)."""
+    def __init__(self, model_name, engine_config, stats, replicas=1):
+        """engine_config: the served engine's EngineConfig (its max_model_len sizes the
+        token-count histograms' buckets, as vLLM's; its KV cache settings are
+        vllm:cache_config_info's labels; its speculative config, the vllm:spec_decode_*
+        series, none without); stats: replica 0's EngineStats before its first step (every
+        replica starts alike)."""
         self.registry = CollectorRegistry()
-        self.speculative = speculative
+        speculative = self.speculative = engine_config.speculative
         self.stats_log = StatsLog(speculative)  # the periodic log line, from the same stats
         self.stats = [stats] * replicas  # each replica's after its last step
         self._model = model_name
-        self._cache_info = None  # describe_cache()
+        self._cache_info = _cache_info(engine_config, stats.num_blocks_total)
         self._tokens_seen = [stats.prompt_tokens_total + stats.generation_tokens_total] * replicas
         self.registry.register(_EngineCollector(self))
         labels = ["model_name", "engine"]
-        token_buckets = build_1_2_5_buckets(max_model_len or stats.num_blocks_total or 1)
+        token_buckets = build_1_2_5_buckets(engine_config.max_model_len)
 
         def histogram(name, doc, buckets):
             return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
-        self.ttft = histogram("vllm:time_to_first_token_seconds",
-                              "Histogram of time to first token in seconds.", TTFT_BUCKETS)
-        self.itl = histogram("vllm:inter_token_latency_seconds",
-                             "Histogram of inter-token latency in seconds.",
-                             TOKEN_LATENCY_BUCKETS)
-        # vLLM's name for the same observations before 0.11 (older dashboards read it)
-        self.tpot = histogram("vllm:time_per_output_token_seconds",
-                              "Histogram of time per output token in seconds (the same "
-                              "observations as vllm:inter_token_latency_seconds).",
-                              TOKEN_LATENCY_BUCKETS)
-        self.request_tpot = histogram(
-            "vllm:request_time_per_output_token_seconds",
-            "Histogram of time_per_output_token_seconds per request.", TOKEN_LATENCY_BUCKETS)
-        self.e2e = histogram("vllm:e2e_request_latency_seconds",
-                             "Histogram of e2e request latency in seconds.",
-                             REQUEST_LATENCY_BUCKETS)
+        self._latency_histograms(histogram)
         self.request_prompt_tokens = histogram("vllm:request_prompt_tokens",
                                                "Number of prefill tokens processed.",
                                                token_buckets)
@@ -109,6 +96,26 @@ class ServerMetrics:
                                  "the other ranks of its group", ["model_name", "replica"],
                                  buckets=_HANDOFF_BUCKETS, registry=self.registry)
 
+    def _latency_histograms(self, histogram):
+        """vLLM's latencies: to the first token, between tokens, per output token of a
+        request, end to end."""
+        self.ttft = histogram("vllm:time_to_first_token_seconds",
+                              "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds",
+                             "Histogram of inter-token latency in seconds.",
+                             TOKEN_LATENCY_BUCKETS)
+        # vLLM's name for the same observations before 0.11 (older dashboards read it)
+        self.tpot = histogram("vllm:time_per_output_token_seconds",
+                              "Histogram of time per output token in seconds (the same "
+                              "observations as vllm:inter_token_latency_seconds).",
+                              TOKEN_LATENCY_BUCKETS)
+        self.request_tpot = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.", TOKEN_LATENCY_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds",
+                             "Histogram of e2e request latency in seconds.",
+                             REQUEST_LATENCY_BUCKETS)
+
     def _request_histograms(self, histogram, token_buckets):
         """vLLM's request parameters, and its split of a request's time: waiting to be
         scheduled, prefill (to the first token), decode (first to last token), inference
@@ -130,12 +137,6 @@ class ServerMetrics:
         self.decode_time = phase("decode", "Histogram of time spent in DECODE phase for request.")
         self.inference_time = phase("inference", "Histogram of time spent in RUNNING phase for "
                                     "request.")
-
-    def describe_cache(self, block_size, num_blocks, prefix_caching, dtype=None):
-        """vllm:cache_config_info's labels (what gateways read of the KV cache's geometry)."""
-        self._cache_info = {"block_size": str(block_size), "num_gpu_blocks": str(num_blocks),
-                            "enable_prefix_caching": str(bool(prefix_caching)),
-                            "cache_dtype": str(dtype or "auto"), "num_cpu_blocks": "0"}
 
     def observe_request_params(self, n):
         """A request's `n` (vllm:request_params_n), as it is taken."""
@@ -194,6 +195,14 @@ class ServerMetrics:
 
     def observe_rejected(self, status):
         self.rejected.labels(self._model, str(status)).inc()
+
+
+def _cache_info(engine_config, num_blocks):
+    """vllm:cache_config_info's labels (what gateways read of the KV cache's geometry)."""
+    return {"block_size": str(engine_config.limits.block_size),
+            "num_gpu_blocks": str(num_blocks),
+            "enable_prefix_caching": str(engine_config.enable_prefix_caching),
+            "cache_dtype": "auto", "num_cpu_blocks": "0"}
 
 
 class _EngineCollector:
@@ -298,13 +307,12 @@ class _EngineCollector:
         """vllm:cache_config_info, and vllm:lora_requests_info as the Gateway API Inference
         Extension reads it (no adapters: msinfer serves none; its value is the time, as
         vLLM's)."""
-        if self.metrics._cache_info is not None:
-            info = self.metrics._cache_info
-            f = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine "
-                                  "CacheConfig", labels=["engine", *info])
-            for replica in range(len(self.metrics.stats)):
-                f.add_metric([str(replica), *info.values()], 1)
-            yield f
+        info = self.metrics._cache_info
+        f = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine "
+                              "CacheConfig", labels=["engine", *info])
+        for replica in range(len(self.metrics.stats)):
+            f.add_metric([str(replica), *info.values()], 1)
+        yield f
         f = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
                               labels=["max_lora", "waiting_lora_adapters",
                                       "running_lora_adapters"])

@@ -136,12 +136,14 @@ class _Request(BaseModel):
             names += _extras(self.stream_options, "stream_options.")
         return names
 
-    def out_of_bounds(self, max_num_seqs=None):
+    def out_of_bounds(self, limits):
         """(field, why) for a field beyond msinfer's bounds (a 400 naming it), else None;
-        `max_num_seqs`: the server's running batch, which bounds n too."""
+        `limits`: the served engine's EngineLimits, whose running batch (max_num_seqs)
+        bounds n too."""
+        max_num_seqs = limits.max_num_seqs
         if not 1 <= self.n <= MAX_N:
             return "n", f"n={self.n}: choices per prompt must be 1..{MAX_N}"
-        if max_num_seqs and self.n > max_num_seqs:
+        if self.n > max_num_seqs:
             return "n", (f"n={self.n}: choices per prompt must be at most the server's "
                          f"--max-num-seqs {max_num_seqs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
@@ -214,15 +216,16 @@ class CompletionRequest(_Request):
             return "max_tokens", "max_tokens=0 needs echo=true or prompt_logprobs"
         return super().unsupported()
 
-    def out_of_bounds(self, max_num_seqs=None):
+    def out_of_bounds(self, limits):
         if self.best_of is not None:
             if self.best_of < self.n:
                 return "best_of", f"best_of={self.best_of} must be at least n={self.n}"
-            if self.best_of > min(MAX_N, max_num_seqs or MAX_N):
+            most = min(MAX_N, limits.max_num_seqs)
+            if self.best_of > most:
                 return "best_of", (f"best_of={self.best_of}: sequences per prompt must be at "
-                                   f"most {min(MAX_N, max_num_seqs or MAX_N)} (at most "
-                                   f"{MAX_N}, and the server's --max-num-seqs)")
-        return super().out_of_bounds(max_num_seqs)
+                                   f"most {most} (at most {MAX_N}, and the server's "
+                                   f"--max-num-seqs)")
+        return super().out_of_bounds(limits)
 
     def sequences_per_prompt(self):
         return max(self.n, self.best_of or 1)

@@ -32,11 +32,13 @@ class Router:
         self.local = local  # replica 0's EngineLoop
         self.remotes = remotes  # RemoteReplica for replicas 1..
         self.engine = engine  # replica 0's, for the refusals every replica makes alike
+        # every replica's settings (the prefix cache's block size, whether it is on)
+        self.engine_config = engine.config
         self._lock = threading.Lock()
         self._owed = {}  # request id -> (replica, tokens it may still compute)
         self._cached_at = collections.OrderedDict()  # block name -> replica last given it
         self._failed = None
-        self.warming = None  # warm-up's progress, while it runs (api_server._front)
+        self.warming = None  # warm-up's progress, while it runs (api_server.FrontEnd)
 
     @property
     def replicas(self):
@@ -122,9 +124,9 @@ class Router:
     def _prefix_names(self, ids, salt=None):
         """The names of the prompt's full blocks a replica's prefix cache could hold
         (engine/block_manager.py names them alike, with the request's cache_salt)."""
-        if self.replicas == 1 or not self.engine.blocks.prefix_caching:
+        if self.replicas == 1 or not self.engine_config.enable_prefix_caching:
             return []
-        size = self.engine.layout.block_size
+        size = self.engine_config.limits.block_size
         return block_names(ids, size, (len(ids) - 1) // size, salt=salt)
 
     def _choose(self, names):
@@ -141,7 +143,7 @@ class Router:
         for depth in range(len(names), 0, -1):
             holder = self._cached_at.get(names[depth - 1])
             if holder is not None:
-                saved = depth * self.engine.layout.block_size
+                saved = depth * self.engine_config.limits.block_size
                 return holder if load[holder] - load[least] <= saved else least
         return least
 

@@ -33,16 +33,15 @@ def replica_stats(engine_loop):
 
 
 def add_fleet_routes(app, serving, health):
-    """Add the routes to `app` (serving: serving.Serving; health: the /health route), and
-    the KV cache's geometry to the metrics (vllm:cache_config_info, which gateways read)."""
-    engine = serving.engine_loop.engine
-    serving.metrics.describe_cache(engine.layout.block_size, engine.layout.num_blocks - 1,
-                                   engine.blocks.prefix_caching)
-    _add_load_and_info(app, serving.engine_loop, serving.config, engine.layout.block_size)
+    """Add the routes to `app` (serving: serving.Serving; health: the /health route)."""
+    _add_load_and_info(app, serving)
     _add_cache_and_probes(app, serving, health)
 
 
-def _add_load_and_info(app, engine_loop, config, block_size):
+def _add_load_and_info(app, serving):
+    engine_loop, config, engine = serving.engine_loop, serving.config, serving.engine_config
+    block_size = engine.limits.block_size
+
     @app.get("/get_load")
     async def get_load():
         stats = replica_stats(engine_loop)
@@ -52,7 +51,7 @@ def _add_load_and_info(app, engine_loop, config, block_size):
                 "num_tokens": sum(s.num_blocks_used for s in stats) * block_size}
 
     def model_info():
-        root = config.root or config.model_names[0]
+        root = engine.model
         return {"model_id": config.model_names[0], "model_path": root, "tokenizer_path": root,
                 "served_model_names": list(config.model_names), "is_generation": True}
 
@@ -64,9 +63,9 @@ def _add_load_and_info(app, engine_loop, config, block_size):
     async def get_server_info():
         stats = replica_stats(engine_loop)
         return {**model_info(), "instance_id": _INSTANCE, "version": __version__,
-                "kv_block_size": block_size, "context_length": config.max_model_len,
-                "max_model_len": config.max_model_len,
-                "max_running_requests": config.max_num_seqs,
+                "kv_block_size": block_size, "context_length": engine.max_model_len,
+                "max_model_len": engine.max_model_len,
+                "max_running_requests": engine.limits.max_num_seqs,
                 "max_total_num_tokens": stats[0].num_blocks_total * block_size,
                 "data_parallel_size": len(stats),
                 "kv_events": bool(config.kv_events)}
@@ -103,8 +102,9 @@ def _add_cache_and_probes(app, serving, health):
             return JSONResponse({"error": {"message": "KV-cache events are off "
                                            "(--kv-events-config)", "type": "not_found",
                                            "param": None, "code": None}}, status_code=404)
+        endpoints = config.kv_event_endpoints(getattr(engine_loop, "replicas", 1))
         return {str(rank): {**config.kv_events, "endpoint": endpoint}
-                for rank, endpoint in enumerate(config.kv_events_endpoints)}
+                for rank, endpoint in enumerate(endpoints)}
 
 
 async def _generate_one(serving):

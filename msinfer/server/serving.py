@@ -32,39 +32,21 @@ class ApiError(Exception):
         self.code, self.headers = code, headers
 
 
-# What one request body may hold before it is read at all (413): a 32K-token prompt as token
-# ids is about 200 KB of JSON; chat histories as text are smaller.
-DEFAULT_MAX_REQUEST_BYTES = 4 * 2 ** 20
-
-
 # A request the model failed on (finish reason "error": its logits were NaN or inf, e.g. a
 # float16 overflow): 500, the server's fault, not the client's (422 would send the client to
 # change a valid request in vain); the message says what the operator can do.
 MODEL_FAILURE = (500, "internal_error", "non_finite_logits")
 
 
-@dataclasses.dataclass
-class ServerConfig:
-    model_names: list  # the first is reported back in responses
-    max_model_len: int
-    api_key: str = None
-    max_queue: int = 1024
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    root: str = None  # the checkpoint served (/v1/models' `root`); None: the first name
-    vocab_size: int = None  # token ids /detokenize takes; None: any
-    reasoning_parser: str = None  # chat answers split into reasoning and content (reasoning.py)
-    max_num_seqs: int = None  # the running batch, which bounds n and best_of; None: 16 only
-    kv_events: dict = None  # vLLM's KVEventsConfig when KV-cache events are published
-    kv_events_endpoints: tuple = ()  # ... and where, per data-parallel rank (kv_events.py)
-
-
 class Serving:
     """The engine loop as the endpoints see it: checks that a request may be taken, runs its
     prompts, returns the response or the stream."""
 
-    def __init__(self, engine_loop, tokenizer, config, metrics):
+    def __init__(self, engine_loop, tokenizer, config, engine_config, metrics):
+        """config: the server's ServerConfig; engine_config: the served engine's
+        EngineConfig (its limits bound what a request may ask)."""
         self.engine_loop, self.tokenizer = engine_loop, tokenizer
-        self.config, self.metrics = config, metrics
+        self.config, self.engine_config, self.metrics = config, engine_config, metrics
 
     @property
     def model_name(self):
@@ -80,7 +62,7 @@ class Serving:
             raise ApiError(404, f"The model `{body.model}` does not exist.",
                            param="model", code="model_not_found")
         refuse_lone_surrogates(body)
-        refused = body.unsupported() or body.out_of_bounds(config.max_num_seqs)
+        refused = body.unsupported() or body.out_of_bounds(self.engine_config.limits)
         if refused:
             raise ApiError(400, f"{refused[0]}: {refused[1]}", param=refused[0])
         if not engine_loop.ready:

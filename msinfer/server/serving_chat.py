@@ -42,8 +42,9 @@ class ServingChat:
                                                                                **kwargs),
                         [m.as_template_message() for m in body.messages])
         ids = tokenize(serving.tokenizer.encode, text)
-        max_tokens = body.token_budget() or max(1, serving.config.max_model_len - len(ids))
-        check_context(len(ids), max_tokens, serving.config.max_model_len, "messages")
+        max_model_len = serving.engine_config.max_model_len
+        max_tokens = body.token_budget() or max(1, max_model_len - len(ids))
+        check_context(len(ids), max_tokens, max_model_len, "messages")
         fmt = ChatFormat(body, serving.model_name, serving.tokenizer,
                          serving.config.reasoning_parser, tool_choice,
                          thinking=prompt_opens_thinking(text))

@@ -28,7 +28,7 @@ class ServingCompletion:
             logprobs = 0  # best_of ranks sequences by the sampled tokens' logprobs
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         for _, ids in prompts:
-            check_context(len(ids), max_tokens, serving.config.max_model_len, "prompt")
+            check_context(len(ids), max_tokens, serving.engine_config.max_model_len, "prompt")
         prompt_logprobs = body.prompt_logprobs_count()
         if max_tokens == 0 and prompt_logprobs is None:  # echo alone: the prompt is scored
             prompt_logprobs = 0  # (one prefill), nothing generated, no logprobs returned

@@ -48,30 +48,29 @@ class ServingTokenize:
             text = body.prompt
         ids = tokenize(tokenizer.encode, text)
         return p.TokenizeResponse(count=len(ids), tokens=ids,
-                                  max_model_len=self.serving.config.max_model_len), headers
+                                  max_model_len=self.serving.engine_config.max_model_len), headers
 
     async def detokenize(self, request):
         """(DetokenizeResponse, headers) for a /detokenize body: the text of `tokens`."""
         body = _validate(p.DetokenizeRequest, await _json(request))
         headers = self._check(body)
-        vocab = self.serving.config.vocab_size
-        bad = [t for t in body.tokens if t < 0 or (vocab and t >= vocab)]
+        vocab = self.serving.engine_config.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise ApiError(400, f"tokens: token id {bad[0]} is outside the vocabulary "
-                                f"(0 to {vocab - 1 if vocab else 'the vocabulary size'})",
-                           param="tokens")
+                                f"(0 to {vocab - 1})", param="tokens")
         # the text of exactly these tokens, special ones included (as vLLM's /detokenize)
         text = self.serving.tokenizer.decode(body.tokens, skip_special_tokens=False)
         return p.DetokenizeResponse(prompt=text), headers
 
     def tokenizer_info(self):
         """The tokenizer's configuration, as vLLM's /tokenizer_info gives it."""
-        tokenizer, config = self.serving.tokenizer, self.serving.config
+        tokenizer = self.serving.tokenizer
         special = getattr(tokenizer, "special_tokens", {}) or {}
         info = {"tokenizer_class": "PreTrainedTokenizerFast",
                 **{key: special.get(key) for key in _SPECIAL_TOKENS},
                 "chat_template": getattr(tokenizer, "chat_template", None),
-                "model_max_length": config.max_model_len}
+                "model_max_length": self.serving.engine_config.max_model_len}
         return info
 
 

@@ -171,6 +171,6 @@ def test_llm_takes_speculative_config_and_hands_it_to_the_engine(small_checkpoin
         LLM(small_checkpoint, speculative_config={"method": "ngram", "k": 2})
     llm = LLM(small_checkpoint, max_model_len=64, max_num_seqs=2, max_prefill_tokens=16,
               kv_cache_memory="64KiB", speculative_config=settings)
-    assert llm.engine.speculative == llm.engine_config.speculative == \
+    assert llm.engine.config.speculative == llm.engine_config.speculative == \
         SpeculativeConfig.parse(settings)
-    assert llm.engine.speculation is not None
+    assert llm.engine.speculation.config == llm.engine_config.speculative

@@ -136,11 +136,12 @@ def test_another_checkpoint_of_the_same_shape_gets_its_own_entry(tiny_checkpoint
 def test_lazy_warmup_compiles_nothing_at_start_and_says_so(small_checkpoint, monkeypatch,
                                                            caplog):
     from msinfer import LLM, log
-    from msinfer.server.api_server import ServeOptions, _warmup
+    from msinfer.server.api_server import _warmup
+    from msinfer.server.server_config import ServerConfig
 
     llm = LLM(small_checkpoint, compile_cache=False, **ENGINE)
     monkeypatch.setattr(log.get(), "propagate", True)  # after LLM's log.setup()
-    _warmup(llm, ServeOptions(model_names=["x"], lazy_warmup=True))
+    _warmup(llm, ServerConfig(model_names=["x"], lazy_warmup=True))
     assert llm.compilations == 0
     calls = len(llm.engine.runner.shapes())
     assert (f"lazy warm-up: ready at once; each graph compiles on its first use (warm-up would "

@@ -16,6 +16,8 @@ from msinfer.engine.sequence import Sequence
 from msinfer.engine_config import EngineLimits
 from msinfer.planning.kv_layout import CacheLayout
 
+from fake_engine import stub_engine_config
+
 VOCAB = 64
 MAX_LEN = 4096
 
@@ -41,12 +43,12 @@ class LetterTokenizer:
         return "".join(chr(ord("a") + t % 26) for t in ids)
 
 
-def engine(**kwargs):
+def engine():
     layout = CacheLayout(num_layers=1, kv_heads=1, head_dim=4, block_size=16,
                          num_blocks=2 * MAX_LEN // 16 + 2, dtype_bytes=4)
     limits = EngineLimits(max_model_len=MAX_LEN, max_num_seqs=4, max_prefill_tokens=64)
-    return LLMEngine(StubRunner(), layout, limits, vocab_size=VOCAB, eos_token_ids=[VOCAB + 1],
-                     seed=0, tokenizer=LetterTokenizer, **kwargs)
+    return LLMEngine(StubRunner(), layout, stub_engine_config(limits, VOCAB),
+                     eos_token_ids=[VOCAB + 1], seed=0, tokenizer=LetterTokenizer)
 
 
 def test_the_stub_engine_generates_the_next_letters_and_stops_at_a_stop_string():

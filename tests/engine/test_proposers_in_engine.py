@@ -8,9 +8,9 @@ import hashlib
 import numpy as np
 import pytest
 
+from fake_engine import stub_engine_config
 from msinfer.engine import LLMEngine
 from msinfer.engine.sampling import SamplingParams
-from msinfer.engine.speculative import SuffixProposer
 from msinfer.engine_config import EngineLimits
 from msinfer.planning.kv_layout import CacheLayout
 from msinfer.speculative_config import SpeculativeConfig
@@ -49,8 +49,8 @@ def engine(spec=None, proposer=None):
     limits = EngineLimits(max_model_len=256, max_num_seqs=4, max_prefill_tokens=64,
                           block_size=4)
     config = SpeculativeConfig.parse(spec)
-    return LLMEngine(CopyStub(), layout, limits, vocab_size=VOCAB, eos_token_ids=[VOCAB + 1],
-                     seed=0, speculative=config, proposer=proposer)
+    return LLMEngine(CopyStub(), layout, stub_engine_config(limits, VOCAB, speculative=config),
+                     eos_token_ids=[VOCAB + 1], seed=0, proposer=proposer)
 
 
 PROMPTS = {"a": [1, 2, 3, 4, 5, 1, 2], "b": [7, 8, 9, 7, 8, 9, 7], "c": list(range(12)),

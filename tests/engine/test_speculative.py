@@ -8,6 +8,7 @@ import hashlib
 import numpy as np
 import pytest
 
+from fake_engine import stub_engine_config
 from msinfer.engine import LLMEngine
 from msinfer.engine.sampling import SamplingParams
 from msinfer.engine.speculative.proposer import Proposer
@@ -85,8 +86,10 @@ def engine(proposer=None, num_blocks=200, max_num_seqs=4, **spec):
                           block_size=4)
     config = (SpeculativeConfig(method="ngram", num_speculative_tokens=K, **spec)
               if proposer is not None else None)
-    return LLMEngine(CausalStub(), layout, limits, vocab_size=VOCAB, eos_token_ids=[VOCAB + 1],
-                     seed=0, tokenizer=LetterTokenizer, speculative=config, proposer=proposer)
+    return LLMEngine(CausalStub(), layout,
+                     stub_engine_config(limits, VOCAB, speculative=config),
+                     eos_token_ids=[VOCAB + 1], seed=0, tokenizer=LetterTokenizer,
+                     proposer=proposer)
 
 
 PROMPTS = {"a": [1, 2, 3], "b": [5] * 9, "c": list(range(20)), "d": [7, 1]}

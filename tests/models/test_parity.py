@@ -319,7 +319,7 @@ def test_semi_auto_model_with_tp4_shard_annotations_matches_hf_standalone(
 
     from msinfer.engine import LLMEngine
     from msinfer.engine.model_runner import SemiAutoRunner
-    from msinfer.engine_config import EngineLimits
+    from msinfer.engine_config import EngineConfig, EngineLimits
     from msinfer.layers.parallel_context import ParallelContext
     from msinfer.models.loader import Checkpoint
     from msinfer.parallel.distributed import set_graph_mode
@@ -363,8 +363,8 @@ def test_semi_auto_model_with_tp4_shard_annotations_matches_hf_standalone(
     limits = EngineLimits(max_num_seqs=4, max_prefill_tokens=16, max_model_len=128)
     runner = SemiAutoRunner(ctx, layout, limits, model=model)
     assert all(b % data == 0 for b in runner.batch_buckets + runner.chunk_buckets)
-    engine = LLMEngine(runner, layout, limits, vocab_size=config.vocab_size, eos_token_ids=(),
-                       seed=0)
+    engine = LLMEngine(runner, layout, EngineConfig(model=str(model_dir), model_config=config,
+                                                    limits=limits), eos_token_ids=(), seed=0)
     prompts = prompts_for(config.vocab_size, seed=9)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, greedy(config.vocab_size, 12))

@@ -62,7 +62,8 @@ def test_plan_qwen3_32b_tp4_on_300i_duo_at_its_native_40960(capsys):
     assert report["kv_bytes_per_token"] == 64 * 2 * 2 * 128 * 2
     weights = PRESETS["qwen3-32b"].num_parameters() * 2
     assert abs(sum(d["weights_bytes"] for d in report["devices"]) - weights) < 0.01 * weights
-    assert report["concurrent_max_len_sequences"] >= 1
+    assert report["max_concurrency"] >= 1
+    assert report["concurrent_max_len_sequences"] == report["max_concurrency"]  # the old key
 
 
 def test_plan_qwen25_yarn_reaches_131072_and_the_native_preset_refuses_it(capsys):
@@ -100,7 +101,7 @@ def test_the_deploy_guides_qwen3_and_qwen25_plans_are_what_the_planner_says(caps
     gib = [round(report["devices"][0][k] / 2**30, 2)
            for k in ("weights_bytes", "kv_cache_bytes", "workspace_bytes")]
     assert memory.split(" = ")[0] == " + ".join(f"{v:.2f}" for v in gib)
-    assert int(sequences.split()[0]) == report["concurrent_max_len_sequences"]
+    assert int(sequences.split()[0]) == report["max_concurrency"]
     assert verdict.startswith("fits") == report["fits"] == (code == 0)
     if report["fits"]:
         full, short = bound.split(" (")

@@ -67,7 +67,7 @@ def test_kv_cache_is_a_pool_of_blocks_sized_from_the_budget():
     blocks = GiB // per_block  # 819, one of them reserved
     assert plan.kv_blocks == blocks - 1 and plan.kv_tokens == (blocks - 1) * 16
     assert plan.devices[0].kv_cache_bytes == blocks * per_block
-    assert plan.concurrent_max_len_sequences == (blocks - 1) * 16 // 4096
+    assert plan.max_concurrency == (blocks - 1) * 16 // 4096
     tp8 = plan_for("qwen2-72b", "qwen2_tp8.yaml", kv_cache_memory=GiB)
     assert tp8.kv_blocks == GiB // block_bytes(80, 1) - 1  # half the heads: twice the blocks
 
@@ -84,7 +84,7 @@ def test_default_pool_fills_what_is_left_but_never_more_than_max_num_seqs_can_us
 def test_72b_on_four_300i_duo_devices_holds_a_32k_context():
     plan = plan_for("qwen2-72b", "qwen2_tp4.yaml", max_len=32768)
     assert plan.fits, plan.errors
-    assert plan.concurrent_max_len_sequences >= 1
+    assert plan.max_concurrency >= 1
     assert all(d.margin_bytes >= 0 for d in plan.devices)
 
 

@@ -38,7 +38,7 @@ def test_qwen25_72b_w8a8_fits_one_300i_duo_card_where_float_does_not():
                   + layers * (hidden + 2 * kv) // 2)  # q/k/v biases (unused, loaded)
     assert report.devices[0].weights_bytes == int8 + scales + floats
     assert report.devices[0].weights_bytes < 0.55 * plan("qwen2.5-72b").devices[0].weights_bytes
-    assert report.kv_tokens >= 8192 and report.concurrent_max_len_sequences >= 1
+    assert report.kv_tokens >= 8192 and report.max_concurrency >= 1
     # The decode bound reads the int8 bytes: weights less the embedding table per step.
     read = report.devices[0].weights_bytes - vocab * hidden // 2 * 2
     assert abs(report.decode_tokens_per_s_bound_short_context

@@ -15,7 +15,7 @@ from msinfer.server.app import build_app
 from msinfer.server.handoff import Leader
 from msinfer.server.lockstep import EngineLoop
 from msinfer.server.metrics import ServerMetrics
-from msinfer.server.serving import ServerConfig
+from msinfer.server.server_config import ServerConfig
 
 from fake_engine import fake_llm
 
@@ -32,9 +32,9 @@ def _manifests(name):
 @pytest.fixture(scope="module")
 def routes():
     llm = fake_llm()
-    metrics = ServerMetrics("m", llm.engine.stats())
+    metrics = ServerMetrics("m", llm.engine_config, llm.engine.stats())
     app = build_app(EngineLoop(llm.engine, Leader([])), llm.tokenizer,
-                    ServerConfig(model_names=["m"], max_model_len=96), metrics)
+                    ServerConfig(model_names=["m"]), llm.engine_config, metrics)
     return {route.path for route in app.routes}
 
 

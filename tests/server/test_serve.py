@@ -14,6 +14,7 @@ import time
 import httpx2 as httpx
 import pytest
 
+from faults import FAULT_SITE, PLANT_DIVERGENCE
 from servers import MAX_LEN, NAME, ROOT, SERVE_ARGS, TINY_SERVE_MODEL, ServerProcess
 
 pytestmark = pytest.mark.server
@@ -300,7 +301,8 @@ def test_dp2_tp2_replicas_share_the_requests_and_a_diverging_rank_ends_the_job(
 
     model_dir = qwen3_dir
     trigger = tmp_path / "diverge"
-    env = {"MSINFER_PLANT_DIVERGENCE": f"3:{trigger}"}
+    env = {PLANT_DIVERGENCE: f"3:{trigger}",  # tests/faults.py, in every rank
+           "PYTHONPATH": os.pathsep.join([ROOT, FAULT_SITE])}
     job = ServerProcess(["launch", "--nproc", "4", "--strategy", DP2_TP2, "--", "serve",
                          "--model", model_dir, *SERVE_ARGS, "--stall-timeout", str(STALL),
                          "--reasoning-parser", "qwen3", "--speculative-config",

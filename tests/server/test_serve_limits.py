@@ -11,7 +11,7 @@ import pytest
 from msinfer.cli.main import build_parser
 from msinfer.server import serving
 from msinfer.server.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS
-from msinfer.server.serving import DEFAULT_MAX_REQUEST_BYTES, ServerConfig
+from msinfer.server.server_config import DEFAULT_MAX_REQUEST_BYTES, ServerConfig
 
 from test_serve_protocol import MODEL, RunningServer, raw
 
@@ -39,11 +39,13 @@ def still_serving(server):
 
 
 def test_the_default_limit_is_4_mib_and_the_option_takes_units():
-    assert ServerConfig(model_names=["m"], max_model_len=8).max_request_bytes == 4 * 2 ** 20
+    parse = build_parser().parse_args
     assert DEFAULT_MAX_REQUEST_BYTES == 4 * 2 ** 20
-    args = build_parser().parse_args(["serve", "--model", "m", "--max-request-bytes", "1MiB"])
-    assert args.max_request_bytes == 2 ** 20
-    assert build_parser().parse_args(["serve", "--model", "m"]).max_request_bytes is None
+    default = ServerConfig.from_args(parse(["serve", "--model", "m"]))
+    assert default.max_request_bytes == DEFAULT_MAX_REQUEST_BYTES
+    assert default.model_names == ["m"]
+    args = parse(["serve", "--model", "m", "--max-request-bytes", "1MiB"])
+    assert ServerConfig.from_args(args).max_request_bytes == 2 ** 20
 
 
 def test_a_body_beyond_the_limit_gets_413_unread(server):

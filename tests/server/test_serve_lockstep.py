@@ -11,11 +11,11 @@ import types
 
 import pytest
 from fake_engine import FakeEngine
+from faults import drop_a_request
 
 from msinfer.engine.sampling import SamplingParams
 from msinfer.server import handoff
-from msinfer.server.lockstep import (PLANT_DIVERGENCE, EngineLoop, RanksDiverged, ServerBusy,
-                                     StepWatch, follow)
+from msinfer.server.lockstep import EngineLoop, RanksDiverged, StepWatch, follow
 from msinfer.server.replicas import RemoteReplica, ReplicaUplink, Router
 
 TOKEN = 12345
@@ -113,15 +113,15 @@ def test_followers_run_the_leaders_schedule_and_take_its_decisions():
     assert "us and" in leader.summary() and "latency from rank 0" in followers[0].summary()
 
 
-def test_a_follower_that_drops_a_request_is_caught_at_that_step_and_named(monkeypatch):
-    """The planted divergence: follower 2 drops a request before step 4 (as a rank that
-    decided by itself that it finished would); it must not run step 4 and the leader hears
-    which rank and step."""
-    monkeypatch.setenv(PLANT_DIVERGENCE, "2:4")
+def test_a_follower_that_drops_a_request_is_caught_at_that_step_and_named():
+    """The planted divergence (tests/faults.py): follower 2 drops a request before step 4
+    (as a rank that decided by itself that it finished would); it must not run step 4 and
+    the leader hears which rank and step."""
     leader, followers = channels(2)
     reported = []
     leader.watch(reported.append)
     engines = [FakeEngine(max_num_seqs=4, step_delay=0.002) for _ in range(3)]
+    drop_a_request(engines[2], 2, lambda step: step >= 4)
     requests = [(f"r{i}", [i + 1] * 3, 20) for i in range(3)]
     loop, threads, finished, errors = run_group(leader, followers, engines, requests)
     wait_for(lambda: errors and reported, 10)

@@ -17,7 +17,7 @@ from msinfer.server.app import build_app
 from msinfer.server.handoff import Leader
 from msinfer.server.lockstep import EngineLoop
 from msinfer.server.metrics import ServerMetrics
-from msinfer.server.serving import DEFAULT_MAX_REQUEST_BYTES, ServerConfig
+from msinfer.server.server_config import DEFAULT_MAX_REQUEST_BYTES, ServerConfig
 
 from fake_engine import expected_ids, fake_llm
 
@@ -31,18 +31,14 @@ class RunningServer:
         front: makes what the app talks to of the engine loop (a replicas.Router over it)."""
         self.llm = llm or fake_llm(**engine_options)
         self.engine = self.llm.engine
-        self.metrics = ServerMetrics(MODEL, self.engine.stats(),
-                                     max_model_len=self.engine.max_model_len,
-                                     speculative=getattr(self.engine, "speculative", None))
+        self.metrics = ServerMetrics(MODEL, self.llm.engine_config, self.engine.stats())
         self.loop = EngineLoop(self.engine, Leader([]), self.metrics.observer(0))
-        config = ServerConfig(model_names=[MODEL], max_model_len=self.engine.max_model_len,
-                              api_key=api_key, max_queue=max_queue,
+        config = ServerConfig(model_names=[MODEL], api_key=api_key, max_queue=max_queue,
                               max_request_bytes=max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
-                              root="/models/fake", vocab_size=self.engine.vocab_size,
-                              reasoning_parser=reasoning_parser,
-                              max_num_seqs=getattr(self.engine, "max_num_seqs", None))
+                              reasoning_parser=reasoning_parser)
         self.front = front(self.loop) if front else self.loop
-        app = build_app(self.front, self.llm.tokenizer, config, self.metrics)
+        app = build_app(self.front, self.llm.tokenizer, config, self.llm.engine_config,
+                        self.metrics)
         listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{listener.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))

@@ -15,6 +15,7 @@ from msinfer.server import replicas
 from msinfer.server.handoff import PeerGone
 from msinfer.server.protocol import MAX_STOP_TOKEN_IDS
 
+from fake_engine import stub_engine_config
 from test_serve_limits import assert_openai_error, still_serving
 from test_serve_protocol import MODEL, RunningServer, raw
 
@@ -419,7 +420,7 @@ def test_unseeded_requests_draw_their_replicas_own_stream_and_seeded_ones_do_not
 
     def draws(replica, params):
         limits = EngineLimits(max_model_len=64, max_num_seqs=4, max_prefill_tokens=16)
-        engine = LLMEngine(None, layout, limits, vocab_size=300, eos_token_ids=(),
+        engine = LLMEngine(None, layout, stub_engine_config(limits, 300), eos_token_ids=(),
                            seed=replica_seed(job_seed, replica))
         engine.add_request("r", [1, 2, 3], params)
         return engine._requests["r"].generator.random(8)

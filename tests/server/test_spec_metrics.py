@@ -86,9 +86,17 @@ def test_no_spec_series_without_speculation():
     assert "vllm:generation_tokens_total" in text and "spec_decode" not in text
 
 
+def served(speculative):
+    """The EngineConfig of a served fake engine speculating with `speculative`."""
+    from fake_engine import stub_engine_config
+    from msinfer.engine_config import EngineLimits
+
+    return stub_engine_config(EngineLimits(max_model_len=96), 300, speculative=speculative)
+
+
 def test_each_data_replica_is_an_engine_as_vllm_labels_them():
     stats = EngineStats(0, 0, 8, 0, 0, 0, 0)
-    metrics = ServerMetrics(MODEL, stats, replicas=2, speculative=SPEC)
+    metrics = ServerMetrics(MODEL, served(SPEC), stats, replicas=2)
     # replica 1's stats arrive over the link as JSON: its per-position counts as a list
     metrics.observe_step(1, 0.0, 0.01, EngineStats(1, 0, 8, 2, 0, 5, 7, spec_num_drafts=4,
                                                    spec_num_draft_tokens=12,
@@ -138,7 +146,7 @@ def test_the_periodic_stats_line_says_acceptance_over_its_interval():
     for speculative, spec_words in ((SPEC, "; spec: acceptance 0.50, mean accepted 1.5/3 per "
                                            "draft (by position 0.75 0.50 0.25)"), (None, "")):
         zero = EngineStats(0, 0, 8, 0, 0, 0, 0)
-        metrics = ServerMetrics(MODEL, zero, replicas=2, speculative=speculative)
+        metrics = ServerMetrics(MODEL, served(speculative), zero, replicas=2)
         metrics.stats_log = StatsLog(speculative, interval=10, clock=lambda: clock[0])
         with Lines() as seen:
             metrics.observe_step(0, 0.0, 0.01, start)  # the interval starts here
