@@ -1,7 +1,7 @@
 """What logprobs=5 costs a decode step, at batch 1 and 16, with Qwen's 151,936-token
 vocabulary (issue 38: it was 1.40x, 27.6 vs 19.7 ms a batch-16 step; the goal <= 1.2x).
 
-    python bench/logprobs_step.py            # bench/results/logprobs_step.json, .txt
+    python bench/logprobs_step.py            # bench/results/logprobs_step.json, .md
     python bench/logprobs_step.py --quick    # fewer steps: checks the script
 
 Two measurements, each side by side in one process, the two sides taking turns:
@@ -13,7 +13,12 @@ Two measurements, each side by side in one process, the two sides taking turns:
 - score: the same model scoring 16 prompts of 32 tokens as lm-evaluation-harness does
   (max_tokens 1, prompt logprobs 1: every prompt position's row through the lm_head and the
   host) against the same prompts plainly (issue 21's "echo" question).
-Median step time of each side (best of the reps); the CPU and the load average with them.
+Each comparison runs `pairs` pairs of runs, one run per side, the order alternating (plain
+first in even pairs, logprobs first in odd ones) after one pair that warms both up: a run's
+figure is the median of its steps, a pair's ratio is its logprobs run over its plain run, and
+what is reported is the median of the pairs' ratios (with its quartiles) and the median of
+each side's runs. A burst of another process's load skews the pair it lands in, not the
+figure. The CPU and the load average (at the start and end of each part) go with them.
 """
 import argparse
 import datetime
@@ -88,35 +93,53 @@ def timed_steps(engine, batch, logprobs, steps, prefix):
     return statistics.median(times)
 
 
-def compare(engine, batch, steps, reps):
-    """Both sides `reps` times, taking turns; the best median of each."""
-    plain, scored = [], []
-    for rep in range(reps):
-        plain.append(timed_steps(engine, batch, None, steps, f"p{rep}-"))
-        scored.append(timed_steps(engine, batch, TOP, steps, f"l{rep}-"))
-    return {"plain_ms": min(plain) * 1e3, "logprobs_ms": min(scored) * 1e3,
-            "ratio": min(scored) / min(plain),
-            "added_ms": (min(scored) - min(plain)) * 1e3}
+def paired(run_side, sides, pairs):
+    """Run `sides` (two names) `pairs` times each, in alternating order, after one pair of
+    warm-up runs: {"plain_ms", "logprobs_ms": medians of each side's runs, "ratio": median of
+    the pairs' ratios (second side over first), "ratio_q1", "ratio_q3", "added_ms", "pairs"}.
+    run_side(name, pair) gives one run's seconds."""
+    first, second = sides
+    for name in sides:
+        run_side(name, -1)
+    runs = {first: [], second: []}
+    ratios = []
+    for pair in range(pairs):
+        order = sides if pair % 2 == 0 else sides[::-1]
+        seconds = {name: run_side(name, pair) for name in order}
+        for name in sides:
+            runs[name].append(seconds[name])
+        ratios.append(seconds[second] / seconds[first])
+    q1, _, q3 = (statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1
+                 else ratios * 3)
+    plain, scored = statistics.median(runs[first]), statistics.median(runs[second])
+    return {"plain_ms": plain * 1e3, "logprobs_ms": scored * 1e3,
+            "ratio": statistics.median(ratios), "ratio_q1": q1, "ratio_q3": q3,
+            "added_ms": (scored - plain) * 1e3, "pairs": pairs,
+            "load_average_after": os.getloadavg()[0]}
 
 
-def compare_scoring(llm, reps, batch=16, length=32):
+def compare(engine, batch, steps, pairs):
+    """Decode steps of `batch` requests without and with logprobs, paired runs."""
+    def run_side(top, pair):
+        return timed_steps(engine, batch, top, steps if pair >= 0 else 4, f"{pair}-{top}-")
+    return paired(run_side, (None, TOP), pairs)
+
+
+def compare_scoring(llm, pairs, batch=16, length=32):
     """Seconds to generate 1 token for `batch` prompts, plainly and with prompt logprobs
-    (and logprobs 1, as lm-eval asks), the best of `reps` each, sides taking turns."""
+    (and logprobs 1, as lm-eval asks), paired runs."""
     from msinfer import SamplingParams
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, VOCAB, length).tolist() for _ in range(batch)]
     sides = {"plain": SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
              "prompt_logprobs": SamplingParams(max_tokens=1, temperature=0, ignore_eos=True,
                                                logprobs=1, prompt_logprobs=1)}
-    best = {name: float("inf") for name in sides}
-    for _ in range(reps + 1):  # the first round compiles what scoring uses
-        for name, params in sides.items():
-            start = time.perf_counter()
-            llm.generate(prompts, params)
-            best[name] = min(best[name], time.perf_counter() - start)
-    return {"plain_ms": best["plain"] * 1e3, "logprobs_ms": best["prompt_logprobs"] * 1e3,
-            "ratio": best["prompt_logprobs"] / best["plain"],
-            "added_ms": (best["prompt_logprobs"] - best["plain"]) * 1e3}
+
+    def run_side(name, pair):
+        start = time.perf_counter()
+        llm.generate(prompts, sides[name])
+        return time.perf_counter() - start
+    return paired(run_side, tuple(sides), pairs)
 
 
 def main():
@@ -124,12 +147,12 @@ def main():
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "logprobs_step"))
     args = p.parse_args()
-    steps, reps = (8, 1) if args.quick else (24, 3)
+    steps, pairs = (8, 2) if args.quick else (96, 11)
     results = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
                "machine": machine_info(), "vocab": VOCAB, "top": TOP, "steps": steps,
-               "reps": reps, "host": {}, "model": {}, "score": {}}
+               "pairs": pairs, "host": {}, "model": {}, "score": {}}
     for batch in (1, 16):
-        results["host"][batch] = compare(stub_engine(batch), batch, steps, reps)
+        results["host"][batch] = compare(stub_engine(batch), batch, steps, pairs)
         print(f"host  batch {batch}: {results['host'][batch]}", flush=True)
     from msinfer import LLM
     model_dir = ensure_model(*MODEL, print)
@@ -138,16 +161,16 @@ def main():
         llm = LLM(model_dir, max_len=128, max_num_seqs=batch, enable_prefix_caching=False,
                   max_prefill_tokens=256)
         llm.engine.warmup()
-        results["model"][batch] = compare(llm.engine, batch, steps, reps)
+        results["model"][batch] = compare(llm.engine, batch, steps, pairs)
         print(f"model batch {batch}: {results['model'][batch]}", flush=True)
         if batch == 16:
-            results["score"][batch] = compare_scoring(llm, reps)
+            results["score"][batch] = compare_scoring(llm, pairs)
             print(f"score batch {batch}: {results['score'][batch]}", flush=True)
         del llm
     results["load_average_at_end"] = os.getloadavg()
     with open(args.out + ".json", "w") as f:
         json.dump(results, f, indent=1)
-    with open(args.out + ".txt", "w") as f:
+    with open(args.out + ".md", "w") as f:
         f.write(table(results))
     print(table(results))
 
@@ -157,14 +180,21 @@ def table(results):
     lines = [f"logprobs={results['top']} vs none, per decode step, vocabulary "
              f"{results['vocab']}: {m['cpu']}, {m['cores']} cores, load average "
              f"{m['load_average_at_start'][0]:.2f} at the start, "
-             f"{results['load_average_at_end'][0]:.2f} at the end ({results['date']})",
-             "host, model: one decode step; score: 16 prompts of 32 tokens scored (prompt "
-             "logprobs 1, max_tokens 1) or not",
-             "        batch   plain ms   logprobs ms   ratio   added ms"]
+             f"{results['load_average_at_end'][0]:.2f} at the end ({results['date']}).",
+             "",
+             f"host, model: one decode step ({results['steps']} steps a run); score: 16 "
+             f"prompts of 32 tokens scored (prompt logprobs 1, max_tokens 1) or not. "
+             f"{results['pairs']} pairs of runs, the sides' order alternating: medians of "
+             f"the runs, the median of the pairs' ratios and its quartiles.",
+             "",
+             "| part | batch | plain ms | logprobs ms | ratio (median of pairs) | quartiles "
+             "| added ms | load after |",
+             "|---|---|---|---|---|---|---|---|"]
     for part in ("host", "model", "score"):
         for batch, r in results.get(part, {}).items():
-            lines.append(f"{part:>6} {batch:>6} {r['plain_ms']:>10.2f} {r['logprobs_ms']:>13.2f}"
-                         f" {r['ratio']:>7.2f} {r['added_ms']:>10.2f}")
+            lines.append(f"| {part} | {batch} | {r['plain_ms']:.2f} | {r['logprobs_ms']:.2f} "
+                         f"| **{r['ratio']:.2f}** | {r['ratio_q1']:.2f}-{r['ratio_q3']:.2f} "
+                         f"| {r['added_ms']:.2f} | {r['load_average_after']:.2f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -15,6 +15,7 @@ import types
 from msinfer.config import ModelConfig
 from msinfer.engine import EngineStats, RequestOutput  # the real engine's output types
 from msinfer.engine.llm_engine import check_request_limits
+from msinfer.engine.sequence import Prefix
 from msinfer.engine.tokenizer import find_stop
 from msinfer.engine_config import EngineConfig, EngineLimits
 from msinfer.errors import MsinferError
@@ -226,9 +227,10 @@ class FakeEngine:
         if cut is not None:
             text = text[:cut]
         n = getattr(r.params, "logprobs", None)
-        return RequestOutput(r.request_id, r.prompt, r.prompt_ids, list(r.generated), text,
+        view = Prefix if reason is None else list  # as the real engine: no copy per step
+        return RequestOutput(r.request_id, r.prompt, r.prompt_ids, view(r.generated), text,
                              reason is not None, reason,
-                             list(r.logprobs) if n is not None else None,
+                             view(r.logprobs) if n is not None else None,
                              prompt_logprobs=self._prompt_logprobs(r),
                              scheduled_at=r.scheduled_at)
 

@@ -23,7 +23,7 @@ from .routes_fleet import add_fleet_routes
 from .serving import ApiError, Serving
 from .serving_chat import ServingChat
 from .serving_completion import ServingCompletion
-from .serving_tokenize import ServingTokenize
+from .serving_tokenize import ServingTokenize, openapi_body
 
 # Paths behind the API key (when the server has one): the OpenAI API and what reads the
 # tokenizer (a chat template may be private); /health, /metrics and /version stay open.
@@ -85,12 +85,13 @@ def _add_info_routes(app, config, engine_config, metrics):
 
 def _add_tokenizer_routes(app, tokens):
     """vLLM's /tokenize, /detokenize and /tokenizer_info (tokens: a ServingTokenize)."""
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=openapi_body(p.TokenizeCompletionRequest,
+                                                      p.TokenizeChatRequest))
     async def tokenize(request: Request):
         body, headers = await tokens.tokenize(request)
         return JSONResponse(body.model_dump(mode="json"), headers=headers)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=openapi_body(p.DetokenizeRequest))
     async def detokenize(request: Request):
         body, headers = await tokens.detokenize(request)
         return JSONResponse(body.model_dump(mode="json"), headers=headers)

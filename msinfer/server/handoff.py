@@ -268,7 +268,8 @@ class Follower:
 
     def watch(self, on_gone):
         """Call `on_gone(message)` once the leader disappears, even mid-step (in a
-        collective, when frames are not being read)."""
+        collective, when frames are not being read). Returns the watching thread, which
+        ends once it called on_gone or this end is done."""
         def watch():
             while not self._done:
                 time.sleep(WATCH_INTERVAL)
@@ -277,7 +278,9 @@ class Follower:
                     if not self._done:
                         on_gone(f"rank {self.leader_rank} is gone (its connection closed)")
                     return
-        threading.Thread(target=watch, daemon=True, name="msinfer-watch-leader").start()
+        thread = threading.Thread(target=watch, daemon=True, name="msinfer-watch-leader")
+        thread.start()
+        return thread
 
     def summary(self):
         if not self.latency:

@@ -9,15 +9,16 @@ loop (`ReplicaUplink` turns its outputs into one report per step: what is new of
 request, and its stats) and its tensor group steps with it alone: replicas never step
 together and no collective spans them.
 """
+import bisect
 import collections
 import concurrent.futures
 import dataclasses
-import os
 import threading
 
 from ..engine import EngineStats, RequestOutput
 from ..engine.block_manager import block_names
 from ..engine.sampling import SamplingParams
+from ..engine.sequence import Prefix
 from ..errors import MsinferError
 from .handoff import PeerGone
 from .lockstep import ServerBusy
@@ -278,6 +279,8 @@ class RemoteReplica:
             return self._pending.pop(request_id, None)
 
     def _apply(self, entry):
+        """One request's report: appended to its mirror, whose output the sink gets as views
+        of it (Prefix, TextSoFar: no copy per step) while it runs, as lists once finished."""
         (request_id, tokens, keep, text, finished, reason, logprobs, error, cached,
          prompt_logprobs) = entry
         with self._lock:
@@ -287,18 +290,24 @@ class RemoteReplica:
             if finished:
                 del self._requests[request_id]
         mirror.token_ids += tokens
-        mirror.text = mirror.text[:keep] + text
         if logprobs is not None:
-            mirror.logprobs = (mirror.logprobs or []) + [
-                {int(t): v for t, v in row} for row in logprobs]
+            if mirror.logprobs is None:
+                mirror.logprobs = []
+            mirror.logprobs += [{int(t): v for t, v in row} for row in logprobs]
         if prompt_logprobs is not None:
             mirror.prompt_logprobs = [row and {int(t): v for t, v in row}
                                       for row in prompt_logprobs]
+        if finished:  # the one join of its text (cut before a stop string at `keep`)
+            whole = TextSoFar(mirror.pieces, mirror.ends)
+            text, view = whole[:keep] + text, list
+        else:
+            mirror.append_text(text)
+            text, view = TextSoFar(mirror.pieces, mirror.ends), Prefix
         mirror.sink(RequestOutput(
             request_id=request_id, prompt=mirror.prompt,
-            prompt_token_ids=mirror.prompt_token_ids, token_ids=list(mirror.token_ids),
-            text=mirror.text, finished=finished, finish_reason=reason,
-            logprobs=list(mirror.logprobs) if mirror.logprobs is not None else None,
+            prompt_token_ids=mirror.prompt_token_ids, token_ids=view(mirror.token_ids),
+            text=text, finished=finished, finish_reason=reason,
+            logprobs=view(mirror.logprobs) if mirror.logprobs is not None else None,
             error=error, cached_tokens=cached, prompt_logprobs=mirror.prompt_logprobs))
 
 
@@ -308,9 +317,51 @@ class _Mirror:
     prompt_token_ids: list
     sink: object
     token_ids: list = dataclasses.field(default_factory=list)
-    text: str = ""
+    # its text so far in pieces, and where each piece ends (TextSoFar)
+    pieces: list = dataclasses.field(default_factory=list)
+    ends: list = dataclasses.field(default_factory=list)
     logprobs: list = None
     prompt_logprobs: list = None
+
+    def append_text(self, text):
+        if text:
+            self.pieces.append(text)
+            self.ends.append((self.ends[-1] if self.ends else 0) + len(text))
+
+
+class TextSoFar:
+    """The first characters of a text received in pieces (append-only lists of the pieces
+    and of where each ends), as they are now, without joining them: what a running remote
+    request's output holds as its text. len() and slices (a str of what is sliced) cost
+    what is read, not the text's length."""
+
+    __slots__ = ("_pieces", "_ends", "_count")
+
+    def __init__(self, pieces, ends):
+        self._pieces, self._ends, self._count = pieces, ends, len(ends)
+
+    def __len__(self):
+        return self._ends[self._count - 1] if self._count else 0
+
+    def __getitem__(self, index):
+        if not isinstance(index, slice) or index.step not in (None, 1):
+            raise TypeError("TextSoFar takes slices of step 1 only")
+        start, stop, _ = index.indices(len(self))
+        if start >= stop:
+            return ""
+        first = bisect.bisect_right(self._ends, start, 0, self._count)  # holds `start`
+        last = bisect.bisect_left(self._ends, stop, 0, self._count)  # holds `stop - 1`
+        offset = self._ends[first - 1] if first else 0
+        return "".join(self._pieces[first:last + 1])[start - offset:stop - offset]
+
+    def __str__(self):
+        return self[:]
+
+    def __eq__(self, other):
+        return str(self) == (str(other) if isinstance(other, TextSoFar) else other)
+
+    def __repr__(self):
+        return repr(str(self))
 
 
 class ReplicaUplink:
@@ -375,16 +426,25 @@ class ReplicaUplink:
                                    "step_seconds": step_seconds, "handoff": handoff}})
 
     def _entry(self, out):
-        keep_sent = out.request_id in self._sent  # reported before
-        tokens, text = self._sent.pop(out.request_id, (0, ""))
-        keep = len(text) if out.text.startswith(text) else len(
-            os.path.commonprefix([text, out.text]))
-        if not out.finished:
-            self._sent[out.request_id] = (len(out.token_ids), out.text)
+        """What rank 0 lacks of `out`: its new tokens and logprobs, the prompt's logprobs in
+        its first report, and its text beyond what was sent. While it runs, the text sent
+        stops before a trailing U+FFFD (a character still incomplete, which a later token may
+        complete), so what rank 0 holds only grows; once finished, rank 0 keeps `keep`
+        characters (fewer when a stop string was cut off) and adds the rest."""
+        first = out.request_id not in self._sent
+        tokens, chars = self._sent.pop(out.request_id, (0, 0))
+        text = out.text
+        if out.finished:
+            keep, end = min(chars, len(text)), len(text)
+        else:
+            keep, end = chars, len(text)
+            while end > chars and text[end - 1] == "\ufffd":
+                end -= 1
+            self._sent[out.request_id] = (len(out.token_ids), end)
         logprobs = prompt_logprobs = None
         if out.logprobs is not None:
             logprobs = [list(row.items()) for row in out.logprobs[tokens:]]
-        if out.prompt_logprobs is not None and not keep_sent:  # once, in the first report
+        if out.prompt_logprobs is not None and first:
             prompt_logprobs = [row and list(row.items()) for row in out.prompt_logprobs]
-        return [out.request_id, out.token_ids[tokens:], keep, out.text[keep:], out.finished,
+        return [out.request_id, out.token_ids[tokens:], keep, text[keep:end], out.finished,
                 out.finish_reason, logprobs, out.error, out.cached_tokens, prompt_logprobs]

@@ -58,7 +58,7 @@ class ResponsesFormat:
         self.seq = 0
         self.items = []  # streamed output items, in order
         self.message = None  # the streamed message item, once text came
-        self.text = ""  # ... and its text so far
+        self.pieces = []  # ... and its text so far, joined once, at the end
         self.calls = {}  # tool-call index -> its streamed item
         self.finish_reason = None
 
@@ -142,7 +142,7 @@ class ResponsesFormat:
                                       output_index=len(self.items) - 1, content_index=0,
                                       part={"type": "output_text", "text": "",
                                             "annotations": []}))
-        self.text += text
+        self.pieces.append(text)
         events.append(self._event("response.output_text.delta", item_id=self.message["id"],
                                   output_index=self.items.index(self.message),
                                   content_index=0, delta=text, logprobs=[]))
@@ -166,10 +166,9 @@ class ResponsesFormat:
 
     def usage_chunk(self, usage):
         """The stream's end: every item done, then response.completed (or .incomplete)."""
-        events, output = Events(), []
+        events, output, text = Events(), [], "".join(self.pieces)
         for index, item in enumerate(self.items):
             if item is self.message:
-                text = self.text
                 done = message_item(text, item_id=item["id"])
                 part = done["content"][0]
                 events += [self._event("response.output_text.done", item_id=item["id"],
@@ -189,5 +188,5 @@ class ResponsesFormat:
         response = self._response(status, output, usage_of(usage))
         events.append(self._event(f"response.{status}", response=dict(response)))
         calls = [o for o in output if o["type"] == "function_call"]
-        self._remember(response, self.text, calls)
+        self._remember(response, text, calls)
         return events

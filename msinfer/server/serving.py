@@ -398,59 +398,68 @@ class RequestStream:
         self.logprobs = []
         self.prompt_logprobs = None  # with prompt logprobs asked: from the first output on
         self.opened = False  # has given its first delta
-        self.text = ""  # final text once finished; what may be sent so far before
+        self.text = ""  # the whole text, once finished
         self.sent = 0  # characters of text already streamed
         self.finished = False
         self.finish_reason = None
 
     def advance(self, out, tokenizer):
-        """Take the cumulative output `out`; return what is new and safe to send."""
-        now = time.monotonic()
+        """Take the cumulative output `out`; return what is new and safe to send. A step
+        costs what is new only: `out`'s lists are the engine's read-only views (Prefix), kept
+        as they are, and only the text since what was sent is read."""
         new_ids = out.token_ids[len(self.token_ids):]
-        new_logprobs = (out.logprobs or [])[len(self.logprobs):]
-        if new_ids:
-            if self.first_token is None:
-                self.first_token = now
-            else:
-                self.metrics.observe_token_gap((now - self.last_token) / len(new_ids),
-                                               self.replica)
-            self.last_token = now
+        logprobs = out.logprobs if out.logprobs is not None else []
+        new_logprobs = logprobs[len(self.logprobs):]
+        self._observe_tokens(len(new_ids))
         first, self.opened = not self.opened, True
-        self.token_ids = list(out.token_ids)
-        self.logprobs = list(out.logprobs or [])
+        self.token_ids, self.logprobs = out.token_ids, logprobs
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         self.cached_tokens = out.cached_tokens
         self.scheduled_at = getattr(out, "scheduled_at", None) or self.scheduled_at
         text = out.text
-        if not out.finished:
-            text = _safe_prefix(text, self.params.stop)
-        self.finished = out.finished
+        end = len(text) if out.finished else _safe_end(text, self.sent, self.params.stop)
+        delta = text[self.sent:end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
         if out.finished:
-            self.finish_reason = out.finish_reason
-            self.metrics.observe_request(self.arrival, self.first_token, now,
-                                         len(self.token_ids), out.finish_reason,
-                                         prompt_tokens=len(self.prompt_token_ids),
-                                         max_tokens=self.params.max_tokens,
-                                         replica=self.replica, scheduled=self.scheduled_at)
-        delta = text[self.sent:]
-        self.text, self.sent = text, max(self.sent, len(text))
+            self._finish(out)
         return Delta(delta, new_ids, new_logprobs, self if first else None)
+
+    def _observe_tokens(self, count):
+        now = time.monotonic()
+        if count:
+            if self.first_token is None:
+                self.first_token = now
+            else:
+                self.metrics.observe_token_gap((now - self.last_token) / count, self.replica)
+            self.last_token = now
+
+    def _finish(self, out):
+        self.finished, self.finish_reason, self.text = True, out.finish_reason, out.text
+        self.metrics.observe_request(self.arrival, self.first_token, time.monotonic(),
+                                     len(self.token_ids), out.finish_reason,
+                                     prompt_tokens=len(self.prompt_token_ids),
+                                     max_tokens=self.params.max_tokens,
+                                     replica=self.replica, scheduled=self.scheduled_at)
 
     def cumulative_logprob(self):
         """The sum of the generated tokens' logprobs (they must have been asked for)."""
         return sum(lp[t] for t, lp in zip(self.token_ids, self.logprobs))
 
 
-def _safe_prefix(text, stops):
-    """The part of unfinished text that will not change: not an incomplete UTF-8 character
-    (shown as U+FFFD at the end) nor the start of a stop string that may be cut off."""
-    end = len(text)
-    while end and text[end - 1] == "\ufffd":
+def _safe_end(text, sent, stops):
+    """Where the part of unfinished `text` that will not change ends: before an incomplete
+    UTF-8 character (shown as U+FFFD at the end) and the start of a stop string that may be
+    cut off. Reads only what came after the first `sent` characters (those were safe), from
+    a stop string's length back."""
+    begin = max(sent - max(map(len, stops), default=1) + 1, 0)
+    window = text[begin:]
+    end = len(window)
+    while end and window[end - 1] == "\ufffd":
         end -= 1
     for stop in stops:
         for k in range(min(len(stop) - 1, end), 0, -1):
-            if text[:end].endswith(stop[:k]):
+            if window.endswith(stop[:k], 0, end):
                 end -= k
                 break
-    return text[:end]
+    return begin + end

@@ -74,6 +74,30 @@ class ServingTokenize:
         return info
 
 
+def openapi_body(*models):
+    """The OpenAPI requestBody of a route that reads its JSON body itself (to tell a chat
+    body from a prompt one): a JSON object of one of `models`, their schemas inlined, so
+    that /openapi.json describes it as it does the routes that take a model."""
+    schemas = [_inlined(m.model_json_schema()) for m in models]
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": schema}}}}
+
+
+def _inlined(schema, defs=None):
+    """`schema` with its `#/$defs/...` references replaced by what they name."""
+    if defs is None:
+        defs = schema.pop("$defs", {})
+    if isinstance(schema, list):
+        return [_inlined(item, defs) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    ref = schema.get("$ref", "")
+    if ref.startswith("#/$defs/"):
+        return _inlined(dict(defs[ref[len("#/$defs/"):]]), defs)
+    return {key: _inlined(value, defs) for key, value in schema.items()}
+
+
 async def _json(request):
     body = await request.body()
     try:

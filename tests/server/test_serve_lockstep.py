@@ -184,11 +184,13 @@ def test_a_follower_hears_a_silent_leader_and_a_stop_frame_ends_it_without_alarm
         followers[0].recv()
     leader, followers = channels(1)
     gone = []
-    followers[0].watch(gone.append)
+    watching = followers[0].watch(gone.append)
     leader.close(wait=0)  # in-process followers do not end their process
     assert followers[0].recv() is None
-    time.sleep(2 * handoff.WATCH_INTERVAL + 1.2)
-    assert gone == []
+    # the watch ends once it sees the follower done (or has raised the alarm): waited for,
+    # with a bound, not slept on
+    watching.join(10)
+    assert not watching.is_alive() and gone == []
 
 
 def test_a_step_that_outlives_the_stall_timeout_is_reported_once_with_rank_and_step():

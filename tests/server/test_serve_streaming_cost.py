@@ -1,0 +1,112 @@
+"""A long answer costs the server as much per step at its 2000th token as at its 50th (issue
+38): nothing of a running request is copied, joined or serialized whole per step, on rank 0's
+own replica (`RequestStream.advance` over the engine's Prefix views) nor on the way from
+another replica (`ReplicaUplink` -> the link -> `RemoteReplica` -> the stream).
+
+Measured without a clock: the memory that one step's server work allocates at its peak
+(tracemalloc; a copy of 2000 tokens' ids is 16 KB, of their text 2-8 KB) and the bytes of
+the report that crosses the replica link, compared between steps 50-150 and the last 100
+steps by their medians (a list's occasional resize is amortized, not a per-step cost). Over
+the fake engine of tests/fake_engine.py, which hands out Prefix views as the real one does.
+"""
+import json
+import statistics
+import tracemalloc
+import types
+
+import pytest
+
+from fake_engine import FakeEngine, expected_ids
+
+from msinfer.engine.sampling import SamplingParams
+from msinfer.server import replicas
+from msinfer.server.serving import RequestStream
+
+N = 2000  # tokens of the answer
+PROMPT = [1, 2, 3]
+# logprobs and a stop string that never comes: the stream's per-step work at its fullest
+PARAMS = SamplingParams(max_tokens=N, logprobs=2, stop=("zz", "@@@"))
+_METRICS = types.SimpleNamespace(observe_token_gap=lambda *a, **k: None,
+                                 observe_request=lambda *a, **k: None)
+
+
+def _engine():
+    engine = FakeEngine(max_model_len=N + 64, num_blocks=64, block_size=64, step_delay=0)
+    engine.add_request("r", PROMPT, PARAMS)
+    return engine
+
+
+def _stream():
+    return RequestStream("r", PROMPT, PARAMS, 0.0, _METRICS)
+
+
+def _allocated(work):
+    """The bytes `work()` holds at its peak beyond what was held before it."""
+    before = tracemalloc.get_traced_memory()[0]
+    tracemalloc.reset_peak()
+    work()
+    return tracemalloc.get_traced_memory()[1] - before
+
+
+class _Pipe:
+    """The replica link as handoff.Link frames it (JSON), delivering each frame at once to
+    rank 0's RemoteReplica; `sizes` are the frames' bytes."""
+
+    def __init__(self, receiver=None):
+        self.receiver, self.sizes = receiver, []
+
+    def send(self, frame, timeout=None):
+        body = json.dumps(frame, separators=(",", ":")).encode()
+        self.sizes.append(len(body))
+        if self.receiver is not None:
+            self.receiver.on_frame(self, json.loads(body))
+        return True
+
+
+def _in_process():
+    """Rank 0's own replica: the engine's outputs straight into the stream."""
+    engine, stream, deltas, costs = _engine(), _stream(), [], []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            costs.append(_allocated(lambda: deltas.append(stream.advance(out, engine.tokenizer))))
+    return stream, deltas, costs, []
+
+
+def _remote():
+    """Another replica: its leader's uplink reports each step to rank 0, whose mirror of
+    the request feeds the stream."""
+    engine, stream, deltas, costs = _engine(), _stream(), [], []
+    remote = replicas.RemoteReplica(1, _Pipe())
+    pipe = _Pipe(remote)
+    uplink = replicas.ReplicaUplink(pipe)
+    remote.submit("r", PROMPT, PARAMS, None,
+                  lambda out: deltas.append(stream.advance(out, engine.tokenizer)))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            uplink.sink(out)
+        stats = engine.stats()
+        costs.append(_allocated(lambda: uplink.on_step(0.0, 0.01, stats)))
+    return stream, deltas, costs, pipe.sizes
+
+
+@pytest.mark.parametrize("path", [_in_process, _remote], ids=["in_process", "remote"])
+def test_a_steps_server_work_does_not_grow_with_the_answer(path):
+    tracemalloc.start()
+    try:
+        stream, deltas, costs, sizes = path()
+    finally:
+        tracemalloc.stop()
+    expected = expected_ids(PROMPT, N)
+    text = bytes(expected).decode()
+    # what was streamed is the whole answer, once, and the stream holds it all at the end
+    assert stream.finished and stream.finish_reason == "length"
+    assert list(stream.token_ids) == expected and stream.text == text
+    assert "".join(d.text for d in deltas) == text
+    assert [t for d in deltas for t in d.token_ids] == expected
+    assert len(stream.logprobs) == N and len([lp for d in deltas for lp in d.logprobs]) == N
+    assert len(costs) == N
+    early, late = statistics.median(costs[50:150]), statistics.median(costs[-100:])
+    assert late <= early + 256, (early, late)  # bytes allocated at a step's peak
+    if sizes:  # bytes of a report across the replica link (its counters gain digits)
+        early, late = statistics.median(sizes[50:150]), statistics.median(sizes[-100:])
+        assert late <= early + 16, (early, late)
