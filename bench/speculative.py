@@ -7,8 +7,8 @@ and on one with no repeats, at batch 1 and batch 8, with acceptance rates.
 Makes (if missing, under models/, git-ignored) a copying target and a copying draft with
 `msinfer make-tiny-model --copying` (msinfer/tools/copying_model.py: an induction circuit in
 the weights, so proposals drawn from the prompt are accepted as on real grounded text; random
-tiny checkpoints never copy). The target has TARGET_LAYERS layers, the draft 2, of the same
-seed. Each method runs in its own LLM; "off" is the same LLM with its speculation set aside,
+tiny checkpoints never copy): the target TARGET_SHAPE (about 170M parameters: its decode step
+reads its weights, as a real model's does), the draft the 2-layer COPYING_SHAPE (about 2M). Each method runs in its own LLM; "off" is the same LLM with its speculation set aside,
 so both use the same compiled graphs. Runs alternate off/on (a change of load weighs on both
 alike); each figure is the median of --reps runs. Batch 1 sends one request at a time; batch
 8 sends 8 at once. Greedy tokens with speculation must equal those without (checked).
@@ -29,8 +29,7 @@ ROOT = os.path.dirname(BENCH)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, BENCH)
 
-TARGET_LAYERS = 8
-DRAFT_LAYERS = 2
+TARGET_SHAPE = dict(layers=12, hidden=1024, heads=8, kv_heads=2, intermediate=2816)
 SEED = 7
 K = 4
 METHODS = {
@@ -42,12 +41,12 @@ METHODS = {
 ENGINE = dict(max_model_len=1024, max_num_seqs=8, max_prefill_tokens=256)
 
 
-def ensure_model(name, layers):
+def ensure_model(name, shape):
     from msinfer.tools.tiny_model import COPYING_SHAPE, make_tiny_model
 
     path = os.path.join(ROOT, "models", name)
     if not os.path.isdir(path):
-        make_tiny_model(path, copying=True, **dict(COPYING_SHAPE, layers=layers), seed=SEED)
+        make_tiny_model(path, copying=True, **dict(COPYING_SHAPE, **shape), seed=SEED)
     return path
 
 
@@ -98,8 +97,8 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="one round, 1 rep: the harness only")
     args = p.parse_args(argv)
     load_start = os.getloadavg()
-    target = ensure_model(f"bench-copying-{TARGET_LAYERS}l", TARGET_LAYERS)
-    draft = ensure_model(f"bench-copying-{DRAFT_LAYERS}l", DRAFT_LAYERS)
+    target = ensure_model("bench-copying-target", TARGET_SHAPE)
+    draft = ensure_model("bench-copying-draft", {})
 
     from msinfer import LLM
     from msinfer.hardware import cpuinfo_fields
@@ -113,7 +112,7 @@ def main(argv=None):
         llm = LLM(target, **ENGINE, speculative_config=settings)
         llm.warmup()
         workloads = spec_workloads(llm.config.vocab_size, specials["<|im_start|>"],
-                                   avoid=specials.values(), rounds=1 if args.quick else 2)
+                                   avoid=specials.values(), rounds=1)
         for workload in workloads:  # a first pass of each: the caches and the allocator
             run_workload(llm, workload)
         for workload in workloads:
@@ -134,8 +133,8 @@ def main(argv=None):
     record = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         commit=commit, quick=args.quick, reps=reps, engine=ENGINE, methods=METHODS,
-        models=dict(target=f"make-tiny-model --copying, {TARGET_LAYERS} layers, seed {SEED}",
-                    draft=f"make-tiny-model --copying, {DRAFT_LAYERS} layers, seed {SEED}"),
+        models=dict(target=f"make-tiny-model --copying {TARGET_SHAPE}, seed {SEED}",
+                    draft=f"make-tiny-model --copying (2 layers, hidden 256), seed {SEED}"),
         machine=dict(cpu=cpuinfo_fields().get("model name") or platform.processor(),
                      cores=os.cpu_count(), load_average_at_start=load_start,
                      load_average_at_end=os.getloadavg()),
