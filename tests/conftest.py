@@ -61,12 +61,17 @@ def pytest_configure(config):
 # Under pytest-xdist (setup.cfg's addopts: three workers on two cores, so that one computes
 # while another waits on a process) a test is a unit of work of its own, given to whichever
 # worker is free, except:
-# - the multi-rank jobs, one unit, given out first: one after the other on one worker (two at
-#   once would put 8 ranks on 2 cores, and past the sharded servers' 5 s stall bound);
+# - the jobs of four ranks (`multirank`), one unit, given out first: one after the other on one
+#   worker (two at once would put 8 ranks on 2 cores, and past the sharded servers' 5 s stall
+#   bound);
 # - the tests of the session's one-process server (`tiny_server`), one unit, given out second:
 #   one warm-up for all of them;
 # - the tests of a module that share a module fixture (an engine, a job), one unit: the fixture
-#   made once, the tests in their order.
+#   made once, the tests in their order. A job of two ranks (`multirank(ranks=2)`) is such a
+#   test, not one of the four-rank unit: it runs beside that unit (a job of 4 ranks, and at
+#   most two of 2 ranks on the other workers), with its module's fixtures (checkpoints,
+#   quantized directories) made once on its worker; the units that hold one are given out
+#   after the first two, being long.
 # Workers collect the tests, the controller schedules them: the first worker writes each
 # test's unit to a file the controller reads.
 UNITS_FILE = "MSINFER_TEST_UNITS"
@@ -74,7 +79,8 @@ FIRST_UNITS = ("multirank", "server")
 
 
 def unit_of(item):
-    if item.get_closest_marker("multirank"):
+    multirank = item.get_closest_marker("multirank")
+    if multirank and multirank.kwargs.get("ranks", 4) > 2:
         return "multirank"
     if item.get_closest_marker("server") or "tiny_server" in item.fixturenames:
         return "server"
@@ -87,8 +93,12 @@ def unit_of(item):
 def pytest_collection_modifyitems(config, items):
     path = os.environ.get(UNITS_FILE)
     if path and getattr(config, "workerinput", {}).get("workerid") == "gw0":
+        units = {item.nodeid: unit_of(item) for item in items}
+        pairs = [units[item.nodeid] for item in items if item.get_closest_marker("multirank")
+                 and units[item.nodeid] != "multirank"]
+        first = list(FIRST_UNITS) + [u for u in dict.fromkeys(pairs) if u not in FIRST_UNITS]
         with open(path + ".tmp", "w") as f:
-            json.dump({item.nodeid: unit_of(item) for item in items}, f)
+            json.dump({"units": units, "first": first}, f)
         os.replace(path + ".tmp", path)
 
 
@@ -97,14 +107,28 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
     class Units(LoadScopeScheduling):
-        def _split_scope(self, nodeid):
+        def _read_units(self):
             if not hasattr(self, "_units"):
                 with open(os.environ[UNITS_FILE]) as f:
-                    self._units = json.load(f)
+                    found = json.load(f)
+                self._units, self._first = found["units"], found["first"]
+
+        def _split_scope(self, nodeid):
+            self._read_units()
             return self._units[nodeid]
 
+        def _reschedule(self, node):
+            # the next unit once a worker has its last test left (it holds a test until it
+            # knows the next), not its last two (xdist's rule): a unit given then waits
+            # behind two tests, and those can be jobs of a minute, while a worker idles
+            if (not node.shutting_down and self.workqueue
+                    and self._pending_of(self.assigned_work[node]) > 1):
+                return
+            super()._reschedule(node)
+
         def _assign_work_unit(self, node):
-            for unit in reversed(FIRST_UNITS):
+            self._read_units()
+            for unit in reversed(self._first):
                 if unit in self.workqueue:
                     self.workqueue.move_to_end(unit, last=False)
             super()._assign_work_unit(node)

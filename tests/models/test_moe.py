@@ -357,7 +357,7 @@ def tp2_job(moe_checkpoints, tmp_path_factory):
     return out_dir
 
 
-@pytest.mark.multirank
+@pytest.mark.multirank(ranks=2)
 @pytest.mark.parametrize("name,results,strategy", [
     ("qwen3_moe", "npz", "tp2"), ("qwen2_moe", "model2.npz", "tp2"),
     ("qwen3_moe", "model3.npz", "ep2"), ("qwen2_moe", "model4.npz", "ep2")])

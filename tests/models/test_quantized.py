@@ -106,17 +106,34 @@ def quantize(source, family, template, a_bit, out, work):
     return out
 
 
+class MadeOnUse(dict):
+    """{name: make(name)}, each made when first asked for: the worker that runs this module's
+    four-rank job apart from its other tests (conftest.py) makes that job's one case only."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, name):
+        self[name] = self.make(name)
+        return self[name]
+
+
 @pytest.fixture(scope="module")
 def quantized(tiny_checkpoint, tmp_path_factory):
-    """{case: quantized directory}, each made once by msModelSlim; and GROUPED."""
+    """{case: quantized directory}, each made once by msModelSlim (when first asked for);
+    and GROUPED."""
     work = str(tmp_path_factory.mktemp("msmodelslim"))
-    made = {}
-    for name, (spec, template, a_bit) in CASES.items():
+
+    def make(name):
+        if name == GROUPED:
+            return regroup(made["qwen2_w8a16_v0_fp16"], tiny_checkpoint(
+                **CASES["qwen2_w8a16_v0_fp16"][0])[0], os.path.join(work, GROUPED))
+        spec, template, a_bit = CASES[name]
         source, _ = tiny_checkpoint(**spec)
-        made[name] = quantize(source, spec.get("family", "qwen2"), template, a_bit,
-                              os.path.join(work, name), work)
-    made[GROUPED] = regroup(made["qwen2_w8a16_v0_fp16"], tiny_checkpoint(
-        **CASES["qwen2_w8a16_v0_fp16"][0])[0], os.path.join(work, GROUPED))
+        return quantize(source, spec.get("family", "qwen2"), template, a_bit,
+                        os.path.join(work, name), work)
+    made = MadeOnUse(make)
     return made
 
 
@@ -214,7 +231,7 @@ def formula_model(quant_dir):
 
 @pytest.fixture(scope="module")
 def references(quantized):
-    return {name: formula_model(path) for name, path in quantized.items()}
+    return MadeOnUse(lambda name: formula_model(quantized[name]))
 
 
 def reference_logprobs(model, prompt, generated):
@@ -314,7 +331,7 @@ def run_job_on(quantized, references, out_dir, strategy, names, ranks):
                               list(found[0]["logprobs"]), name)
 
 
-@pytest.mark.multirank
+@pytest.mark.multirank(ranks=2)
 def test_two_ranks_generate_what_msmodelslims_formula_does(quantized, references,
                                                            tmp_path_factory):
     """One msrun job of two tensor ranks runs every Qwen2 case (--model2; Qwen3's layers

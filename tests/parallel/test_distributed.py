@@ -32,7 +32,7 @@ from test_yarn import YARN_CASE  # noqa: E402
 
 from msinfer.parallel.distributed import free_port  # noqa: E402
 
-pytestmark = pytest.mark.multirank
+pytestmark = pytest.mark.multirank  # 4 ranks, but for the tp2 job's tests
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(ROOT, "tests", "distributed_worker.py")
@@ -237,6 +237,7 @@ def test_tp4_under_mpirun_runs_qwen2_with_yarn_as_transformers_does(models, tp4_
     assert ranks[0]["tokens"].shape == (len(PROMPTS), 9) and max(map(len, PROMPTS)) + 9 > 32
 
 
+@pytest.mark.multirank(ranks=2)  # beside the 4-rank jobs (conftest.py)
 def test_tp2_under_msrun_matches_hf_with_tied_embeddings(models, tp2_msrun):
     """Also with every MLP and lm_head product weight first: the vocabulary-split lm_head
     gathers its transposed blocks."""
@@ -245,6 +246,7 @@ def test_tp2_under_msrun_matches_hf_with_tied_embeddings(models, tp2_msrun):
     check_ranks_against_hf(job.dir, 2, models["tied"][1], "msrun")
 
 
+@pytest.mark.multirank(ranks=2)  # beside the 4-rank jobs (conftest.py)
 def test_tp2_under_msrun_runs_qwen3_as_transformers_does(models, tp2_msrun):
     """Untied Qwen3 at tp2 (two query heads of 32 and one KV head per rank, q/k norms whole),
     after the tied Qwen2 in the same job."""
@@ -356,6 +358,7 @@ def test_a_killed_rank_brings_the_mpirun_job_down_quickly(tp4_mpirun):
     assert not list(job.dir.glob("*.survived"))  # nobody went on as if nothing happened
 
 
+@pytest.mark.multirank(ranks=2)  # beside the 4-rank jobs (conftest.py)
 def test_a_failing_rank_brings_the_msrun_job_down_with_its_message(tp2_msrun):
     """Rank 1 exits with a user error (code 2) while rank 0 waits for it in a collective."""
     job = tp2_msrun

@@ -185,7 +185,7 @@ def test_four_cpu_ranks_measure_world_tensor_groups_and_pairs_correctly(tmp_path
     assert format_report(report) == out.strip()  # the table is the JSON, formatted
 
 
-@pytest.mark.multirank
+@pytest.mark.multirank(ranks=2)
 def test_a_rank_with_a_wrong_contribution_fails_the_checks_and_the_job(tmp_path):
     """Two ranks (the fewest that show whose contribution was wrong): rank 1 corrupts."""
     code, out, err = run_job(launch("--max-bytes", "64", "--factor", "8", "--iters", "2",
