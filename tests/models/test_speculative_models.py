@@ -96,7 +96,7 @@ def test_seeded_sampling_repeats_and_penalties_and_grammar_are_kept(plain, specu
         assert all(abs(want[t] - have[t]) < 1e-4 for t in want)
 
 
-@pytest.mark.multirank
+@pytest.mark.multirank(ranks=2)
 def test_two_tensor_ranks_speculate_as_one_and_give_transformers_tokens(checkpoint,
                                                                         tmp_path_factory):
     """One mpirun job of two tensor ranks runs the checkpoint with each method in turn
