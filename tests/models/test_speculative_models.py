@@ -125,3 +125,27 @@ def test_two_tensor_ranks_speculate_as_one_and_give_transformers_tokens(checkpoi
         if number == 2:
             assert accepted >= 0.9 * draft_tokens  # its own draft
     assert max(map(len, PROMPTS)) > 16  # a prompt of several chunks beside verifications
+
+
+def test_the_openai_server_streams_what_decoding_without_speculation_gives(plain,
+                                                                           speculating):
+    """The real engine of each method behind the OpenAI server (in process): a streamed
+    greedy completion is the text without speculation, and steps that accept several tokens
+    stream them in one chunk."""
+    from test_serve_protocol import MODEL, RunningServer
+
+    method, llm = speculating
+    prompt = grounded_prompts(plain.config.vocab_size, seed=5)[0]
+    expected = plain.generate([prompt], SamplingParams(max_tokens=24, temperature=0,
+                                                       ignore_eos=True))[0]
+    server = RunningServer(llm=llm)
+    try:
+        chunks = list(server.client().completions.create(
+            model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}, stream_options={"include_usage": True}))
+    finally:
+        server.stop()
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text, method
+    assert chunks[-1].usage.completion_tokens == 24
+    if method == "draft_model":  # its proposals accepted: fewer chunks than tokens
+        assert len([c for c in chunks if c.choices]) < 20
