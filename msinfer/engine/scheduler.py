@@ -148,11 +148,6 @@ class Scheduler:
         chunks = []
         budget = self.max_prefill_tokens
         context = self.max_context
-        verifies = []
-        if lookahead is not None:
-            decodes, verifies = self._verifications(decodes, lookahead, budget, context)
-            budget -= sum(c.count for c in verifies)
-            context -= sum(c.start + c.count for c in verifies)
         for seq in self.running:
             chunk = self._chunk(seq, budget, context) if seq.prefilling else None
             if chunk:
@@ -180,14 +175,19 @@ class Scheduler:
                 chunks.append(chunk)
                 budget -= chunk.count
                 context -= chunk.start + chunk.count
+        verifies = []
+        if lookahead is not None:  # what the prefill chunks and admissions leave
+            decodes, verifies = self._verifications(decodes, lookahead, budget, context)
         return Schedule(decodes, chunks, preempted, verifies)
 
     def _verifications(self, decodes, lookahead, budget, context):
         """(plain decodes, verifications): a decoding sequence verifies proposals when it
-        wants some and its last token with them fits the step's prefill budget, context and
-        the free blocks (taken now for all of them: the engine gives back what goes unused).
-        Verifications run in the prefill call (Chunk.proposal); their priority over prefill
-        chunks is a decode's."""
+        wants some and its last token with them fits what the step's prefill chunks and
+        admissions left of its prefill budget, context and free blocks (taken now for all of
+        them: the engine gives back what goes unused). Verifications run in the prefill call
+        (Chunk.proposal); speculation takes nothing a prompt needs: a prompt's chunks and a
+        new admission go first (a verification's context, the sequence's whole length, would
+        otherwise crowd prompts out of the call's context)."""
         plain, verifies = [], []
         for seq in decodes:
             wanted = lookahead(seq, len(decodes))
