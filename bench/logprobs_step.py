@@ -146,11 +146,13 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "logprobs_step"))
+    p.add_argument("--note", default="", help="what the results' table says of the run "
+                   "(e.g. what else ran on the machine)")
     args = p.parse_args()
     steps, pairs = (8, 2) if args.quick else (96, 11)
     results = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
                "machine": machine_info(), "vocab": VOCAB, "top": TOP, "steps": steps,
-               "pairs": pairs, "host": {}, "model": {}, "score": {}}
+               "pairs": pairs, "note": args.note, "host": {}, "model": {}, "score": {}}
     for batch in (1, 16):
         results["host"][batch] = compare(stub_engine(batch), batch, steps, pairs)
         print(f"host  batch {batch}: {results['host'][batch]}", flush=True)
@@ -181,7 +183,7 @@ def table(results):
              f"{results['vocab']}: {m['cpu']}, {m['cores']} cores, load average "
              f"{m['load_average_at_start'][0]:.2f} at the start, "
              f"{results['load_average_at_end'][0]:.2f} at the end ({results['date']}).",
-             "",
+             "", *([results["note"], ""] if results.get("note") else []),
              f"host, model: one decode step ({results['steps']} steps a run); score: 16 "
              f"prompts of 32 tokens scored (prompt logprobs 1, max_tokens 1) or not. "
              f"{results['pairs']} pairs of runs, the sides' order alternating: medians of "

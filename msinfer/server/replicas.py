@@ -440,6 +440,7 @@ class ReplicaUplink:
             keep, end = chars, len(text)
             while end > chars and text[end - 1] == "\ufffd":
                 end -= 1
+            end = max(end, chars)
             self._sent[out.request_id] = (len(out.token_ids), end)
         logprobs = prompt_logprobs = None
         if out.logprobs is not None:

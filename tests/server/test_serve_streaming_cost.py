@@ -8,6 +8,7 @@ Measured without a clock: the memory that one step's server work allocates at it
 the report that crosses the replica link, compared between steps 50-150 and the last 100
 steps by their medians (a list's occasional resize is amortized, not a per-step cost). Over
 the fake engine of tests/fake_engine.py, which hands out Prefix views as the real one does.
+And rank 0's view of a remote request's text (`TextSoFar`) slices as the text it stands for.
 """
 import json
 import statistics
@@ -15,6 +16,8 @@ import tracemalloc
 import types
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from fake_engine import FakeEngine, expected_ids
 
@@ -110,3 +113,18 @@ def test_a_steps_server_work_does_not_grow_with_the_answer(path):
     if sizes:  # bytes of a report across the replica link (its counters gain digits)
         early, late = statistics.median(sizes[50:150]), statistics.median(sizes[-100:])
         assert late <= early + 16, (early, late)
+
+
+@given(st.lists(st.text(min_size=1, max_size=5), max_size=8), st.integers(-30, 30) | st.none(),
+       st.integers(-30, 30) | st.none(), st.integers(0, 8))
+def test_text_so_far_slices_as_the_joined_text_as_it_was(pieces, start, stop, later):
+    """A view holds the text as it was when made: pieces appended later do not show."""
+    mirror = replicas._Mirror(None, [], None)
+    for piece in pieces:
+        mirror.append_text(piece)
+    view = replicas.TextSoFar(mirror.pieces, mirror.ends)
+    for i in range(later):
+        mirror.append_text(f"+{i}")
+    text = "".join(pieces)
+    assert len(view) == len(text) and str(view) == text
+    assert view[start:stop] == text[start:stop]
