@@ -95,6 +95,7 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join(BENCH, "results"))
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="one round, 1 rep: the harness only")
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated")
     args = p.parse_args(argv)
     load_start = os.getloadavg()
     target = ensure_model("bench-copying-target", TARGET_SHAPE)
@@ -107,7 +108,8 @@ def main(argv=None):
     specials = special_tokens(target)
     reps = 1 if args.quick else args.reps
     results = {}
-    for method, settings in METHODS.items():
+    for method in args.methods.split(","):
+        settings = METHODS[method]
         settings = dict(settings, model=draft) if method == "draft_model" else settings
         llm = LLM(target, **ENGINE, speculative_config=settings)
         llm.warmup()

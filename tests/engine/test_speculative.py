@@ -232,3 +232,31 @@ def test_accepted_count_is_the_common_prefix():
     assert accepted_count([4, 5, 9], (4, 5, 6, 7)) == 2
     assert accepted_count([4, 5, 6, 7, 8], (4, 5, 6, 7)) == 4
     assert accepted_count([1], (4,)) == 0
+
+
+def test_the_next_proposal_is_as_long_as_the_last_one_earned():
+    from types import SimpleNamespace
+
+    from msinfer.engine.speculative.adaptive import ProposalBudget
+
+    budget = ProposalBudget(SpeculativeConfig(method="ngram", num_speculative_tokens=8))
+    seq = SimpleNamespace(request_id="a", params=SimpleNamespace(max_tokens=100),
+                          generated=[], length=10)
+
+    def wanted():
+        return budget.wanted(seq, 1, 256)
+
+    assert wanted() == 8
+    budget.proposed(seq, 8, 3)  # some accepted: one more than were
+    assert wanted() == 4
+    budget.proposed(seq, 4, 4)  # all: twice as many, up to k
+    assert wanted() == 8
+    budget.proposed(seq, 8, 0)  # none: wait a step, then one token
+    assert [wanted(), wanted()] == [0, 1]
+    budget.proposed(seq, 1, 0)  # none again: wait two steps
+    assert [wanted(), wanted(), wanted()] == [0, 0, 1]
+    budget.proposed(seq, 1, 1)
+    assert wanted() == 2
+    seq.generated = [0] * 98  # two tokens left: one proposal and the token after it
+    assert wanted() == 1
+    assert budget.wanted(seq, 9, 256) == 0  # beyond the batch bound (8)

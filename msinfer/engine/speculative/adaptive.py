@@ -1,12 +1,14 @@
 """How many tokens to propose for a sequence this step, so that speculation never costs much.
 
 A verification forward over k + 1 positions costs more than a one-token decode step (on CPU
-a padded chunk; on any device more compute), and pays only when proposals are accepted. Two
-rules keep a losing bet small:
+a padded chunk; on any device more compute), and a draft model's proposals cost a draft
+forward each; they pay only when accepted. Three rules keep a losing bet small:
+- per sequence, the next proposal is as long as the last one earned: all accepted, twice as
+  many (up to k); some, one more than were accepted; none, one;
 - per sequence, a proposal none of whose tokens were accepted doubles a back-off: the
   sequence decodes plainly for that many steps before proposing again (1, 2, 4 ... up to
   MAX_BACKOFF); one accepted token resets it. Text with no repeats stops being verified after
-  a few misses, and is tried again now and then;
+  a few misses, and is tried again now and then, one token at a time;
 - per step, no speculation when more sequences decode than `disable_by_batch_size` (vLLM's
   setting): a large batch already reads the weights once for many tokens.
 The state changes only from what every rank of a tensor group knows (the tokens the leader
@@ -25,6 +27,7 @@ DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 @dataclasses.dataclass
 class _Odds:
+    length: int  # tokens the next proposal may have
     backoff: int = 0  # steps to wait after the next miss
     wait: int = 0  # plain decode steps left before the next proposal
 
@@ -47,11 +50,15 @@ class ProposalBudget:
             odds.wait -= 1
             return 0
         left = min(seq.params.max_tokens - len(seq.generated), max_model_len - seq.length)
-        return max(0, min(self.k, left - 1))
+        return max(0, min(self.k if odds is None else odds.length, left - 1))
 
     def proposed(self, seq, count: int, accepted: int) -> None:
         """`seq` verified `count` proposals (> 0) and kept `accepted` of them."""
-        odds = self._odds.setdefault(seq.request_id, _Odds())
+        odds = self._odds.setdefault(seq.request_id, _Odds(self.k))
+        if accepted == count:
+            odds.length = min(self.k, 2 * count)
+        else:
+            odds.length = accepted + 1
         if accepted:
             odds.backoff = 0
         else:
