@@ -38,7 +38,7 @@ METHODS = {
     "suffix": {"method": "suffix", "num_speculative_tokens": K},
     "draft_model": {"method": "draft_model", "num_speculative_tokens": K},
 }
-ENGINE = dict(max_model_len=1024, max_num_seqs=8, max_prefill_tokens=256)
+ENGINE = dict(max_model_len=4096, max_num_seqs=8, max_prefill_tokens=256)
 
 
 def ensure_model(name, shape):

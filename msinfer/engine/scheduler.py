@@ -130,6 +130,16 @@ class Scheduler:
         tokens to make room for after a decoding sequence's last one (0: none), asked once
         per decoding sequence, `decoding` of them in the step."""
         preempted = []
+        decodes = self._decodes(preempted)
+        chunks, budget, context = self._prefill_chunks(preempted)
+        verifies = []
+        if lookahead is not None:  # what the prefill chunks and admissions leave
+            decodes, verifies = self._verifications(decodes, lookahead, budget, context)
+        return Schedule(decodes, chunks, preempted, verifies)
+
+    def _decodes(self, preempted):
+        """Every admitted sequence with one pending token, with a block for it; preempting
+        the latest admitted (added to `preempted`) while none is free."""
         decodes = []
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or seq.prefilling:
@@ -143,8 +153,11 @@ class Scheduler:
             if seq.status is Status.RUNNING:
                 self.blocks.grow(seq, seq.length)
                 decodes.append(seq)
-        decodes = [s for s in decodes if s.status is Status.RUNNING]
+        return [s for s in decodes if s.status is Status.RUNNING]
 
+    def _prefill_chunks(self, preempted):
+        """(chunks, prefill budget left, context left): chunks of the sequences prefilling,
+        then of waiting ones admitted in queue order."""
         chunks = []
         budget = self.max_prefill_tokens
         context = self.max_context
@@ -162,12 +175,7 @@ class Scheduler:
             if not self.blocks.can_admit(seq, matched):
                 break
             self.waiting.popleft()
-            self.blocks.admit(seq, matched)
-            if seq.cached_tokens is None:
-                seq.cached_tokens = len(matched) * self.blocks.layout.block_size
-                seq.scheduled_at = time.monotonic()  # read by metrics only, never decides
-            seq.status = Status.RUNNING
-            self.running.append(seq)
+            self._admit(seq, matched)
             # even one pending token (a one-token prompt, or the rest of a cached one) is a
             # chunk: it gets its logits in this step
             chunk = self._chunk(seq, budget, context)
@@ -175,10 +183,15 @@ class Scheduler:
                 chunks.append(chunk)
                 budget -= chunk.count
                 context -= chunk.start + chunk.count
-        verifies = []
-        if lookahead is not None:  # what the prefill chunks and admissions leave
-            decodes, verifies = self._verifications(decodes, lookahead, budget, context)
-        return Schedule(decodes, chunks, preempted, verifies)
+        return chunks, budget, context
+
+    def _admit(self, seq, matched):
+        self.blocks.admit(seq, matched)
+        if seq.cached_tokens is None:
+            seq.cached_tokens = len(matched) * self.blocks.layout.block_size
+            seq.scheduled_at = time.monotonic()  # read by metrics only, never decides
+        seq.status = Status.RUNNING
+        self.running.append(seq)
 
     def _verifications(self, decodes, lookahead, budget, context):
         """(plain decodes, verifications): a decoding sequence verifies proposals when it
