@@ -33,12 +33,14 @@ TARGET_SHAPE = dict(layers=12, hidden=1024, heads=8, kv_heads=2, intermediate=28
 SEED = 7
 K = 4
 METHODS = {
-    "ngram": {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
-              "prompt_lookup_min": 2},
+    "ngram": {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4},
     "suffix": {"method": "suffix", "num_speculative_tokens": K},
     "draft_model": {"method": "draft_model", "num_speculative_tokens": K},
 }
-ENGINE = dict(max_model_len=4096, max_num_seqs=8, max_prefill_tokens=256)
+# no prefix cache: each run's prompts are new, and its first side ('off') would leave them
+# cached for the other
+ENGINE = dict(max_model_len=4096, max_num_seqs=8, max_prefill_tokens=256,
+              enable_prefix_caching=False)
 
 
 def ensure_model(name, shape):
@@ -69,12 +71,15 @@ def spec_counters(llm):
     return s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens
 
 
-def measure(llm, workload, reps):
-    """{off, on: tokens/s runs}, acceptance over the 'on' runs; the tokens checked equal."""
+def measure(llm, workloads, reps):
+    """{off, on: tokens/s runs}, acceptance over the 'on' runs; the tokens checked equal.
+    `workloads(rep)`: each rep's prompts, new ones (the suffix proposer's cache of earlier
+    outputs would otherwise propose the last rep's answer to the same prompt)."""
     speculation = llm.engine.speculation
     runs = {"off": [], "on": []}
     before = spec_counters(llm)
-    for _ in range(reps):
+    for rep in range(reps):
+        workload = workloads(rep)
         llm.engine.speculation = None
         off, plain = run_workload(llm, workload)
         llm.engine.speculation = speculation
@@ -113,12 +118,15 @@ def main(argv=None):
         settings = dict(settings, model=draft) if method == "draft_model" else settings
         llm = LLM(target, **ENGINE, speculative_config=settings)
         llm.warmup()
-        workloads = spec_workloads(llm.config.vocab_size, specials["<|im_start|>"],
-                                   avoid=specials.values(), rounds=1)
-        for workload in workloads:  # a first pass of each: the caches and the allocator
+        def workloads(seed):
+            return spec_workloads(llm.config.vocab_size, specials["<|im_start|>"],
+                                  avoid=specials.values(), rounds=1, seed=seed)
+
+        for workload in workloads(1000):  # a first pass of each: the allocator, the graphs
             run_workload(llm, workload)
-        for workload in workloads:
-            runs, acceptance = measure(llm, workload, reps)
+        for index, workload in enumerate(workloads(0)):
+            runs, acceptance = measure(
+                llm, lambda rep: workloads(rep)[index], reps)
             off, on = statistics.median(runs["off"]), statistics.median(runs["on"])
             key = f"{method}/{workload.name}/batch{workload.batch_size}"
             results[key] = dict(method=method, workload=workload.name,
@@ -165,7 +173,8 @@ def markdown(r):
         f"- target: {r['models']['target']}; draft: {r['models']['draft']}",
         f"- k = {K} proposed tokens; greedy, ignore_eos; output tokens/s, median of "
         f"{r['reps']} runs alternated off/on in one process (the same LLM, its speculation "
-        f"set aside for 'off'); tokens with speculation equal those without",
+        f"set aside for 'off'); tokens with speculation equal those without; new prompts "
+        f"each run (no request's answer cached from an earlier run)",
         "- grounded: a 384-token 'document', a question, a cue starting a span of the "
         "document: the answer copies the span; no_repeat: distinct random tokens",
         "",

@@ -265,7 +265,7 @@ class LLMEngine:
         schedule = self.scheduler.schedule(spec.lookahead(self.limits.max_model_len))
         if schedule.verifies:
             spec.propose(schedule, self.blocks)
-        self._verifying = {c.seq.request_id: c for c in schedule.verifies}
+        self._verifying = {c.seq.request_id: c for c in schedule.verifies if c.proposal}
         return outputs, schedule
 
     def run_step(self, schedule, sample: bool = True) -> list[RequestOutput]:
@@ -331,7 +331,8 @@ class LLMEngine:
                 completing.append(row)
                 row += 1
             chunk.seq.computed += chunk.count
-            self.prefill_tokens_computed += chunk.count
+            if not chunk.rides:  # a decode riding with verifications is no prefill
+                self.prefill_tokens_computed += chunk.count
             self.blocks.computed(chunk.seq)
         completed = [c.seq for c in chunks if c.completes and not c.proposal]
         if not completing:

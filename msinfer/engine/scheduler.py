@@ -38,6 +38,9 @@ class Chunk:
     start: int
     count: int
     proposal: tuple = ()
+    # a decoding sequence's one token run in the prefill call beside the step's
+    # verifications (speculative decoding), so that the step is one call, not two
+    rides: bool = False
 
     @property
     def completes(self) -> bool:
@@ -72,6 +75,8 @@ class Schedule:
     # last token, counting the proposals the scheduler made room for; the engine fills in
     # the proposals (LLMEngine.begin_step), and those left with none decode in `decodes`
     verifies: list[Chunk] = dataclasses.field(default_factory=list)
+    # (prefill tokens, context positions) the step's chunks and verifications leave
+    room: tuple = (0, 0)
 
     @property
     def empty(self) -> bool:
@@ -134,8 +139,9 @@ class Scheduler:
         chunks, budget, context = self._prefill_chunks(preempted)
         verifies = []
         if lookahead is not None:  # what the prefill chunks and admissions leave
-            decodes, verifies = self._verifications(decodes, lookahead, budget, context)
-        return Schedule(decodes, chunks, preempted, verifies)
+            decodes, verifies, budget, context = self._verifications(decodes, lookahead,
+                                                                     budget, context)
+        return Schedule(decodes, chunks, preempted, verifies, (budget, context))
 
     def _decodes(self, preempted):
         """Every admitted sequence with one pending token, with a block for it; preempting
@@ -194,7 +200,8 @@ class Scheduler:
         self.running.append(seq)
 
     def _verifications(self, decodes, lookahead, budget, context):
-        """(plain decodes, verifications): a decoding sequence verifies proposals when it
+        """(plain decodes, verifications, prefill budget left, context left): a decoding
+        sequence verifies proposals when it
         wants some and its last token with them fits what the step's prefill chunks and
         admissions left of its prefill budget, context and free blocks (taken now for all of
         them: the engine gives back what goes unused). Verifications run in the prefill call
@@ -213,7 +220,7 @@ class Scheduler:
                 context -= span
             else:
                 plain.append(seq)
-        return plain, verifies
+        return plain, verifies, budget, context
 
     def _chunk(self, seq: Sequence, budget: int, context: float) -> Chunk | None:
         """The next chunk of `seq` within the token budget and the context left (its chunk

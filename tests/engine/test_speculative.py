@@ -260,3 +260,26 @@ def test_the_next_proposal_is_as_long_as_the_last_one_earned():
     seq.generated = [0] * 98  # two tokens left: one proposal and the token after it
     assert wanted() == 1
     assert budget.wanted(seq, 9, 256) == 0  # beyond the batch bound (8)
+
+
+def test_decodes_ride_with_verifications_in_one_call():
+    """A step where some sequences verify runs the others' one token in the same prefill
+    call (no decode call beside it), and counts them as decoded, not prefilled."""
+    base = run(engine(), greedy)
+    reference = {rid: list(out.token_ids) for rid, out in base.items()}
+
+    class OnlyA(Replay):  # proposes for "a" only: the others ride
+        def propose(self, seqs, counts):
+            return [p if s.request_id == "a" else []
+                    for s, p in zip(seqs, super().propose(seqs, counts))]
+
+    e = engine(OnlyA(reference, corrupt=0))
+    spec = run(e, greedy)
+    assert {r: list(o.token_ids) for r, o in spec.items()} == reference
+    calls = e.runner.calls
+    # while "a" verifies 4 proposals, the three others' tokens ride in its call (5 + 3); once
+    # it is done they decode: no step ran a verification call and a decode call
+    assert ("prefill", 8) in calls
+    first_decode = calls.index(("decode", 3))
+    assert all(kind == "decode" for kind, _ in calls[first_decode:])
+    assert e.prefill_tokens_computed == sum(map(len, PROMPTS.values()))

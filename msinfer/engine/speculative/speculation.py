@@ -9,6 +9,7 @@ forward: every position's logits) and keeps the run its sampling agrees with (ve
 """
 from __future__ import annotations
 
+from ..scheduler import Chunk
 from .adaptive import ProposalBudget
 from .verify import accepted_count
 
@@ -29,19 +30,35 @@ class Speculation:
 
     def propose(self, schedule, blocks) -> None:
         """Fill `schedule.verifies` with the proposer's tokens; a sequence given none decodes
-        plainly. The blocks taken for proposals not made are given back."""
+        plainly. The blocks taken for proposals not made are given back. When some verify,
+        the plain decodes that fit ride in the same prefill call (Chunk.rides): a step of
+        one call, not a verification call and a decode call."""
         chunks = schedule.verifies
         proposals = self.proposer.propose([c.seq for c in chunks], [c.count - 1 for c in chunks])
         kept = []
+        budget, context = schedule.room
         for chunk, proposal in zip(chunks, proposals):
             proposal = tuple(int(t) for t in proposal[:chunk.count - 1])
             blocks.shrink(chunk.seq, chunk.seq.length + len(proposal))
-            if proposal:
+            if proposal:  # the room it took for proposals not made goes back
+                budget += chunk.count - 1 - len(proposal)
+                context += chunk.count - 1 - len(proposal)
                 chunk.proposal, chunk.count = proposal, 1 + len(proposal)
                 kept.append(chunk)
-            else:
+            else:  # all of it
+                budget += chunk.count
+                context += chunk.start + chunk.count
                 schedule.decodes.append(chunk.seq)
         schedule.verifies = kept
+        if kept:
+            riding = []
+            for seq in schedule.decodes:
+                if budget >= 1 and context >= seq.length:
+                    riding.append(seq)
+                    budget -= 1
+                    context -= seq.length
+            schedule.decodes = [s for s in schedule.decodes if s not in riding]
+            kept += [Chunk(seq, seq.computed, 1, rides=True) for seq in riding]
 
     def verified(self, chunk, tokens) -> None:
         """`chunk`'s sequence emitted `tokens` from its verification: count them, and tell the
