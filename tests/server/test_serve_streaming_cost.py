@@ -128,3 +128,4 @@ def test_text_so_far_slices_as_the_joined_text_as_it_was(pieces, start, stop, la
     text = "".join(pieces)
     assert len(view) == len(text) and str(view) == text
     assert view[start:stop] == text[start:stop]
+    assert [view[i] for i in range(-len(text), len(text))] == list(text + text)
