@@ -1,5 +1,5 @@
-"""A text that grows by pieces (a running request's decoded answer, a stream's deltas), and
-read-only views of it as it was.
+"""A text that grows by pieces (a running request's decoded answer, a stream's deltas),
+read-only views of it as it was, and searches in it that read each character once.
 
 Why not a str grown by `+=`: a str cannot grow in place while anything else holds it (an
 output of the previous step does), so each piece copies the whole text, and a long answer
@@ -86,3 +86,31 @@ class TextSoFar:
 
     def __reduce__(self):
         return str, (str(self),)
+
+
+class Search:
+    """Where `needle` first occurs at or after `start` in a text that only grows (a
+    GrowingText, or a str that grows by appending): each call reads what the text gained
+    since the last, and the len(needle) - 1 characters before that (an occurrence split
+    across the two)."""
+
+    __slots__ = ("needle", "start", "_searched", "found")
+
+    def __init__(self, needle, start=0):
+        self.needle = needle
+        self.restart(start)
+
+    def restart(self, start):
+        """Search anew, from `start` on."""
+        self.start, self._searched, self.found = start, start, None
+
+    def __call__(self, text, end):
+        """The first occurrence's start in text[start:end], or None (`end` never goes
+        back)."""
+        if self.found is None and end > self._searched:
+            begin = max(self._searched - len(self.needle) + 1, self.start)
+            at = text[begin:end].find(self.needle)
+            if at >= 0:
+                self.found = begin + at
+            self._searched = end
+        return self.found
