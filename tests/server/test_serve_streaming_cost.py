@@ -7,13 +7,15 @@ Measured without a clock: the memory that one step's server work allocates at it
 (tracemalloc; a copy of 2000 tokens' ids is 16 KB, of their text 2-8 KB) and the bytes of
 the report that crosses the replica link, compared between steps 50-150 and the last 100
 steps by their medians (a list's occasional resize is amortized, not a per-step cost). Over
-the fake engine of tests/fake_engine.py, which hands out Prefix views as the real one does.
+the fake engine of tests/fake_engine.py, which hands out Prefix views as the real one does,
+and here its running text as the real one does too (a TextSoFar view).
 And rank 0's view of a remote request's text (`TextSoFar`) slices as the text it stands for.
 
 A chat stream's parsers (reasoning, tool calls) likewise: a chunk's allocations at the end of
 2000 against those at its 300th, and what they send chunk by chunk the same as the parsers
 that searched the whole text so far (stream_parsers_before.py), on random answers.
 """
+import dataclasses
 import json
 import statistics
 import tracemalloc
@@ -26,6 +28,7 @@ from hypothesis import strategies as st
 from fake_engine import FakeEngine, expected_ids
 
 from msinfer.engine.sampling import SamplingParams
+from msinfer.engine.text import GrowingText
 from msinfer.server import replicas
 from msinfer.server.serving import RequestStream
 
@@ -37,8 +40,22 @@ _METRICS = types.SimpleNamespace(observe_token_gap=lambda *a, **k: None,
                                  observe_request=lambda *a, **k: None)
 
 
+class _ViewingEngine(FakeEngine):
+    """The fake engine, its running outputs' text a TextSoFar view of the pieces it grew by,
+    as the real engine's (which holds back an incomplete character: the fake's U+FFFD)."""
+
+    def _output(self, r, reason):
+        out = super()._output(r, reason)
+        if reason is not None:
+            return out
+        grown = self.grown.setdefault(r.request_id, GrowingText())
+        grown.append(out.text.rstrip("\ufffd")[len(grown):])
+        return dataclasses.replace(out, text=grown.view())
+
+
 def _engine():
-    engine = FakeEngine(max_model_len=N + 64, num_blocks=64, block_size=64, step_delay=0)
+    engine = _ViewingEngine(max_model_len=N + 64, num_blocks=64, block_size=64, step_delay=0)
+    engine.grown = {}
     engine.add_request("r", PROMPT, PARAMS)
     return engine
 
