@@ -18,7 +18,7 @@ from ..engine import EngineStats, RequestOutput
 from ..engine.block_manager import block_names
 from ..engine.sampling import SamplingParams
 from ..engine.sequence import Prefix
-from ..engine.text import TextSoFar
+from ..engine.text import GrowingText
 from ..errors import MsinferError
 from .handoff import PeerGone
 from .lockstep import ServerBusy
@@ -298,11 +298,10 @@ class RemoteReplica:
             mirror.prompt_logprobs = [row and {int(t): v for t, v in row}
                                       for row in prompt_logprobs]
         if finished:  # the one join of its text (cut before a stop string at `keep`)
-            whole = TextSoFar(mirror.pieces, mirror.ends)
-            text, view = whole[:keep] + text, list
+            text, view = mirror.text[:keep] + text, list
         else:
-            mirror.append_text(text)
-            text, view = TextSoFar(mirror.pieces, mirror.ends), Prefix
+            mirror.text.append(text)
+            text, view = mirror.text.view(), Prefix
         mirror.sink(RequestOutput(
             request_id=request_id, prompt=mirror.prompt,
             prompt_token_ids=mirror.prompt_token_ids, token_ids=view(mirror.token_ids),
@@ -317,16 +316,9 @@ class _Mirror:
     prompt_token_ids: list
     sink: object
     token_ids: list = dataclasses.field(default_factory=list)
-    # its text so far in pieces, and where each piece ends (TextSoFar)
-    pieces: list = dataclasses.field(default_factory=list)
-    ends: list = dataclasses.field(default_factory=list)
+    text: GrowingText = dataclasses.field(default_factory=GrowingText)  # so far, in pieces
     logprobs: list = None
     prompt_logprobs: list = None
-
-    def append_text(self, text):
-        if text:
-            self.pieces.append(text)
-            self.ends.append((self.ends[-1] if self.ends else 0) + len(text))
 
 
 class ReplicaUplink:

@@ -142,10 +142,10 @@ def test_text_so_far_slices_as_the_joined_text_as_it_was(pieces, start, stop, la
     """A view holds the text as it was when made: pieces appended later do not show."""
     mirror = replicas._Mirror(None, [], None)
     for piece in pieces:
-        mirror.append_text(piece)
-    view = replicas.TextSoFar(mirror.pieces, mirror.ends)
+        mirror.text.append(piece)
+    view = mirror.text.view()
     for i in range(later):
-        mirror.append_text(f"+{i}")
+        mirror.text.append(f"+{i}")
     text = "".join(pieces)
     assert len(view) == len(text) and str(view) == text
     assert view[start:stop] == text[start:stop]
