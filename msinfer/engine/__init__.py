@@ -9,6 +9,7 @@
     sampling.py       SamplingParams, the Sampler, logprobs
     structured.py     grammars for structured output
     tokenizer.py      tokenizer.json, chat templates, incremental detokenizing
+    text.py           a text that grows by pieces, its views, searches in its new part
     compile_cache.py  compiled graphs kept across restarts
 """
 from .llm_engine import EngineStats, LLMEngine, RequestOutput

@@ -41,7 +41,9 @@ class RequestOutput:
     # everything generated so far: a list once finished, before that a read-only Prefix view
     # of the engine's list (the same for the lists below)
     token_ids: list
-    text: str  # decoded so far, complete characters only, cut before a stop string
+    # decoded so far, complete characters only, cut before a stop string: a str once
+    # finished, before that a read-only TextSoFar view (len, indexes, slices, str())
+    text: str
     finished: bool = False
     # "stop" (eos, stop token or stop string), "length", "abort", or "error" (the model's
     # logits were not finite: `error` says why and what to do)
@@ -511,15 +513,17 @@ class LLMEngine:
             self.speculation.finished(seq)
 
     def _output(self, seq) -> RequestOutput:
-        """What `seq` holds now: while it runs, its lists seen through Prefix views (no copy
-        per step); once finished, plain lists (one copy per request)."""
+        """What `seq` holds now: while it runs, its lists and text seen through Prefix and
+        TextSoFar views (no copy per step); once finished, plain lists and a str (one copy
+        per request)."""
         view = list if seq.finished else Prefix
         prompt_logprobs = seq.prompt_logprobs
         complete = (prompt_logprobs is not None
                     and len(prompt_logprobs) == len(seq.prompt_token_ids))
         return RequestOutput(request_id=seq.request_id, prompt=seq.prompt,
                              prompt_token_ids=view(seq.prompt_token_ids),
-                             token_ids=view(seq.generated), text=seq.text,
+                             token_ids=view(seq.generated),
+                             text=seq.text if seq.finished else seq.text_so_far(),
                              finished=seq.finished, finish_reason=seq.finish_reason,
                              logprobs=view(seq.logprobs) if seq.logprobs is not None else None,
                              prompt_logprobs=view(prompt_logprobs) if complete else None,

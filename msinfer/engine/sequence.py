@@ -2,9 +2,10 @@
 when it stops (a stop token, a stop string in its text, its grammar complete, its length).
 
 Everything a step does to a sequence costs the same at its 10th token as at its 10,000th:
-tokens are appended, never copied (outputs see them through `Prefix` views), stop strings
-are searched in the new text only, and the running hash of its tokens (what the ranks of a
-tensor group compare before each step) is extended, not recomputed.
+tokens are appended, never copied (outputs see them through `Prefix` views), the text grows
+by pieces (outputs see it through `TextSoFar` views), stop strings are searched in the new
+text only, and the running hash of its tokens (what the ranks of a tensor group compare
+before each step) is extended, not recomputed.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from .tokenizer import find_stop
 
 if TYPE_CHECKING:
     from .structured import GuidedSequence
+    from .text import TextSoFar
     from .tokenizer import IncrementalDecoder
 
 
@@ -126,7 +128,7 @@ class Sequence:
     def _search_stop_strings(self) -> None:
         """Search the text added since the last search, from far enough back to find a stop
         string that began in the text already searched (the longest one's length - 1)."""
-        text = self.decoder.text
+        text = self.decoder.pieces
         start = max(self.searched - max(map(len, self.params.stop)) + 1, 0)
         found = find_stop(text[start:], self.params.stop)
         self.searched = len(text)
@@ -138,7 +140,15 @@ class Sequence:
         """The decoded text, cut before the first stop string ("" without a tokenizer)."""
         if self.decoder is None:
             return ""
-        return self.decoder.text if self.stop_at is None else self.decoder.text[:self.stop_at]
+        pieces = self.decoder.pieces
+        return str(pieces) if self.stop_at is None else pieces[:self.stop_at]
+
+    def text_so_far(self) -> TextSoFar | str:
+        """`text` as a view of the decoder's pieces as they are now (no join, no copy): what
+        a running output holds."""
+        if self.decoder is None or self.stop_at is not None:
+            return self.text
+        return self.decoder.pieces.view()
 
     @property
     def length(self) -> int:

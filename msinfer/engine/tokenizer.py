@@ -18,6 +18,7 @@ import tokenizers
 
 from ..config import eos_token_ids, read_json_object
 from ..errors import MsinferError
+from .text import GrowingText
 
 # The special tokens transformers hands a chat template as variables.
 _TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
@@ -146,9 +147,9 @@ class IncrementalDecoder:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         self.ids = []
-        self.text = ""
+        self.pieces = GrowingText()  # the text, in the pieces emitted (no copy per piece)
         self._prefix_start = 0  # window start: ids already emitted, kept for context
-        self._emitted_end = 0  # ids up to here are in self.text
+        self._emitted_end = 0  # ids up to here are in self.pieces
 
     def push(self, token_id):
         """Adds one id; returns the text it completes ('' while a character is unfinished)."""
@@ -161,8 +162,13 @@ class IncrementalDecoder:
             return ""
         piece = window[len(prefix):]
         self._prefix_start, self._emitted_end = self._emitted_end, len(self.ids)
-        self.text += piece
+        self.pieces.append(piece)
         return piece
+
+    @property
+    def text(self) -> str:
+        """The text so far (joined once per length)."""
+        return str(self.pieces)
 
 
 def prompt_list(prompt) -> list:

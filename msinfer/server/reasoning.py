@@ -44,29 +44,55 @@ def split_whole(text, thinking=False):
 
 
 class StreamSplitter:
-    """Turns the text deltas of one streamed choice into (reasoning delta, content delta)."""
+    """Turns the text deltas of one streamed choice into (reasoning delta, content delta),
+    as `_split` splits the text so far, at the cost of what each delta adds: it keeps the
+    text in pieces, where the tags are (each searched for in the new text only) and how much
+    of each part it sent. The last feed is the one `finished`."""
 
     def __init__(self, thinking=False):
+        # here, not at the top: the CLI reads PARSERS without the engine's imports (jinja2...)
+        from ..engine.text import GrowingText, Search
         self._thinking = thinking
-        self._text = ""
+        self._text = GrowingText()
+        self._start = Search(_START)  # the first <think>
+        self._end = Search(_END)  # the first </think> after it (or from 0 when thinking)
         self._sent_reasoning = 0
         self._sent_content = 0
 
     def feed(self, delta, finished):
-        self._text += delta
-        text = self._text if finished else _without_partial_tag(self._text)
-        reasoning, content, _ = _split(text, self._thinking)
-        new_reasoning = reasoning[self._sent_reasoning:]
-        new_content = content[self._sent_content:]
+        text = self._text
+        text.append(delta)
+        visible = len(text) if finished else len(text) - _partial_tag(text[-len(_END):])
+        (reasoning, reasoning_end), (head, tail) = self._parts(visible)
+        new_reasoning = text[reasoning + self._sent_reasoning:reasoning_end]
+        if self._sent_content < head:  # content is text[:head] + text[tail:visible]
+            new_content = text[self._sent_content:head] + text[tail:visible]
+        else:
+            new_content = text[tail + self._sent_content - head:visible]
         self._sent_reasoning += len(new_reasoning)
         self._sent_content += len(new_content)
         return new_reasoning, new_content
 
+    def _parts(self, visible):
+        """Where `_split` of text[:visible] finds its parts: the reasoning's (start, end),
+        and the content's (end of its head, start of its tail, which runs to `visible`)."""
+        opened = self._start(self._text, visible)
+        if opened is None and not self._thinking:
+            return (0, 0), (visible, visible)
+        reasoning = 0 if opened is None else opened + len(_START)
+        if self._end.start != reasoning:  # <think> found: </think> counts from after it
+            self._end.restart(reasoning)
+        closed = self._end(self._text, visible)
+        if closed is None:
+            return (reasoning, visible), (opened or 0, visible)
+        return (reasoning, closed), (opened or 0, closed + len(_END))
 
-def _without_partial_tag(text):
-    """`text` without an ending that may be the start of a tag still arriving."""
+
+def _partial_tag(end):
+    """How many of the last characters of `end` (the text's end, a tag's length or more of
+    it) may be the start of a tag still arriving."""
     for tag in (_START, _END):
         for k in range(len(tag) - 1, 0, -1):
-            if text.endswith(tag[:k]):
-                return text[:-k]
-    return text
+            if end.endswith(tag[:k]):
+                return k
+    return 0

@@ -9,7 +9,6 @@ loop (`ReplicaUplink` turns its outputs into one report per step: what is new of
 request, and its stats) and its tensor group steps with it alone: replicas never step
 together and no collective spans them.
 """
-import bisect
 import collections
 import concurrent.futures
 import dataclasses
@@ -19,6 +18,7 @@ from ..engine import EngineStats, RequestOutput
 from ..engine.block_manager import block_names
 from ..engine.sampling import SamplingParams
 from ..engine.sequence import Prefix
+from ..engine.text import GrowingText
 from ..errors import MsinferError
 from .handoff import PeerGone
 from .lockstep import ServerBusy
@@ -298,11 +298,10 @@ class RemoteReplica:
             mirror.prompt_logprobs = [row and {int(t): v for t, v in row}
                                       for row in prompt_logprobs]
         if finished:  # the one join of its text (cut before a stop string at `keep`)
-            whole = TextSoFar(mirror.pieces, mirror.ends)
-            text, view = whole[:keep] + text, list
+            text, view = mirror.text[:keep] + text, list
         else:
-            mirror.append_text(text)
-            text, view = TextSoFar(mirror.pieces, mirror.ends), Prefix
+            mirror.text.append(text)
+            text, view = mirror.text.view(), Prefix
         mirror.sink(RequestOutput(
             request_id=request_id, prompt=mirror.prompt,
             prompt_token_ids=mirror.prompt_token_ids, token_ids=view(mirror.token_ids),
@@ -317,51 +316,9 @@ class _Mirror:
     prompt_token_ids: list
     sink: object
     token_ids: list = dataclasses.field(default_factory=list)
-    # its text so far in pieces, and where each piece ends (TextSoFar)
-    pieces: list = dataclasses.field(default_factory=list)
-    ends: list = dataclasses.field(default_factory=list)
+    text: GrowingText = dataclasses.field(default_factory=GrowingText)  # so far, in pieces
     logprobs: list = None
     prompt_logprobs: list = None
-
-    def append_text(self, text):
-        if text:
-            self.pieces.append(text)
-            self.ends.append((self.ends[-1] if self.ends else 0) + len(text))
-
-
-class TextSoFar:
-    """The first characters of a text received in pieces (append-only lists of the pieces
-    and of where each ends), as they are now, without joining them: what a running remote
-    request's output holds as its text. len() and slices (a str of what is sliced) cost
-    what is read, not the text's length."""
-
-    __slots__ = ("_pieces", "_ends", "_count")
-
-    def __init__(self, pieces, ends):
-        self._pieces, self._ends, self._count = pieces, ends, len(ends)
-
-    def __len__(self):
-        return self._ends[self._count - 1] if self._count else 0
-
-    def __getitem__(self, index):
-        if not isinstance(index, slice) or index.step not in (None, 1):
-            raise TypeError("TextSoFar takes slices of step 1 only")
-        start, stop, _ = index.indices(len(self))
-        if start >= stop:
-            return ""
-        first = bisect.bisect_right(self._ends, start, 0, self._count)  # holds `start`
-        last = bisect.bisect_left(self._ends, stop, 0, self._count)  # holds `stop - 1`
-        offset = self._ends[first - 1] if first else 0
-        return "".join(self._pieces[first:last + 1])[start - offset:stop - offset]
-
-    def __str__(self):
-        return self[:]
-
-    def __eq__(self, other):
-        return str(self) == (str(other) if isinstance(other, TextSoFar) else other)
-
-    def __repr__(self):
-        return repr(str(self))
 
 
 class ReplicaUplink:
