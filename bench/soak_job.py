@@ -442,7 +442,9 @@ def supervise(args, model, cache, soak):
             began = time.monotonic()
             kill = asyncio.run(wave(soak, job, number, pending, args.concurrency, kill_after))
             start["serving_s"] = round(time.monotonic() - began, 1)
-            start["sent"] = len(pending)
+            start["pending"] = len(pending)  # without a final answer when the job started
+            start["attempted"] = sum(v for k, v in soak.attempts.items()
+                                     if k.startswith(f"start {number}:"))
             if kill:
                 kill["watch"].join(150)
                 start["kill"] = {k: round(v, 2) if isinstance(v, float) else v
@@ -525,7 +527,7 @@ def report(args, soak, starts, wall_s, load_start):
     lat = soak.latencies
     serving = sum(s["serving_s"] for s in starts if "serving_s" in s)
     return {
-        "command": "python bench/soak_job.py " + " ".join(sys.argv[1:]),
+        "command": " ".join(["python bench/soak_job.py", *sys.argv[1:]]),
         "requests": len(soak.requests), "concurrency": args.concurrency, "seed": args.seed,
         "planned": dict(collections.Counter(r["how"] for r in soak.requests)),
         "final": dict(sorted(collections.Counter(
