@@ -131,6 +131,7 @@ def main(argv=None):
             key = f"{method}/{workload.name}/batch{workload.batch_size}"
             results[key] = dict(method=method, workload=workload.name,
                                 batch=workload.batch_size,
+                                load_average_after=round(os.getloadavg()[0], 2),
                                 tokens_per_s_off=round(off, 1), tokens_per_s_on=round(on, 1),
                                 speedup=round(on / off, 3),
                                 runs={k: [round(x, 1) for x in v] for k, v in runs.items()},
@@ -153,6 +154,14 @@ def main(argv=None):
         results=results)
     os.makedirs(args.out, exist_ok=True)
     name = "speculative_quick" if args.quick else "speculative"
+    path = os.path.join(args.out, name + ".json")
+    if set(args.methods.split(",")) != set(METHODS) and os.path.exists(path):
+        with open(path) as f:  # --methods: the other methods' rows as they were measured
+            kept = json.load(f)
+        record["results"] = {**{k: dict(v, commit=kept["commit"], date=kept["date"])
+                                for k, v in kept["results"].items()
+                                if v["method"] not in args.methods.split(",")},
+                             **results}
     with open(os.path.join(args.out, name + ".json"), "w") as f:
         json.dump(record, f, indent=2)
         f.write("\n")
@@ -165,6 +174,10 @@ def markdown(r):
     m = r["machine"]
     lines = [
         "# Speculative decoding on vs off",
+        "",
+        "The last column is the 1-minute load average after each row: a row measured beside "
+        "other work (load well above 2 on these 2 cores) is labelled by it; its ratio is of "
+        "runs alternated under the same load, its tokens/s are not comparable to quiet rows.",
         "",
         f"`python bench/speculative.py` at {r['commit']}, {r['date']}; {m['cpu']}, "
         f"{m['cores']} cores, load average {m['load_average_at_start']} at the start, "
@@ -179,14 +192,14 @@ def markdown(r):
         "document: the answer copies the span; no_repeat: distinct random tokens",
         "",
         "| method | workload | batch | off tok/s | on tok/s | on / off | acceptance "
-        "| accepted per draft |",
-        "|---|---|---|---|---|---|---|---|",
+        "| accepted per draft | load after |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in r["results"].values():
         lines.append(f"| {row['method']} | {row['workload']} | {row['batch']} | "
                      f"{row['tokens_per_s_off']} | {row['tokens_per_s_on']} | "
                      f"{row['speedup']}x | {row['acceptance']} | "
-                     f"{row['mean_accepted_per_draft']} |")
+                     f"{row['mean_accepted_per_draft']} | {row.get('load_average_after')} |")
     return "\n".join(lines) + "\n"
 
 
