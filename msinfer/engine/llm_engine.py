@@ -23,8 +23,7 @@ from .. import log
 from ..engine_config import EngineConfig
 from ..errors import MsinferError
 from .block_manager import BlockManager
-from .sampling import (Sampler, SamplingParams, adjust_scores, logprobs_of_rows,
-                       request_logprobs)
+from .sampling import Sampler, SamplingParams, logprobs_of_rows, request_logprobs
 from .scheduler import Scheduler
 from .speculative.speculation import Speculation
 from .speculative.verify import decide
@@ -401,8 +400,9 @@ class LLMEngine:
         tokens, reason = [], None
         for j, row in enumerate(rows):
             proposed = proposal[j] if j < len(proposal) else None
-            token, accepted = decide(self._scores(seq, row), seq.params, seq.generator,
-                                     proposed)
+            token, accepted = decide(self._sampler, self._masked(seq, row), seq.params,
+                                     seq.generator, proposed,
+                                     (seq.prompt_token_ids, seq.generated), self.eos_token_ids)
             seq.append_token(token)
             tokens.append(token)
             self.generation_tokens_total += 1
@@ -416,16 +416,13 @@ class LLMEngine:
         self.decisions.append([seq.request_id, tokens, reason])
         return self._output(seq)
 
-    def _scores(self, seq, row):
-        """One row's scores as sampling sees them: penalties, logit_bias, min_tokens and the
-        grammar's mask applied (a copy where any applies; `row` stays the model's)."""
-        params = seq.params
-        if params.changes_scores(len(seq.generated)):
-            row = adjust_scores(row, params, seq.prompt_token_ids, seq.generated,
-                                self.eos_token_ids)
-        if params.structured_outputs:
-            row = np.array(row, dtype=np.float32)
-            self._grammar_of(seq).mask(row)
+    def _masked(self, seq, row):
+        """One row masked by a guided sequence's grammar (a copy; `row` stays the model's),
+        as _guide masks a decode step's rows; the Sampler applies the rest."""
+        if not seq.params.structured_outputs:
+            return row
+        row = np.array(row, dtype=np.float32)
+        self._grammar_of(seq).mask(row)
         return row
 
     def _settle(self, chunk, tokens, reason):

@@ -208,7 +208,7 @@ def test_the_acceptance_rule_keeps_the_target_distribution(temperature, top_k):
     """The acceptance rule against a one-token proposal: the emitted token is distributed as
     the target's sampling distribution whatever is proposed (a likely token, an unlikely one,
     one outside top-k). 20,000 draws per proposal; a fixed seed makes the test exact."""
-    from msinfer.engine.sampling import row_distribution
+    from msinfer.engine.sampling import Sampler, row_distribution
 
     scores = np.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 1.5, 0.2], np.float32)
     params = SamplingParams(temperature=temperature, top_k=top_k)
@@ -216,10 +216,11 @@ def test_the_acceptance_rule_keeps_the_target_distribution(temperature, top_k):
     target = np.zeros(scores.size)
     target[ids] = probs
     rng = np.random.default_rng(1234)
+    sampler = Sampler()
     for proposed in (0, 3, 5):
         counts = np.zeros(scores.size)
         for _ in range(20000):
-            token, _ = decide(scores, params, rng, proposed)
+            token, _ = decide(sampler, scores, params, rng, proposed)
             counts[token] += 1
         share = counts / counts.sum()
         # 4.5 standard errors of a binomial share: a wrong rule (e.g. always accepting)

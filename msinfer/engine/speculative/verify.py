@@ -19,19 +19,14 @@ more token (the bonus), so a step yields 1 .. k + 1 tokens.
 """
 from __future__ import annotations
 
-import numpy as np
 
-from ..sampling import draw, row_distribution
-
-
-def decide(scores, params, generator, proposed):
-    """(the token row `scores` gives, whether it is `proposed`): `scores` one row after
-    penalties and grammar mask; `proposed` the proposal there, or None (the bonus row, or no
-    proposal): the token sampled as a decode step samples it."""
-    if params.greedy:
-        token = int(np.argmax(scores))
-    else:
-        token = int(draw(*row_distribution(scores, params), generator))
+def decide(sampler, scores, params, generator, proposed, history=None, eos_token_ids=()):
+    """(the token row `scores` gives, whether it is `proposed`): the token `sampler` (the
+    engine's Sampler) picks from the one row `scores` (after the grammar's mask), as a decode
+    step picks it: the penalties of `history` (prompt ids, generated ids) applied, greedy or
+    one draw; `proposed` the proposal there, or None (the bonus row, or no proposal)."""
+    token = int(sampler(scores[None], [params], [generator],
+                        None if history is None else [history], eos_token_ids)[0])
     return token, token == proposed
 
 
