@@ -40,7 +40,7 @@ import httpx2 as httpx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from msinfer.cli.launch import die_with_parent  # noqa: E402
+from msinfer.cli.launch import _session_members, die_with_parent  # noqa: E402
 from msinfer.engine.tokenizer import Tokenizer  # noqa: E402
 from msinfer.hardware import cpuinfo_fields  # noqa: E402
 from msinfer.parallel.distributed import free_port  # noqa: E402
@@ -134,7 +134,7 @@ class Job:
 
     def left(self):
         return [pid for sid in self.sessions if sid is not None
-                for pid in session_processes(sid)]
+                for pid, _ in _session_members(sid)]
 
 
 def session_of(pid):
@@ -143,22 +143,6 @@ def session_of(pid):
             return int(f.read().rsplit(")", 1)[1].split()[3])
     except OSError:
         return None
-
-
-def session_processes(sid):
-    """Live (not zombie) processes of session `sid`, from /proc."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":  # state, ppid, pgrp, session
-            found.append(int(entry))
-    return found
 
 
 def prompt_pool(tokenizer, rng, size=64):
