@@ -117,13 +117,11 @@ class LLM:
         runner = build_runner(cfg.model, ctx, self.memory.layout, self.limits,
                               self.dist.world_size, self.profile)
         proposer = None
-        if cfg.speculative is not None:
-            if self.parallel_mode != "explicit":
-                raise MsinferError("speculative decoding runs in explicit mode; this plan is "
-                                   f"{self.parallel_mode} (give --parallel-mode explicit)")
-            if cfg.speculative.method == "draft_model":
-                proposer = draft_model_proposer(cfg.speculative.model, self.config, ctx.dtype,
-                                                self.memory.layout, self.limits, self.profile)
+        if cfg.speculative is not None and cfg.speculative.method == "draft_model":
+            # (a semi_auto plan with speculation was refused by the planner's check above)
+            proposer = draft_model_proposer(cfg.speculative.model, draft, self.config,
+                                            ctx.dtype, self.memory.layout, self.limits,
+                                            self.profile)
         self._tokenizer = None
         self.engine = LLMEngine(
             runner, self.memory.layout, cfg, eos_token_ids=self.eos_token_ids(),
@@ -294,12 +292,11 @@ def _describe(plan):
 
 
 
-def draft_model_proposer(model_dir, target_config, dtype, layout, limits, profile):
-    """Speculative decoding's draft model (engine/speculative/draft_model.py): the whole
-    draft on this rank (a small model: no collectives, the same proposals on every rank), in
-    the target's compute dtype, with a KV cache of the target's blocks (its block tables
-    address both)."""
-    from .config import ModelConfig
+def draft_model_proposer(model_dir, config, target_config, dtype, layout, limits, profile):
+    """Speculative decoding's draft model (engine/speculative/draft_model.py) in `model_dir`,
+    whose ModelConfig is `config`: the whole draft on this rank (a small model: no
+    collectives, the same proposals on every rank), in the target's compute dtype, with a KV
+    cache of the target's blocks (its block tables address both)."""
     from .engine.model_runner import build_runner
     from .engine.speculative.draft_model import DraftModelProposer
     from .hardware import DTYPE_BYTES
@@ -307,7 +304,6 @@ def draft_model_proposer(model_dir, target_config, dtype, layout, limits, profil
     from .parallel.strategy import Strategy
     from .planning.kv_layout import CacheLayout
 
-    config = ModelConfig.from_model_dir(model_dir, "auto")
     if config.vocab_size != target_config.vocab_size:
         raise MsinferError(f"speculative_config: the draft model {model_dir} has a vocabulary "
                            f"of {config.vocab_size} tokens, the target {target_config.vocab_size}: "
