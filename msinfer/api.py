@@ -21,7 +21,7 @@ from .engine_config import EngineConfig, engine_config
 from .errors import MsinferError, NonFiniteLogits
 from .hardware import choose_hardware, get_profile
 from .parallel.strategy import decide_parallel_mode, strategy_of
-from .planning.memory import engine_memory, speculation_memory
+from .planning.memory import draft_config, engine_memory, verify_rows
 from .planning.planner import check_plan_or_raise
 
 __all__ = ["LLM", "EngineConfig", "RequestOutput", "NonFiniteLogits"]
@@ -110,9 +110,10 @@ class LLM:
         ctx = ParallelContext(config=self.config, plan=self.shard_plan, mode=self.parallel_mode,
                               tensor_rank=self.tensor_rank, group=group,
                               dtype=getattr(ms, report.dtype))
-        draft, verify_rows = speculation_memory(cfg.speculative, self.limits)
+        draft = draft_config(cfg.speculative)
         self.memory = engine_memory(self.shard_plan, self.profile, report.dtype, self.limits,
-                                    self.tensor_rank, draft=draft, verify_rows=verify_rows)
+                                    self.tensor_rank, draft=draft,
+                                    verify_rows=verify_rows(cfg.speculative, self.limits))
         _log_start(self, report)
         runner = build_runner(cfg.model, ctx, self.memory.layout, self.limits,
                               self.dist.world_size, self.profile)

@@ -102,14 +102,18 @@ def workspace_bytes(shard_plan, profile, dtype_bytes, limits, verify_rows=0):
     return profile.runtime_reserve_bytes + largest + logits
 
 
-def speculation_memory(speculative, limits):
-    """(the draft model's ModelConfig or None, the logits rows a verification may ask) of a
-    SpeculativeConfig (None: no speculation): engine_memory's `draft` and `verify_rows`. A
-    verification is a prefill chunk whose every position has logits, so at most
-    max_prefill_tokens rows."""
-    if speculative is None:
-        return None, 0
+def draft_config(speculative):
+    """The ModelConfig of speculative decoding's draft model (read from its directory), or
+    None (no speculation, or a method without a model): engine_memory's `draft`."""
+    if speculative is None or not speculative.model:
+        return None
     from ..config import ModelConfig
 
-    draft = (ModelConfig.from_model_dir(speculative.model) if speculative.model else None)
-    return draft, limits.max_prefill_tokens
+    return ModelConfig.from_model_dir(speculative.model)
+
+
+def verify_rows(speculative, limits):
+    """The logits rows a verification may ask (engine_memory's `verify_rows`; 0 without
+    speculation): a verification is a prefill chunk whose every position has logits, so at
+    most max_prefill_tokens rows."""
+    return 0 if speculative is None else limits.max_prefill_tokens

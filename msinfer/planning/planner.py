@@ -24,7 +24,7 @@ from ..errors import PlanRefused
 from ..hardware import (DTYPE_BYTES, GiB, HardwareProfile, compute_dtype, cpu_matmul_forms,
                         dtype_name)
 from ..parallel.strategy import ShardPlan, Strategy, decide_parallel_mode
-from .memory import engine_memory, speculation_memory
+from .memory import draft_config, engine_memory, verify_rows
 from .shapes import ExplicitGraphs, ShapeBuckets
 from .workspace import stack_layers
 
@@ -153,8 +153,9 @@ def make_plan(config: ModelConfig, strategy: Strategy, profile: HardwareProfile,
     dtype_bytes = DTYPE_BYTES[report.dtype]
     report.warmup_graphs = warmup_graphs(shard_plan, profile, limits, dtype_bytes, mode)
     report.graph_shapes = limits.graph_shapes
+    speculation = (speculative, draft_config(speculative))  # the draft's config read once
     report.devices, layout = _device_memory(shard_plan, profile, report.dtype, limits,
-                                            speculative)
+                                            speculation)
     report.workspace_formula = _workspace_formula(profile, limits)
     report.collectives_per_token = _collectives(shard_plan, dtype_bytes, limits.max_num_seqs)
     if layout is not None:
@@ -167,7 +168,7 @@ def make_plan(config: ModelConfig, strategy: Strategy, profile: HardwareProfile,
     worst = max(report.devices, key=lambda d: d.total_bytes - d.capacity_bytes)
     if worst.margin_bytes < 0 or layout is None or report.max_concurrency < 1:
         report.errors.append(_does_not_fit(worst, layout, shard_plan, profile, report.dtype,
-                                           limits))
+                                           limits, speculation))
     elif worst.margin_bytes < _TIGHT_MARGIN * worst.capacity_bytes and limits.kv_cache_memory:
         report.warnings.append(
             f"rank {worst.rank} has only {_gib(worst.margin_bytes)} "
@@ -234,15 +235,17 @@ def _hardware_refusal(strategy, profile, mode):
     return None
 
 
-def _device_memory(shard_plan, profile, dtype, limits, speculative=None):
-    """Per rank what `engine_memory` allocates (a draft model's weights and KV cache counted
-    with the target's); and the target's KV layout (the same on every rank)."""
+def _device_memory(shard_plan, profile, dtype, limits, speculation=(None, None)):
+    """Per rank what `engine_memory` allocates (with `speculation`, (the SpeculativeConfig,
+    its draft's ModelConfig): a draft model's weights and KV cache counted with the
+    target's); and the target's KV layout (the same on every rank)."""
     devices, layout = [], None
-    draft, verify_rows = speculation_memory(speculative, limits)
+    speculative, draft = speculation
+    rows = verify_rows(speculative, limits)
     for rank in range(shard_plan.world_size):
         tensor_rank = shard_plan.tensor_rank(rank)
         memory = engine_memory(shard_plan, profile, dtype, limits, tensor_rank, strict=False,
-                               draft=draft, verify_rows=verify_rows)
+                               draft=draft, verify_rows=rows)
         layout = memory.layout
         weights = memory.weights_bytes + memory.draft_weights_bytes
         kv_cache = memory.kv_cache_bytes + memory.draft_kv_bytes
@@ -399,7 +402,7 @@ def _explain(report, shard_plan, profile):
             f"1/{shard_plan.world_size} of {_gib(profile.usable_bytes)}")
 
 
-def _does_not_fit(worst, layout, shard_plan, profile, dtype, limits):
+def _does_not_fit(worst, layout, shard_plan, profile, dtype, limits, speculation):
     if worst.margin_bytes < 0:
         message = (f"does not fit: rank {worst.rank} needs {_gib(worst.total_bytes)} of "
                    f"{_gib(worst.capacity_bytes)} ({_gib(-worst.margin_bytes)} over)")
@@ -420,30 +423,32 @@ def _does_not_fit(worst, layout, shard_plan, profile, dtype, limits):
             bigger = ShardPlan(shard_plan.config, shard_plan.styles, tensor, shard_plan.data)
         except PlanRefused:
             continue
-        if _fits(bigger, profile, dtype, limits):
-            need = max(d.total_bytes for d in _device_memory(bigger, profile, dtype, limits)[0])
+        if _fits(bigger, profile, dtype, limits, speculation):
+            need = max(d.total_bytes for d in _device_memory(bigger, profile, dtype, limits,
+                                                             speculation)[0])
             fixes.append(f"with tensor: {tensor} (world_size {tensor * shard_plan.data}) it fits, "
                          f"needing {_gib(need)} per device")
             break
     else:
         fixes.append(f"no tensor degree up to {limit} fits max-model-len {limits.max_model_len}")
-    longest = _longest_fitting_max_len(shard_plan, profile, dtype, limits)
+    longest = _longest_fitting_max_len(shard_plan, profile, dtype, limits, speculation)
     if longest:
         fixes.append(f"with --max-model-len {longest} it fits at tensor {shard_plan.tensor}")
     return "; ".join([message] + fixes)
 
 
-def _fits(shard_plan, profile, dtype, limits):
-    devices, layout = _device_memory(shard_plan, profile, dtype, limits)
+def _fits(shard_plan, profile, dtype, limits, speculation):
+    devices, layout = _device_memory(shard_plan, profile, dtype, limits, speculation)
     return (layout is not None and all(d.margin_bytes >= 0 for d in devices)
             and layout.usable_tokens >= limits.max_model_len)
 
 
-def _longest_fitting_max_len(shard_plan, profile, dtype, limits):
+def _longest_fitting_max_len(shard_plan, profile, dtype, limits, speculation):
     """The largest max-model-len below the requested one that fits at this degree (None if none)."""
     def fits(n):
         return _fits(shard_plan, profile, dtype, dataclasses.replace(
-            limits, max_model_len=n, max_prefill_tokens=min(limits.max_prefill_tokens, n)))
+            limits, max_model_len=n, max_prefill_tokens=min(limits.max_prefill_tokens, n)),
+            speculation)
 
     low, high = 0, limits.max_model_len  # fits(low) or low == 0; not fits(high)
     while high - low > 1:
