@@ -13,11 +13,12 @@ cd "$(dirname "$0")/.."
 
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
-if ! command -v mpirun >/dev/null || ! command -v mpicc >/dev/null || ! command -v gcc >/dev/null
+if ! command -v mpirun >/dev/null || ! command -v mpicc >/dev/null || ! command -v gcc >/dev/null \
+   || ! command -v g++ >/dev/null
 then
-  echo "== installing OpenMPI and gcc (Debian packages; mpi4py compiles against them)"
+  echo "== installing OpenMPI, gcc and g++ (Debian packages; mpi4py compiles against them, msinfer's CPU kernels with g++)"
   as_root apt-get update -qq
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev gcc
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev gcc g++
 fi
 
 if ! command -v prometheus >/dev/null; then

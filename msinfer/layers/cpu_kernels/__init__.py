@@ -1,0 +1,101 @@
+"""C++ kernels for MindSpore's CPU backend, where it has no kernel of its own for the job
+(an int8-weight product, a product over the routed experts only), run as MindSpore
+`Custom` ops of type "aot" inside the compiled graphs.
+
+Each kernel is one source file here (`<name>.cc`), compiled on first use with the host's
+g++ (-O3 -march=native: the build is for this processor) into the kernel cache, keyed by
+the source, the flags and the processor, so a changed file or another host builds anew.
+Ranks of one job may build at once: each writes its own temporary file and renames it.
+
+A kernel's C entry points follow MindSpore's aot contract: `int Name(int nparam, void
+**params, int *ndims, int64_t **shapes, const char **dtypes, void *stream, void *extra)`
+computes, and `std::vector<int64_t> NameInferShape(int *ndims, int64_t **shapes, AotExtra
+*extra)` gives the output's shape, so the op works in graphs of dynamic shape too.
+"""
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+
+from ...errors import MsinferError
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# MindSpore is built with the old C++ ABI; an aot library that passes std:: types (the
+# shape inference returns std::vector) must match it.
+FLAGS = ("-std=c++17", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
+         "-D_GLIBCXX_USE_CXX11_ABI=0")
+COMPILER = "g++"
+
+
+def compiler_available() -> bool:
+    """Whether this host can build the kernels (where it cannot, layers keep their
+    MindSpore-only forms)."""
+    return shutil.which(COMPILER) is not None
+
+
+def cache_root() -> str:
+    """$MSINFER_KERNEL_CACHE, else $XDG_CACHE_HOME/msinfer/kernels, else
+    ~/.cache/msinfer/kernels."""
+    if os.environ.get("MSINFER_KERNEL_CACHE"):
+        return os.environ["MSINFER_KERNEL_CACHE"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "msinfer", "kernels")
+
+
+def _processor() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags")):
+                    return line  # the first of them: enough to tell -march=native apart
+    except OSError:
+        pass
+    return platform.processor()
+
+
+@lru_cache(maxsize=None)
+def library(name: str) -> str:
+    """The path of kernel `name`'s shared library, built if the cache lacks it."""
+    source = os.path.join(HERE, name + ".cc")
+    with open(source, "rb") as f:
+        text = f.read()
+    key = hashlib.sha256(text + repr(FLAGS).encode() + _processor().encode()).hexdigest()[:16]
+    path = os.path.join(cache_root(), f"{name}-{key}.so")
+    if os.path.exists(path):
+        return path
+    if not compiler_available():
+        raise MsinferError(f"building CPU kernel {name}: no {COMPILER} on this host "
+                           "(install g++, or use the float/MindSpore forms)")
+    os.makedirs(cache_root(), exist_ok=True)
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=cache_root())
+    os.close(fd)
+    built = subprocess.run([COMPILER, *FLAGS, "-o", partial, source],
+                           capture_output=True, text=True)
+    if built.returncode != 0:
+        os.unlink(partial)
+        raise MsinferError(f"building CPU kernel {source} failed:\n{built.stderr[-2000:]}")
+    os.replace(partial, path)
+    return path
+
+
+def custom_op(name: str, function: str, inputs, out_dtype):
+    """A MindSpore aot Custom op running `function` of kernel `name`, on CPU, with the
+    output's shape from the kernel's `<function>InferShape`. `inputs` are the MindSpore
+    DataType names of its inputs, e.g. ("F32_Default", "I8_Default"); `out_dtype` the
+    output's mindspore dtype."""
+    from mindspore import ops
+    from mindspore.ops import CustomRegOp, DataType
+
+    reg = CustomRegOp(function)
+    for i in range(len(inputs)):
+        reg = reg.input(i, f"x{i}")
+    reg = reg.output(0, "y")
+    out_name = {"Float32": "F32_Default", "Int32": "I32_Default",
+                "Float16": "F16_Default"}[str(out_dtype)]
+    reg = reg.dtype_format(*(getattr(DataType, t) for t in (*inputs, out_name)))
+    info = reg.target("CPU").get_op_info()
+    return ops.Custom(f"{library(name)}:{function}", out_shape=None, out_dtype=out_dtype,
+                      func_type="aot", reg_info=info)

@@ -1,0 +1,58 @@
+"""The C++ kernel build (layers/cpu_kernels): a kernel compiles once into the cache and
+runs as a MindSpore aot op inside a compiled graph, with static and dynamic shapes."""
+import os
+
+import numpy as np
+import pytest
+
+from msinfer.layers import cpu_kernels
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.compiler_available(), reason="no g++")
+
+
+def test_a_kernel_builds_once_and_runs_in_graphs_of_static_and_dynamic_shape(tmp_path,
+                                                                              monkeypatch):
+    import mindspore as ms
+    from mindspore import Tensor, nn
+
+    monkeypatch.setenv("MSINFER_KERNEL_CACHE", str(tmp_path))
+    cpu_kernels.library.cache_clear()
+    path = cpu_kernels.library("example_scale")
+    assert os.path.dirname(path) == str(tmp_path) and os.listdir(tmp_path) == [
+        os.path.basename(path)]
+    cpu_kernels.library.cache_clear()
+    assert cpu_kernels.library("example_scale") == path  # found, not built again
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+
+    class Scale(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.op = cpu_kernels.custom_op("example_scale", "ScaleColumns",
+                                            ("F32_Default", "F32_Default"), ms.float32)
+
+        def construct(self, x, s):
+            return self.op(x, s) + 1.0
+
+    s = np.array([1.0, -2.0, 0.5], np.float32)
+    static = Scale()
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    np.testing.assert_array_equal(static(Tensor(x), Tensor(s)).asnumpy(), x * s + 1)
+    dynamic = Scale()
+    dynamic.set_inputs(Tensor(shape=[None, 3], dtype=ms.float32),
+                       Tensor(shape=[3], dtype=ms.float32))
+    for rows in (4, 2, 7):
+        x = np.random.default_rng(rows).standard_normal((rows, 3)).astype(np.float32)
+        np.testing.assert_allclose(dynamic(Tensor(x), Tensor(s)).asnumpy(), x * s + 1,
+                                   rtol=1e-6)
+
+
+def test_a_kernel_that_does_not_compile_is_refused_naming_its_source(tmp_path, monkeypatch):
+    monkeypatch.setenv("MSINFER_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_kernels, "HERE", str(tmp_path))
+    (tmp_path / "broken.cc").write_text("this is not C++\n")
+    cpu_kernels.library.cache_clear()
+    with pytest.raises(cpu_kernels.MsinferError, match=r"broken\.cc failed"):
+        cpu_kernels.library("broken")
+    assert os.listdir(tmp_path / "cache") == []  # no partial library left
+    cpu_kernels.library.cache_clear()
