@@ -39,8 +39,9 @@ _frozen_in_module = []
 
 
 def pytest_configure(config):
-    """Compiled graphs of this session's warm-ups (every server and job it starts) go to a
-    directory of its own, removed at the end, not to the user's ~/.cache/msinfer/compile."""
+    """Compiled graphs of this session's warm-ups (every server and job it starts) and its
+    C++ kernels go to directories of their own, removed at the end, not to the user's
+    ~/.cache/msinfer."""
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         os.environ[UNITS_FILE] = os.path.join(tempfile.mkdtemp(prefix="msinfer-xdist-"),
                                                "units.json")
@@ -52,6 +53,10 @@ def pytest_configure(config):
         # on a busy core stalls while its second thread waits to be scheduled.
         os.environ.setdefault("MSINFER_CPU_THREADS", "1")
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if "MSINFER_KERNEL_CACHE" not in os.environ:  # C++ kernels built once per session
+        os.environ["MSINFER_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="msinfer-kernels-")
+        config.add_cleanup(lambda: shutil.rmtree(os.environ.pop("MSINFER_KERNEL_CACHE"),
+                                                 ignore_errors=True))
     if "MSINFER_COMPILE_CACHE" not in os.environ:
         os.environ["MSINFER_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="msinfer-compile-")
         config.add_cleanup(lambda: shutil.rmtree(os.environ.pop("MSINFER_COMPILE_CACHE"),
