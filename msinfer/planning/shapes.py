@@ -189,6 +189,14 @@ class ExplicitGraphs:
             graphs.setdefault(self.layers(kind, size, context), (kind, size, at))
         for rows in self.buckets.rows:
             graphs.setdefault(self.head(rows), ("decode", rows, self.buckets.context[0]))
+        if self.dynamic:
+            # A prefill call needing more rows than the largest batch (a verification's
+            # every position, prompt logprobs) takes a head of its chunk's rows, whose form
+            # (weight_first) no decode batch may pick: warm-up runs such a chunk too.
+            for size in self.buckets.chunk:
+                if size > self.buckets.rows[-1]:
+                    at = min(t for t in self.buckets.context if t >= size)
+                    graphs.setdefault(self.head(size), ("prefill", size, at))
         return graphs
 
 
@@ -253,12 +261,17 @@ class ShapePlan:
         per call shape (ShapeBuckets.calls). Explicit mode: one for each layer stack
         (ExplicitGraphs.all), at the smallest context a call of that size has (a graph first
         picked at a long context, for its fewer layers per graph, compiles as fast at a short
-        one); their decode steps run every lm_head and all run the embedding."""
+        one); their decode steps run the lm_heads of the batches and all run the embedding;
+        a head only a chunk's rows pick gets a call of that chunk with a row per token."""
         if self.graphs is None:
             return [self.at(kind, size, context) for kind, size, context in self.buckets.calls()]
-        return [dataclasses.replace(self.at(kind, size, context), stack=graph)
-                for graph, (kind, size, context) in self.graphs.all().items()
-                if graph.part == "layers"]
+        graphs = self.graphs.all()
+        shapes = [dataclasses.replace(self.at(kind, size, context), stack=graph)
+                  for graph, (kind, size, context) in graphs.items() if graph.part == "layers"]
+        run = {shape.head for shape in shapes}
+        return shapes + [self._shape(kind, size, context, size)  # a head only a chunk picks
+                         for graph, (kind, size, context) in graphs.items()
+                         if graph.part == "head" and graph not in run]
 
     def _shape(self, kind, size, context, rows) -> GraphShape:
         graphs = self.graphs

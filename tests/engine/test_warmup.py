@@ -85,16 +85,20 @@ def test_after_warmup_a_mixed_workload_compiles_nothing(model_dir, mode, max_len
     if mode == "dynamic":  # one graph per kind of call, whatever max_len (2 layers: 1 stack
         # per call kind and batch): embedding, decode at batches 1, 2, 4, prefill chunks of 16
         # and 32 rows, of dynamic rows and full, 2 heads
+        # and the lm_head in each form a row count picks: the batches', and a chunk's
+        # (more rows than the largest batch: prompt logprobs, a verification)
         graph_of = llm.engine.runner.graph_of
         assert graph_of.short_chunks == (16, 32)
-        assert compiled == 1 + 3 + 4 + 1 + (graph_of.head_weight_first(4)
-                                            != graph_of.head_weight_first(1))
+        heads = {graph_of.head_weight_first(rows) for rows in (1, 2, 4, 16, 32, 64, 128)}
+        assert compiled == 1 + 3 + 4 + len(heads)
     before = llm.compilations
     greedy = {}
     for prompts, max_tokens in WORKLOAD + ([LONG] if mode == "dynamic" else []):
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         for p, out in zip(prompts, llm.generate(prompts, params)):
             greedy[tuple(p)] = (max_tokens, out.token_ids)
+    if mode == "dynamic":  # a row per prompt token: more rows than the largest batch
+        llm.generate([prompt(20, 12)], SamplingParams(max_tokens=2, prompt_logprobs=1))
     assert llm.compilations == before, f"{llm.compilations - before} graphs compiled mid-work"
     assert {2, 3} <= set(rows_seen) and max(rows_seen) >= 3
     assert llm.engine.stats().num_preemptions > 0 or max_len > 64
@@ -104,6 +108,22 @@ def test_after_warmup_a_mixed_workload_compiles_nothing(model_dir, mode, max_len
         alone = llm.generate([p], SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                  ignore_eos=True))[0]
         assert alone.token_ids == tokens
+    assert llm.compilations == before
+
+
+def test_with_speculation_verifications_compile_nothing_after_warmup(model_dir):
+    """A verification takes a row per position: more rows than the largest batch (4), so a
+    head of its chunk's rows, which warm-up compiles too."""
+    from msinfer import LLM
+
+    llm = LLM(model_dir, **ENGINE, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
+    llm.engine.warmup()
+    before = llm.compilations
+    repeated = [1, 2, 3, 4, 5, 6, 7, 8] * 6
+    llm.generate([repeated[:n] for n in (10, 30, 45)] + [prompt(60, 13)],
+                 SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    assert llm.engine.stats().spec_num_drafts > 0
     assert llm.compilations == before
 
 
@@ -120,14 +140,18 @@ def test_shapes_say_how_many_rows_each_call_computes(model_dir):
     shapes = runner.shapes()
     # explicit mode warms up one call per graph: every decode batch (static rows), a short
     # prefill chunk and a full one (static rows, dynamic context), each running the lm_head on
-    # its rows
+    # its rows; and the short chunk again with a row per token, for the head form of more
+    # rows than the largest batch (prompt logprobs, verifications)
     assert [call(s) for s in shapes if s.kind == "decode"] == [("decode", b, 64, b)
                                                                for b in (1, 2, 4)]
     assert [call(s) for s in shapes if s.kind == "prefill"] == [("prefill", 16, 64, 1),
-                                                                ("prefill", 32, 64, 1)]
+                                                                ("prefill", 32, 64, 1),
+                                                                ("prefill", 16, 64, 16)]
     assert [(s.stack.rows, s.stack.context) for s in shapes if s.kind == "prefill"] == [
-        (16, 0), (32, 0)]
-    assert [s.stack for s in shapes] == [g for g in runner.graph_of.all() if g.part == "layers"]
+        (16, 0), (32, 0), (16, 0)]
+    assert list(dict.fromkeys(s.stack for s in shapes)) == [
+        g for g in runner.graph_of.all() if g.part == "layers"]
+    assert {s.head for s in shapes} == {g for g in runner.graph_of.all() if g.part == "head"}
     assert {call(s)[:3] for s in shapes} == set(runner.graph_of.all().values())
     plan = runner.shape_plan
     # explicit: any prefill row count is a decode batch's head graph
