@@ -84,6 +84,11 @@ class ServerProcess:
         assert values, f"{name} not in /metrics"
         return sum(values)
 
+    def interrupt(self):
+        """Ctrl-C to the server (to the launcher of a job, which stops its ranks): the time."""
+        os.killpg(self.process.pid, signal.SIGINT)
+        return time.monotonic()
+
     def kill(self):
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)

@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
             print(describe_rank_environment(r, _launcher_environment(args, r, command),
                                             profile.device_target, rank_table))
         return 0
-    return _run(command, args.timeout, args.rank_env)
+    return _run(command, args.timeout, args.rank_env, stop_grace(rank))
 
 
 def hccl_timeouts(device_target: str, env) -> dict[str, str]:
@@ -337,16 +337,27 @@ def _pump(source, sink):
             sink.flush()
 
 
-# After asking the job to stop (SIGTERM), how long it may take: a server drains its requests
-# (serve's --shutdown-timeout, 30 s by default) before it exits.
+# After asking the job to stop (SIGTERM), how long it may take: at least STOP_GRACE_SECONDS;
+# a server drains its requests (serve's --shutdown-timeout, 30 s by default), then its ranks
+# leave together (an idle dp2 x tp2 job exits about 5 s after the signal, on a loaded 2-core
+# machine): it gets its --shutdown-timeout and STOP_MARGIN_SECONDS.
 STOP_GRACE_SECONDS = 45
+STOP_MARGIN_SECONDS = 15
+
+
+def stop_grace(rank: argparse.Namespace) -> float:
+    """The seconds a job whose ranks run the command parsed as `rank` has to stop."""
+    drain = getattr(rank, "shutdown_timeout", None)
+    if drain is None:
+        return STOP_GRACE_SECONDS
+    return max(STOP_GRACE_SECONDS, drain + STOP_MARGIN_SECONDS)
 
 
 class _Stop(Exception):
     """SIGTERM to the launcher: stop the job as Ctrl-C does."""
 
 
-def _run(command, timeout, rank_env):
+def _run(command, timeout, rank_env, grace=None):
     # msrun starts each worker with the `python` found on PATH: make it this interpreter.
     env = dict(os.environ, **rank_env, PATH=os.path.dirname(sys.executable) + os.pathsep +
                os.environ.get("PATH", ""))
@@ -368,7 +379,7 @@ def _run(command, timeout, rank_env):
         code = process.wait(timeout=timeout)
     except (KeyboardInterrupt, _Stop, subprocess.TimeoutExpired) as stop:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one stop is enough
-        code = _stop(process)
+        code = _stop(process, grace)
         if isinstance(stop, subprocess.TimeoutExpired):
             print(f"msinfer launch: job stopped after --timeout {timeout}s", file=sys.stderr)
             return 124
@@ -391,9 +402,10 @@ def die_with_parent():
         pass
 
 
-def _stop(process):
-    """SIGTERM to every rank of the job on this host, then STOP_GRACE_SECONDS to finish (a
-    server drains); the job's exit code when it did, else None after killing it all.
+def _stop(process, grace=None):
+    """SIGTERM to every rank of the job on this host, then `grace` seconds (default
+    STOP_GRACE_SECONDS) to finish (a server drains); the job's exit code when it did, else
+    None after killing it all.
 
     The ranks (the launcher's children) are signalled themselves, not through mpirun: mpirun
     puts each rank in a process group of its own, and on a signal of its own it tears the job
@@ -403,7 +415,7 @@ def _stop(process):
         if parent == process.pid:
             _signal(pid, signal.SIGTERM)
     try:
-        return process.wait(timeout=STOP_GRACE_SECONDS)
+        return process.wait(timeout=STOP_GRACE_SECONDS if grace is None else grace)
     except subprocess.TimeoutExpired:
         for pid, _ in _session_members(process.pid):
             _signal(pid, signal.SIGKILL)

@@ -158,6 +158,7 @@ def _replica(llm, links, config):
     front.send({"done": 1})
     reader.join(timeout=config.stall_timeout)  # until rank 0 says stop: then it expects us gone
     stopped.set()
+    front.close()  # rank 0 waits for this hang-up, not for this process's end (Leader.close)
     log.get().info("serve: replica %d stopped after %d steps", replica, loop.steps)
     return 0
 
@@ -281,8 +282,9 @@ class FrontEnd:
         self._signals.append(sig)
         name = signal.Signals(sig).name
         if len(self._signals) == 1:
-            log.get().info("%s: draining (new requests get 503; in-flight ones have %.0fs)",
-                           name, self.config.shutdown_timeout)
+            log.get().info("%s: draining %d requests in flight (new requests get 503; they "
+                           "have %.0fs)", name, self.router.in_flight(),
+                           self.config.shutdown_timeout)
             self.router.drain(self.config.shutdown_timeout)
         elif not self._warm.is_set():
             _die(f"{name}: a second signal during warm-up")

@@ -31,7 +31,7 @@ from ..parallel.distributed import broadcast_from_rank0, rank0_host
 WATCH_INTERVAL = 0.5  # seconds between checks that the peers are still there
 BEAT = 1.0  # seconds between heartbeats on an otherwise quiet link
 DEFAULT_SILENCE = 60.0  # seconds without a word after which a peer counts as stalled
-EXIT_WAIT = 20.0  # seconds a leader waits for its peers' processes to end after the last step
+EXIT_WAIT = 20.0  # seconds a leader waits for its peers to hang up after the last step
 _HEADER = struct.Struct(">I")
 _CONNECT_TIMEOUT = 120.0
 
@@ -101,7 +101,10 @@ class Link:
             self.tell({"beat": 1}, timeout=BEAT)
 
     def hung_up(self):
-        """True once the peer has closed its end, even with frames still unread."""
+        """True once the peer has closed its end, even with frames still unread (or once
+        this end is closed)."""
+        if self.conn.fileno() < 0:
+            return True
         poller = select.poll()
         poller.register(self.conn, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
         return bool(poller.poll(0))
@@ -114,8 +117,8 @@ class Link:
 
 
 def wait_hung_up(links, timeout):
-    """Wait until every peer of `links` has closed its end (its process ended), at most
-    `timeout` seconds; then close ours."""
+    """Wait until every peer of `links` has closed its end (it left its loop: a rank hangs up
+    when told to stop, or its process ended), at most `timeout` seconds; then close ours."""
     deadline = time.monotonic() + timeout
     for link in links:
         while not link.hung_up() and time.monotonic() < deadline:
@@ -163,9 +166,12 @@ class Leader:
 
     def close(self, wait=EXIT_WAIT):
         """Tell every follower to leave its loop (after the last step), and wait up to `wait`
-        seconds for their processes to end: a leader leaves after its followers, and rank 0
-        last, since MindSpore's teardown on a rank may crash once rank 0 (whose process runs
-        the CPU cluster's scheduler) is gone."""
+        seconds for them to hang up, which each does as it reads the stop: a leader leaves
+        its loop after its followers. Not for their processes to end: under mpirun a rank's
+        exit waits in MPI_Finalize (a fence over the job) until every rank has reached it,
+        so a leader that waited for that waited out `wait` for each follower in turn. The
+        fence also keeps rank 0 (whose process runs the CPU cluster's scheduler) there until
+        every rank is done with MindSpore's teardown, which may crash once it is gone."""
         self._done = True
         for link in self.followers:
             link.tell({"stop": True})
@@ -249,9 +255,12 @@ class Follower:
         return self.link.peer_rank
 
     def recv(self):
+        """The next step's frame; None once told to stop, having hung up: the leader waits
+        for that (Leader.close), and this process's end may wait for the leader's."""
         frame = self.link.recv(timeout=self.silence)
         if frame.get("stop"):
             self._done = True
+            self.link.close()
             return None
         if "fail" in frame:
             self._done = True

@@ -10,9 +10,23 @@ engine step's wall time, rank 0's hand-off to the other ranks.
 
 The engine's own counts (running, waiting, KV blocks, token totals, preemptions) come from
 each replica's last `EngineStats` when scraped; latencies are observed as requests produce
-tokens and finish. With data-parallel replicas every series is per replica: vLLM's `engine`
-label is the replica's index (as vLLM labels its data-parallel engines), msinfer's series
-have a `replica` label.
+tokens and finish.
+
+Which requests count, as vLLM's (vllm/v1/engine/output_processor.py, vllm/v1/metrics/
+loggers.py): `vllm:request_success_total` has a sample for every finish reason of vLLM and
+every replica from the start (0 until one finishes so). A request counts, and the
+finished-request histograms observe it (end-to-end latency and token counts always, the
+per-token and phase times once it got a token), when its response ends with its finish
+reason: "abort" too, for one the server aborted while its client waited (the drain's
+deadline, a second SIGTERM), as vLLM counts a request its engine core reports finished with
+FinishReason.ABORT. A request whose client left counts nowhere among the finished: vLLM's
+AsyncLLM aborts it through OutputProcessor.abort_requests, which records no stats. The time
+to the first token and between tokens are observed as the tokens come, whatever happens
+next, as vLLM's IterationStats.update_from_output does.
+
+With data-parallel replicas every series is per replica: vLLM's `engine` label is the
+replica's index (as vLLM labels its data-parallel engines), msinfer's series have a
+`replica` label.
 
 With speculative decoding configured (and only then, as vLLM), vLLM's
 `vllm:spec_decode_*` counters (vllm/v1/spec_decode/metrics.py) count drafts, proposed and
@@ -34,6 +48,9 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 REQUEST_N_BUCKETS = (1, 2, 5, 10, 20)
+# vLLM's finish reasons (FINISH_REASON_STRINGS, vllm/v1/engine/__init__.py), each a
+# vllm:request_success_total sample from the start; msinfer's requests end with the first four
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 # msinfer's own
 _STEP_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
                  5.0)
@@ -85,6 +102,9 @@ class ServerMetrics:
         self.finished = Counter("vllm:request_success", "Count of successfully processed "
                                 "requests (by finish reason).",
                                 labels + ["finished_reason"], registry=self.registry)
+        for replica in range(replicas):
+            for reason in FINISH_REASONS:
+                self.finished.labels(model_name, str(replica), reason)
         self.rejected = Counter("msinfer_request_rejected_total",
                                 "Requests answered with an error status, by status",
                                 ["model_name", "status"], registry=self.registry)
@@ -162,6 +182,10 @@ class ServerMetrics:
                 tokens - self._tokens_seen[replica])
         self._tokens_seen[replica] = tokens
 
+    def observe_first_token(self, seconds, replica=0):
+        """A request's time from its arrival to its first token."""
+        self.ttft.labels(self._model, str(replica)).observe(seconds)
+
     def observe_token_gap(self, seconds, replica=0):
         """The time between two successive tokens of a request."""
         self.itl.labels(self._model, str(replica)).observe(seconds)
@@ -169,10 +193,12 @@ class ServerMetrics:
 
     def observe_request(self, arrival, first_token, finished, generated, finish_reason,
                         prompt_tokens=None, max_tokens=None, replica=0, scheduled=None):
-        """Monotonic times of one finished request (first_token None when it got none;
-        scheduled: when the engine first scheduled it, None if unknown)."""
+        """Monotonic times of one request that finished with its client there (first_token
+        None when it got none; scheduled: when the engine first scheduled it, None if
+        unknown). As vLLM, every finished request is observed end to end, tokens or not."""
         labels = (self._model, str(replica))
         self.finished.labels(*labels, finish_reason or "abort").inc()
+        self.e2e.labels(*labels).observe(finished - arrival)
         if prompt_tokens is not None:
             self.request_prompt_tokens.labels(*labels).observe(prompt_tokens)
         self.request_generation_tokens.labels(*labels).observe(generated)
@@ -182,8 +208,6 @@ class ServerMetrics:
             self.request_max_tokens.labels(*labels).observe(max_tokens)
         if first_token is None:
             return
-        self.ttft.labels(*labels).observe(first_token - arrival)
-        self.e2e.labels(*labels).observe(finished - arrival)
         if generated > 1:
             self.request_tpot.labels(*labels).observe(
                 (finished - first_token) / (generated - 1))

@@ -74,6 +74,11 @@ class Router:
     def queue_depth(self):
         return self.local.queue_depth() + sum(r.queue_depth() for r in self.remotes)
 
+    def in_flight(self):
+        """Engine requests given to a replica and not finished. Without the lock: a signal
+        handler reads it, on the thread that may hold the lock."""
+        return len(self._owed)
+
     def stats(self, replica):
         return self.local.stats if replica == 0 else self.remotes[replica - 1].stats
 

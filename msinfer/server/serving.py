@@ -430,6 +430,7 @@ class RequestStream:
         if count:
             if self.first_token is None:
                 self.first_token = now
+                self.metrics.observe_first_token(now - self.arrival, self.replica)
             else:
                 self.metrics.observe_token_gap((now - self.last_token) / count, self.replica)
             self.last_token = now

@@ -287,6 +287,19 @@ sys.exit(max(r.wait() for r in ranks))
 """
 
 
+def test_a_server_job_gets_its_drain_and_a_margin_to_stop():
+    """The launcher's grace holds a server's stop bound (docs/serving-reliability.md): its
+    --shutdown-timeout and STOP_MARGIN_SECONDS, never less than STOP_GRACE_SECONDS."""
+    from msinfer.cli import launch as launch_cli
+    from msinfer.cli.main import build_parser
+
+    def grace(*argv):
+        return launch_cli.stop_grace(build_parser().parse_args(list(argv)))
+    assert grace("serve", "--model", "m", "--shutdown-timeout", "120") == 135
+    assert grace("serve", "--model", "m") == launch_cli.STOP_GRACE_SECONDS == 45
+    assert grace("generate", "--model", "m", "--prompt", "hi") == 45
+
+
 @pytest.mark.parametrize("behaviour", ["drain", "hang"])
 def test_stopping_a_job_signals_each_rank_and_waits_for_it(behaviour, monkeypatch):
     """SIGTERM or Ctrl-C to `msinfer launch`: each rank gets SIGTERM itself (mpirun would tear

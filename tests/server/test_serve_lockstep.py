@@ -193,6 +193,25 @@ def test_a_follower_hears_a_silent_leader_and_a_stop_frame_ends_it_without_alarm
     assert not watching.is_alive() and gone == []
 
 
+def test_a_leaders_close_ends_when_its_followers_read_the_stop_not_when_their_process_does():
+    """Under mpirun a rank that left its loop waits in MPI_Finalize for every rank, its
+    leader included: a leader that waited for its followers' processes to end waited out
+    EXIT_WAIT (20 s) for each, and a dp2 x tp2 job overran the launcher's stop grace. Here
+    the followers' "processes" live on after the stop, as MPI_Finalize holds them."""
+    leader, followers = channels(2)
+    stopped = []
+    threads = [threading.Thread(target=lambda f=f: stopped.append(f.recv())) for f in followers]
+    for t in threads:
+        t.start()
+    start = time.monotonic()
+    leader.close(wait=30)
+    assert time.monotonic() - start < 5
+    for t in threads:
+        t.join(5)
+    assert stopped == [None, None]
+    assert all(f.link.hung_up() for f in followers)
+
+
 def test_a_step_that_outlives_the_stall_timeout_is_reported_once_with_rank_and_step():
     """On a clock of the test's own (no thread): what is a stall is decided by the step's
     times, not by how the machine schedules sleeping threads."""

@@ -295,6 +295,64 @@ def test_a_non_streaming_client_that_leaves_aborts_too():
         s.stop()
 
 
+def finished_series(server):
+    """/metrics as Prometheus reads it (prometheus_client's parser): request_success_total
+    by finished_reason, and the sample counts of the per-request series, replica 0's."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    values = {(s.name, s.labels.get("finished_reason")): s.value
+              for family in text_string_to_metric_families(text) for s in family.samples
+              if s.labels.get("engine") == "0"}
+    reasons = {reason: v for (name, reason), v in values.items()
+               if name == "vllm:request_success_total"}
+    counts = {name[len("vllm:"):-len("_count")]: v for (name, _), v in values.items()
+              if name.endswith("_count") and name.startswith("vllm:")}
+    return reasons, counts
+
+
+def test_aborted_requests_count_as_vllm_counts_them():
+    """vLLM's vllm:request_success_total has a sample for every finish reason from the start;
+    a request whose client left is counted by no finished-request series (AsyncLLM.abort ->
+    OutputProcessor.abort_requests records no stats), though its first token was timed as
+    it came; one the server aborts while its client waits (the drain's deadline) counts as
+    "abort", observed end to end and by its tokens as any finished request."""
+    s = RunningServer(step_delay=0.05)
+    try:
+        reasons, counts = finished_series(s)
+        assert reasons == {"stop": 0, "length": 0, "abort": 0, "error": 0, "repetition": 0}
+        assert counts.get("e2e_request_latency_seconds", 0) == 0
+        body = {"model": MODEL, "prompt": "leave", "max_tokens": 80, "stream": True}
+        with httpx.Client(base_url=s.url, timeout=30) as c:
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                assert next(lines).startswith("data: ")
+        wait_for(lambda: len(s.engine.aborted_ids) == 1)
+        wait_for(lambda: not s.engine.running)
+        reasons, counts = finished_series(s)
+        assert sum(reasons.values()) == 0
+        assert counts["time_to_first_token_seconds"] == 1
+        for name in ("e2e_request_latency_seconds", "request_generation_tokens",
+                     "request_prompt_tokens", "request_params_max_tokens",
+                     "request_decode_time_seconds"):
+            assert counts.get(name, 0) == 0, name
+        with httpx.Client(base_url=s.url, timeout=30) as c:
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                assert next(lines).startswith("data: ")
+                s.loop.drain(0)  # the deadline passed: what runs is aborted
+                events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert events[-1]["choices"][0]["finish_reason"] == "abort"
+        reasons, counts = finished_series(s)
+        assert reasons == {"stop": 0, "length": 0, "abort": 1, "error": 0, "repetition": 0}
+        assert counts["time_to_first_token_seconds"] == 2
+        for name in ("e2e_request_latency_seconds", "request_generation_tokens",
+                     "request_prompt_tokens", "request_params_max_tokens"):
+            assert counts[name] == 1, name
+    finally:
+        s.stop()
+
+
 def test_more_waiting_than_max_queue_gets_503_with_retry_after():
     s = RunningServer(max_queue=2, max_num_seqs=1, step_delay=0.05)
 

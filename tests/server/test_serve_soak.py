@@ -196,6 +196,45 @@ def test_a_soak_of_mixed_requests_over_two_replicas_loses_and_leaks_nothing():
             json.dump(figures, f, indent=1)
 
 
+# Seconds from the last in-flight request's end to the job's exit on Ctrl-C: its ranks leave
+# their loops at once and end together (8 s measured at load 13 on 2 cores). A leader that
+# waited for its followers' processes waited handoff.EXIT_WAIT, 20 s, for each, one after
+# the other (an idle job overran the launcher's 45 s): one such wait alone overruns it.
+STOP_BOUND = 20
+
+
+def stop_while_streaming(job):
+    """Ctrl-C to the launcher with a stream in flight on each replica: both finish (drained,
+    not aborted) and the job exits 0 within STOP_BOUND of the last one's end. The seconds
+    from the signal to the streams' end and to the exit."""
+    import re
+
+    from servers import NAME
+
+    streams = []
+    with httpx.Client(base_url=job.url, timeout=120) as c:
+        for _ in range(2):  # the second goes to the replica the first left idle
+            r = c.send(c.build_request("POST", "/v1/completions", json={
+                "model": NAME, "prompt": "last words", "max_tokens": 110, "stream": True,
+                "ignore_eos": True}), stream=True)
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: {")
+            streams.append((r, lines))
+        signalled = job.interrupt()
+        for r, lines in streams:
+            events = [line for line in lines if line]
+            r.close()
+            assert events[-1] == "data: [DONE]"
+            assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
+    drained = time.monotonic()
+    code = job.process.wait(STOP_BOUND + 60)
+    exited = time.monotonic()
+    assert code == 0 and exited - drained < STOP_BOUND, (code, exited - drained)
+    # both were still running when rank 0 heard the signal (their tokens come in ~1 s)
+    assert re.search(r"SIGTERM: draining 2 requests in flight", job.output())
+    return {"drained": round(drained - signalled, 1), "exited": round(exited - signalled, 1)}
+
+
 @pytest.mark.multirank
 def test_a_soak_of_a_dp2_tp2_job_whose_replica_is_killed_and_the_job_restarted(
         serve_model, tmp_path):
@@ -204,7 +243,8 @@ def test_a_soak_of_a_dp2_tp2_job_whose_replica_is_killed_and_the_job_restarted(
     request in flight then gets a clean answer (a 200, an OpenAI 503, or the connection
     refused once rank 0 has gone), and the test's supervisor restarts the job and sends what
     did not complete again: every request completes once, and the restarted job's KV pool
-    is back to full."""
+    is back to full. Ctrl-C then drains a stream on each replica and the job exits 0 within
+    STOP_BOUND of their end."""
     import re
     import signal
 
@@ -310,8 +350,10 @@ def test_a_soak_of_a_dp2_tp2_job_whose_replica_is_killed_and_the_job_restarted(
         assert sorted(done) == sorted(todo)
         assert job.metric("msinfer_kv_blocks_used") == 0
         assert job.metric("vllm:num_requests_running") == 0
+        stopped = stop_while_streaming(job)
     finally:
         job.kill()
     print("\njob soak:", json.dumps({"requests": JOB_REQUESTS, "starts": starts,
                                      "rank0_answered_failing_s": round(failing_for[0], 2),
+                                     "stop_s": stopped,
                                      "answers": {str(k): v for k, v in answers.items()}}))

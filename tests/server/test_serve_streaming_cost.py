@@ -36,7 +36,8 @@ N = 2000  # tokens of the answer
 PROMPT = [1, 2, 3]
 # logprobs and a stop string that never comes: the stream's per-step work at its fullest
 PARAMS = SamplingParams(max_tokens=N, logprobs=2, stop=("zz", "@@@"))
-_METRICS = types.SimpleNamespace(observe_token_gap=lambda *a, **k: None,
+_METRICS = types.SimpleNamespace(observe_first_token=lambda *a, **k: None,
+                                 observe_token_gap=lambda *a, **k: None,
                                  observe_request=lambda *a, **k: None)
 
 
