@@ -87,7 +87,10 @@ class ServerMetrics:
         token_buckets = build_1_2_5_buckets(engine_config.max_model_len)
 
         def histogram(name, doc, buckets):
-            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+            made = Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+            for replica in range(replicas):  # a series per engine from the start (vLLM's)
+                made.labels(model_name, str(replica))
+            return made
         self._latency_histograms(histogram)
         self.request_prompt_tokens = histogram("vllm:request_prompt_tokens",
                                                "Number of prefill tokens processed.",
