@@ -49,7 +49,9 @@ def test_qwen25_72b_w8a8_fits_one_300i_duo_card_where_float_does_not():
 def test_quantized_presets_and_what_the_plan_says(capsys):
     for name, scheme in {"qwen2.5-72b-w8a8": "W8A8", "qwen2.5-32b-w8a8": "W8A8",
                          "qwen3-32b-w8a8": "W8A8", "qwen2.5-7b-w8a16": "W8A16"}.items():
-        schemes = set(dict(PRESETS[name].quantization.schemes).values())
+        quantization = PRESETS[name].quantization
+        schemes = {s for signature in quantization.layer_schemes for s in signature}
+        assert len(quantization.layer_schemes) == PRESETS[name].num_layers
         assert schemes == {scheme}, name
     w8a16, float16 = plan("qwen2.5-7b-w8a16"), plan("qwen2.5-7b")
     assert 0.5 < w8a16.devices[0].weights_bytes / float16.devices[0].weights_bytes < 0.65
@@ -63,3 +65,4 @@ def test_quantized_presets_and_what_the_plan_says(capsys):
 def test_semi_auto_refuses_a_quantized_model():
     report = plan("qwen2.5-72b-w8a8", mode="semi_auto")
     assert not report.fits and "parallel_mode explicit only" in report.errors[0]
+    assert "bench/semi_auto_quantized.py" in report.errors[0]  # the reproduction of why
