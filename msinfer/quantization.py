@@ -133,8 +133,22 @@ def describe(model_dir, config, want=None):
     file_of, layout = weight_files(model_dir)
     layer_schemes = tuple(tuple(_scheme(path, description, layer, m) for m in MODULES)
                           for layer in range(config.num_layers))
+    quantization = Quantization(quant_type, path, layout, layer_schemes)
+    _check_only_projections(path, description, quantization)
     _check_tensors(model_dir, path, file_of, config, layer_schemes)
-    return Quantization(quant_type, path, layout, layer_schemes)
+    return quantization
+
+
+def _check_only_projections(path, description, quantization):
+    """No weight outside the decoder layers' projections is quantized: msinfer would read its
+    int8 values as float weights."""
+    for name, scheme in description.items():
+        if (name.endswith(".weight") and str(scheme).upper() != "FLOAT"
+                and quantization.scheme_at(name) == "FLOAT"):
+            raise MsinferError(
+                f"{path}: {name} is {scheme}; msinfer runs quantized only the decoder layers' "
+                f"q/k/v, o, gate/up and down projections (embeddings, lm_head and a MoE's "
+                f"experts stay FLOAT): quantize with that tensor in disable_names")
 
 
 def _scheme(path, description, layer, module):

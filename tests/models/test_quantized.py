@@ -450,6 +450,12 @@ def test_unknown_schemes_missing_tensors_and_wrong_dtypes_name_the_tensor(quanti
                                            r"schemes \(model.layers.1.mlp.gate_proj.weight: "
                                            r"FLOAT, model.layers.1.mlp.up_proj.weight: W8A8\)"):
         ModelConfig.from_model_dir(str(mixed))
+    # A quantized tensor outside the decoder layers' projections (msinfer holds it float)
+    head = copy_with_description(source, tmp_path / "head", lambda d: d.update(
+        {"lm_head.weight": "W8A8"}))
+    with pytest.raises(MsinferError, match=r"lm_head.weight is W8A8; msinfer runs quantized "
+                                           r"only the decoder layers' q/k/v, o, gate/up"):
+        ModelConfig.from_model_dir(str(head))
     # A projection said FLOAT whose weight the files hold as int8
     left = copy_with_description(source, tmp_path / "left", lambda d: d.update(
         {"model.layers.1.mlp.down_proj.weight": "FLOAT"}))
