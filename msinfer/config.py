@@ -76,6 +76,16 @@ class ModelConfig:
         return (moe is not None and moe.num_experts > 0 and layer not in moe.mlp_only_layers
                 and (layer + 1) % moe.decoder_sparse_step == 0)
 
+    def layer_kinds(self) -> tuple:
+        """Each decoder layer's kind: whether it is sparse, and its projections' quantization
+        schemes (msModelSlim may leave some layers' projections float). Layers of one kind
+        take the same compiled graph; a stack of consecutive layers is compiled once per
+        distinct run of kinds it covers (ExplicitRunner, and the planner counting them)."""
+        quantization = self.quantization
+        return tuple((self.is_sparse_layer(n),
+                      quantization.layer_schemes[n] if quantization is not None else None)
+                     for n in range(self.num_layers))
+
     @property
     def qkv_bias(self) -> bool:
         """q/k/v projections with biases (Qwen2's); Qwen3 has none."""
@@ -478,7 +488,8 @@ PRESETS["qwen2-57b-a14b"] = _moe_preset(
 
 def _quantized(base, scheme):
     from .quantization import preset
-    return dataclasses.replace(PRESETS[base], quantization=preset(scheme))
+    return dataclasses.replace(PRESETS[base],
+                               quantization=preset(scheme, PRESETS[base].num_layers))
 
 
 # What 300I Duo users deploy: msModelSlim's W8A8 (and a W8A16), for planning (quantization.py)

@@ -6,9 +6,11 @@ and its weights in `quant_model_weight_<type>*.safetensors` (v0) or
 `quant_model_weights-*.safetensors` (v1), one file or several with an `.index.json`.
 
 `describe(model_dir, config)` returns None for a float checkpoint, else a `Quantization`: the
-scheme of each of a layer's fused projections (the same in every layer: one compiled graph
-serves them all), after checking every tensor the schemes take exists with its dtype and
+scheme of each of a layer's fused projections, layer by layer (msModelSlim leaves layers out:
+its `disable_names` keep e.g. some layers' down_proj FLOAT; the parts of one fused projection
+share one scheme), after checking every tensor the schemes take exists with its dtype and
 shape. What msinfer cannot run is refused here, naming the file, the tensor and the scheme.
+Layers of one scheme signature share compiled graphs (ModelConfig.layer_kinds).
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ TENSORS = {
     "W8A16": {"weight": (("I8",), "NK"), "weight_scale": (_FLOATS, "NG"),
               "weight_offset": (_FLOATS, "NG")},
 }
+# A projection left FLOAT (msModelSlim's disable_names): its float weight
+FLOAT_TENSORS = {"weight": (_FLOATS, "NK")}
 ALIASES = {"W8A8S": "W8A8"}  # sparse-friendly W8A8: the same tensors and formula
 REFUSED = {
     "W8A8SC": "compressed weights, decompressed by the Ascend device's compression unit at "
@@ -46,20 +50,45 @@ FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_at
          "self_attn.o_proj": ("self_attn.o_proj",),
          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
          "mlp.down_proj": ("mlp.down_proj",)}
+MODULES = tuple(FUSED)
 
 
 @dataclasses.dataclass(frozen=True)
 class Quantization:
-    """A checked msModelSlim checkpoint: its type and each fused projection's scheme."""
+    """A checked msModelSlim checkpoint: its type and each layer's fused projections'
+    schemes."""
 
     model_quant_type: str
     description: str  # path of the description file
     layout: str  # "v0" or "v1" file names
-    schemes: tuple  # ((fused module, scheme), ...), scheme a TENSORS key or "FLOAT"
+    # per decoder layer, its signature: the scheme of each FUSED module in FUSED's order, a
+    # TENSORS key or "FLOAT"
+    layer_schemes: tuple
 
-    def scheme_of(self, module: str) -> str:
-        """The scheme of `module` (e.g. "self_attn.qkv_proj"), FLOAT for any other."""
-        return dict(self.schemes).get(module, "FLOAT")
+    def scheme_of(self, module: str, layer: int) -> str:
+        """The scheme of fused `module` (e.g. "self_attn.qkv_proj") in decoder layer
+        `layer`."""
+        return self.layer_schemes[layer][MODULES.index(module)]
+
+    def scheme_at(self, name: str) -> str:
+        """The scheme of a decoder layer's projection named as the model or the checkpoint
+        names it ("model.layers.3.mlp.down_proj", its ".weight", a part such as
+        "model.layers.3.self_attn.q_proj.weight"); FLOAT for any other tensor (biases,
+        norms, embeddings, lm_head, a MoE's experts)."""
+        if not name.startswith("model.layers."):
+            return "FLOAT"
+        layer, rest = name[len("model.layers."):].split(".", 1)
+        module = rest[:-len(".weight")] if rest.endswith(".weight") else rest
+        fused = next((f for f, parts in FUSED.items() if module == f or module in parts), None)
+        return self.scheme_of(fused, int(layer)) if fused else "FLOAT"
+
+    def by_module(self) -> dict:
+        """{fused module: {scheme: [layers]}}, schemes in order of first use."""
+        found = {m: {} for m in MODULES}
+        for layer, signature in enumerate(self.layer_schemes):
+            for module, scheme in zip(MODULES, signature):
+                found[module].setdefault(scheme, []).append(layer)
+        return found
 
 
 def find_description(model_dir):
@@ -102,49 +131,65 @@ def describe(model_dir, config, want=None):
     description = read_json_object(path)
     quant_type = str(description.get("model_quant_type", "?"))
     file_of, layout = weight_files(model_dir)
-    schemes = {m: _scheme(path, description, config, m) for m in FUSED}
-    _check_tensors(model_dir, path, file_of, config, schemes)
-    return Quantization(quant_type, path, layout,
-                        tuple((m, s) for m, s in schemes.items()))
+    layer_schemes = tuple(tuple(_scheme(path, description, layer, m) for m in MODULES)
+                          for layer in range(config.num_layers))
+    quantization = Quantization(quant_type, path, layout, layer_schemes)
+    _check_only_projections(path, description, quantization)
+    _check_tensors(model_dir, path, file_of, config, layer_schemes)
+    return quantization
 
 
-def _scheme(path, description, config, module):
-    """The one scheme of `module`'s parts in every layer."""
+def _check_only_projections(path, description, quantization):
+    """No weight outside the decoder layers' projections is quantized: msinfer would read its
+    int8 values as float weights."""
+    for name, scheme in description.items():
+        if (name.endswith(".weight") and str(scheme).upper() != "FLOAT"
+                and quantization.scheme_at(name) == "FLOAT"):
+            raise MsinferError(
+                f"{path}: {name} is {scheme}; msinfer runs quantized only the decoder layers' "
+                f"q/k/v, o, gate/up and down projections (embeddings, lm_head and a MoE's "
+                f"experts stay FLOAT): quantize with that tensor in disable_names")
+
+
+def _scheme(path, description, layer, module):
+    """The one scheme of `module`'s parts in decoder layer `layer`."""
     found = {}
-    for layer in range(config.num_layers):
-        for part in FUSED[module]:
-            name = f"model.layers.{layer}.{part}.weight"
-            scheme = str(description.get(name, "FLOAT")).upper()
-            scheme = ALIASES.get(scheme, scheme)
-            if scheme in REFUSED:
-                raise MsinferError(
-                    f"{path}: {name} is {scheme}: {REFUSED[scheme]}; msinfer cannot run it. "
-                    f"{WORKS}")
-            if scheme != "FLOAT" and scheme not in TENSORS:
-                raise MsinferError(f"{path}: {name} has scheme {scheme!r}, which msinfer does "
-                                   f"not know. {WORKS}")
-            found.setdefault(scheme, name)
+    for part in FUSED[module]:
+        name = f"model.layers.{layer}.{part}.weight"
+        scheme = str(description.get(name, "FLOAT")).upper()
+        scheme = ALIASES.get(scheme, scheme)
+        if scheme in REFUSED:
+            raise MsinferError(
+                f"{path}: {name} is {scheme}: {REFUSED[scheme]}; msinfer cannot run it. "
+                f"{WORKS}")
+        if scheme != "FLOAT" and scheme not in TENSORS:
+            raise MsinferError(f"{path}: {name} has scheme {scheme!r}, which msinfer does "
+                               f"not know. {WORKS}")
+        found.setdefault(scheme, name)
     if len(found) > 1:
         mixed = ", ".join(f"{name}: {scheme}" for scheme, name in found.items())
         raise MsinferError(
-            f"{path}: {module} mixes schemes across layers or parts ({mixed}); "
-            f"msinfer compiles one graph for every layer, so each projection needs one scheme "
-            f"in all layers. {WORKS}")
+            f"{path}: the parts of model.layers.{layer}.{module} mix schemes ({mixed}); "
+            f"msinfer runs them as one fused matmul, which takes one scheme: quantize them "
+            f"alike (msModelSlim's disable_names: all of a layer's q/k/v, or gate and up, or "
+            f"none). {WORKS}")
     return next(iter(found))
 
 
-def _check_tensors(model_dir, path, file_of, config, schemes):
+def _check_tensors(model_dir, path, file_of, config, layer_schemes):
     """Every tensor the schemes take is in the files, of an allowed dtype and shape."""
     from safetensors import safe_open
     shapes = config.parameter_shapes()
     handles = {}
     try:
-        for module, scheme in schemes.items():
-            for layer in range(config.num_layers):
+        for layer, signature in enumerate(layer_schemes):
+            for module, scheme in zip(MODULES, signature):
                 for part in FUSED[module]:
                     prefix = f"model.layers.{layer}.{part}"
+                    if prefix + ".weight" not in shapes:  # a MoE's sparse layer: no such part
+                        continue
                     n, k = shapes[prefix + ".weight"]
-                    for suffix, (dtypes, dims) in TENSORS.get(scheme, {}).items():
+                    for suffix, (dtypes, dims) in TENSORS.get(scheme, FLOAT_TENSORS).items():
                         name = f"{prefix}.{suffix}"
                         if name not in file_of:
                             raise MsinferError(
@@ -178,10 +223,10 @@ def _check_one(file, name, scheme, info, dtypes, dims, n, k):
                            f"{want} from config.json")
 
 
-def preset(scheme):
+def preset(scheme, num_layers):
     """A Quantization for a preset model (planning without the checkpoint): every decoder
-    projection in `scheme`, per channel."""
-    return Quantization(scheme, "<preset>", "preset", tuple((m, scheme) for m in FUSED))
+    projection of its `num_layers` layers in `scheme`, per channel."""
+    return Quantization(scheme, "<preset>", "preset", ((scheme,) * len(MODULES),) * num_layers)
 
 
 def stored_bytes(quantization, name, rows, cols, dtype_bytes):
@@ -193,9 +238,7 @@ def stored_bytes(quantization, name, rows, cols, dtype_bytes):
     if quantization is None or not (name.startswith("model.layers.")
                                     and name.endswith(".weight")):
         return elements * dtype_bytes
-    module = name.split(".", 3)[3].rsplit(".", 1)[0]
-    fused = next((f for f, parts in FUSED.items() if module in parts), None)
-    scheme = quantization.scheme_of(fused) if fused else "FLOAT"
+    scheme = quantization.scheme_at(name)
     per_row = {"FLOAT": None, "W8A8": 4 + 4, "W8A8_DYNAMIC": dtype_bytes,
                "W8A16": 2 * dtype_bytes}[scheme]
     if per_row is None:

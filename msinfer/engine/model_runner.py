@@ -237,6 +237,8 @@ class ExplicitRunner(ModelRunner):
                        for _ in range(config.num_layers)]
         self.embed_weight = weights[family.EMBEDDING_WEIGHT]
         self.layer_classes = family.layer_classes(config)  # a MoE's: dense or sparse
+        # What makes layers share a graph: their class and quantization schemes
+        self.layer_kinds = config.layer_kinds()
         self.layer_weights = [[weights[f"model.layers.{i}.{w}"] for w in layer.WEIGHTS]
                               for i, layer in enumerate(self.layer_classes)]
         self.head_weights = [weights[n] for n in family.head_weight_names(config)]
@@ -262,13 +264,14 @@ class ExplicitRunner(ModelRunner):
 
     @property
     def graph_count(self) -> int:
-        """Embedding and head graphs, and a stack's graph for each run of layer classes its
-        stacks cover (one for a dense family)."""
+        """Embedding and head graphs, and a stack's graph for each run of layer kinds its
+        stacks cover (one for a dense family whose layers share their quantization
+        schemes)."""
         return sum(len(self._stack_kinds(g.layers)) if g.part == "layers" else 1
                    for g in self.graph_of.all())
 
     def _stack_kinds(self, count):
-        return {self.layer_classes[first:first + count]
+        return {self.layer_kinds[first:first + count]
                 for first in range(0, self.num_layers, count)}
 
     def cell(self, graph: Graph, first=0):
@@ -276,8 +279,8 @@ class ExplicitRunner(ModelRunner):
         inputs' dynamic shapes on first use."""
         key = graph
         if graph.part == "layers" and first:
-            kinds = self.layer_classes[first:first + graph.layers]
-            key = graph if kinds == self.layer_classes[:graph.layers] else (graph, kinds)
+            kinds = self.layer_kinds[first:first + graph.layers]
+            key = graph if kinds == self.layer_kinds[:graph.layers] else (graph, kinds)
         cell = self.cells.get(key)
         if cell is None:  # its first call compiles it
             self.compiling_since = self.compiling_since or time.monotonic()
@@ -302,8 +305,8 @@ class ExplicitRunner(ModelRunner):
             cell = self.family.LMHead(ctx)
             cell.set_inputs(x, picked, *self.head_weights)
         else:
-            kinds = self.layer_classes[first:first + graph.layers]
-            cell = self.family.LayerStack(ctx, graph.layers, kinds)
+            classes = self.layer_classes[first:first + graph.layers]
+            cell = self.family.LayerStack(ctx, graph.layers, classes, first)
             rotary = Tensor(shape=[rows, 1, config.head_dim],
                             dtype=ms.float16 if self.cos.dtype == np.float16 else ms.float32)
             kv = ctx.plan.local_kv_heads  # CacheLayout.head_rows, rows_by_head

@@ -126,9 +126,9 @@ class ParallelLinear(nn.Cell):
 def quantized_method(ctx, name):
     """The linear method of `name`'s scheme in a quantized checkpoint, None for FLOAT."""
     quantization = ctx.config.quantization
-    if quantization is None or not name.startswith("model.layers."):
+    if quantization is None:
         return None
-    scheme = quantization.scheme_of(name.split(".", 3)[3])
+    scheme = quantization.scheme_at(name)  # in the layer `name` says (the layer's kind's)
     if scheme == "FLOAT":
         return None
     row_max = None

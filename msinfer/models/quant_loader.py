@@ -45,9 +45,10 @@ def quantized_rank_weights(model_dir, plan, tensor_rank, names, dtype):
 
 
 def _scheme(config, name):
-    if not (name.startswith("model.layers.") and name.endswith(".weight")):
+    """The scheme of weight `name` in its own layer ("FLOAT" for a bias, a norm, ...)."""
+    if not name.endswith(".weight"):
         return "FLOAT"
-    return config.quantization.scheme_of(name.split(".", 3)[3].rsplit(".", 1)[0])
+    return config.quantization.scheme_at(name)
 
 
 def _stacked(checkpoint, plan, tensor_rank, name, suffix, dtype):

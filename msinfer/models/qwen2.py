@@ -54,15 +54,14 @@ def weight_layout(ctx, name, array):
     return array
 
 
-def layer_weight_tensors(config, weight):
-    """The checkpoint suffixes a layer weight (a LAYER_WEIGHTS entry) is loaded as: ("weight",)
-    for a float one; a quantized projection's scheme's tensors (layers/linear_methods.py)."""
+def layer_weight_tensors(config, weight, layer):
+    """The checkpoint suffixes a weight of decoder layer `layer` (a LAYER_WEIGHTS entry) is
+    loaded as: ("weight",) for a float one; a quantized projection's scheme's tensors
+    (layers/linear_methods.py)."""
     quantization = config.quantization
-    module = weight.rsplit(".", 1)[0]
     if quantization is None or not weight.endswith(".weight"):
         return (weight.rsplit(".", 1)[1],)
-    scheme = quantization.scheme_of(module)
-    return tensor_suffixes(scheme)
+    return tensor_suffixes(quantization.scheme_at(f"model.layers.{layer}.{weight}"))
 
 
 def layer_weight_names(layer: int) -> list:
@@ -98,17 +97,21 @@ class DecoderLayer(nn.Cell):
     WEIGHTS = LAYER_WEIGHTS  # the weights construct takes, in order
     QKV_BIAS = True
 
-    def __init__(self, ctx):
+    def __init__(self, ctx, layer=0):
+        """`layer`: a decoder layer this Cell runs; its projections take that layer's
+        quantization schemes, which every layer of its kind shares (ModelConfig.layer_kinds)."""
         super().__init__()
+        self.layer_prefix = f"model.layers.{layer}"
         self.input_norm = RMSNorm(ctx)
         self.post_attention_norm = RMSNorm(ctx)
-        self.self_attn = SelfAttention(ctx, bias=self.QKV_BIAS)
+        self.self_attn = SelfAttention(ctx, bias=self.QKV_BIAS,
+                                       prefix=self.layer_prefix + ".self_attn")
         self.mlp = self._make_mlp(ctx)
         rows = SemiAutoLayout(ctx.plan).rows(2) if ctx.mode == "semi_auto" else None
         self.residual = shard(ctx, ops.Add(), rows, rows)
 
     def _make_mlp(self, ctx):
-        return SwiGLU(ctx)
+        return SwiGLU(ctx, self.layer_prefix + ".mlp")
 
     def construct(self, x, cos, sin, k_cache, v_cache, write_rows, context_rows, mask,
                   ln1, w_qkv, b_qkv, w_o, ln2, w_gate_up, w_down):
@@ -137,12 +140,13 @@ class DecoderLayer(nn.Cell):
 
 
 class LayerStack(nn.Cell):
-    """`count` consecutive decoder layers as one graph (`layers`: their classes, a family's
-    layer_classes; default `count` of LAYER). After the call's inputs come, per layer, its K
-    cache, its V cache and its weights (its class's WEIGHTS order): all Tensors, so
-    MindSpore compiles the graph once for every run of `count` layers and passes them without
-    a copy (a Parameter argument would compile once per Parameter; a tuple argument is a
-    constant, compiled per value).
+    """`count` consecutive decoder layers as one graph, built for the layers from `first`
+    (`layers`: their classes, a family's layer_classes; default `count` of LAYER). After the
+    call's inputs come, per layer, its K cache, its V cache and its weights (its class's
+    WEIGHTS order; a quantized projection's as its scheme's tensors): all Tensors, so
+    MindSpore compiles the graph once for every run of `count` layers of the same kinds
+    (ModelConfig.layer_kinds) and passes them without a copy (a Parameter argument would
+    compile once per Parameter; a tuple argument is a constant, compiled per value).
 
     Each position is its own DecoderLayer (primitives only, no weights): one Cell called
     `count` times with Tensor caches that it updates makes MindSpore copy every cache at every
@@ -151,14 +155,14 @@ class LayerStack(nn.Cell):
 
     LAYER = DecoderLayer
 
-    def __init__(self, ctx, count, layers=None):
+    def __init__(self, ctx, count, layers=None, first=0):
         super().__init__()
         layers = layers or (self.LAYER,) * count
-        self.layers = nn.CellList([layer(ctx) for layer in layers])
+        self.layers = nn.CellList([layer(ctx, first + i) for i, layer in enumerate(layers)])
         self.count = count
         # Tensors per layer weight: a quantized projection's come as its method's tuple.
-        self.arity = tuple(tuple(len(layer_weight_tensors(ctx.config, w)) for w in c.WEIGHTS)
-                           for c in layers)
+        self.arity = tuple(tuple(len(layer_weight_tensors(ctx.config, w, first + i))
+                                 for w in c.WEIGHTS) for i, c in enumerate(layers))
         self.args = tuple(2 + sum(arity) for arity in self.arity)
         self.firsts = tuple(sum(self.args[:i]) for i in range(count))
 

@@ -34,8 +34,8 @@ class DecoderLayer(qwen2.DecoderLayer):
     WEIGHTS = LAYER_WEIGHTS
     QKV_BIAS = False
 
-    def __init__(self, ctx):
-        super().__init__(ctx)
+    def __init__(self, ctx, layer=0):
+        super().__init__(ctx, layer)
         self.q_norm = RMSNorm(ctx, per_head=True)
         self.k_norm = RMSNorm(ctx, per_head=True)
 

@@ -129,8 +129,11 @@ def make_plan(config: ModelConfig, strategy: Strategy, profile: HardwareProfile,
         report.quantization = quantization_words(config.quantization)
         if mode == "semi_auto" and not refusal:
             refusal = (f"{config.source}: a quantized checkpoint ({report.quantization}) runs "
-                       f"in parallel_mode explicit only: semi_auto's layouts are written for "
-                       f"float weights")
+                       f"in parallel_mode explicit only (the default), which runs the same "
+                       f"strategy: under semi_auto MindSpore shards only its Ascend quantized "
+                       f"matmuls (QuantBatchMatmul, WeightQuantBatchMatmul) and compiles "
+                       f"nothing for several ranks on CPU, so no quantized semi_auto layout "
+                       f"has been run (docs/quantization.md, bench/semi_auto_quantized.py)")
     if speculative is not None and mode != "explicit" and not refusal:
         refusal = (f"speculative decoding runs in parallel_mode explicit only; this plan is "
                    f"{mode} (give --parallel-mode explicit)")
@@ -199,16 +202,21 @@ def _speculation_words(settings) -> str:
 
 
 def quantization_words(quantization) -> str:
-    """msModelSlim's schemes of a config, e.g. "W8A8: int8 weights (q/k/v, o, gate/up,
-    down) with per-channel scales; embeddings, norms and lm_head float"."""
-    schemes = dict(quantization.schemes)
-    quantized = sorted({s for s in schemes.values() if s != "FLOAT"})
+    """msModelSlim's schemes of a config, e.g. "W8A8 (msModelSlim: q/k/v W8A8; o W8A8;
+    gate/up W8A8; down W8A8, FLOAT in layers 1, 3): int8 weights with their scales; ...":
+    each projection's scheme in most layers, and the layers where it differs."""
     names = {"self_attn.qkv_proj": "q/k/v", "self_attn.o_proj": "o", "mlp.gate_up_proj":
              "gate/up", "mlp.down_proj": "down"}
-    parts = ", ".join(f"{names[m]} {s}" for m, s in schemes.items())
-    kinds = " + ".join(quantized) or "FLOAT"
-    return (f"{kinds} (msModelSlim: {parts}): int8 weights with their scales; embeddings, "
-            f"norms and lm_head float")
+    parts, quantized = [], set()
+    for module, layers_of in quantization.by_module().items():
+        ordered = sorted(layers_of.items(), key=lambda item: -len(item[1]))
+        quantized.update(s for s in layers_of if s != "FLOAT")
+        others = "".join(f", {scheme} in layer{'s' if len(layers) > 1 else ''} "
+                         f"{', '.join(map(str, layers))}" for scheme, layers in ordered[1:])
+        parts.append(f"{names[module]} {ordered[0][0]}{others}")
+    kinds = " + ".join(sorted(quantized)) or "FLOAT"
+    return (f"{kinds} (msModelSlim: {'; '.join(parts)}): int8 weights with their scales; "
+            f"embeddings, norms and lm_head float")
 
 
 def _hardware_refusal(strategy, profile, mode):
@@ -270,9 +278,8 @@ def warmup_graphs(shard_plan, profile, limits, dtype_bytes, mode) -> int:
     forms = cpu_matmul_forms() if profile.device_target == "CPU" else None
     graphs = ExplicitGraphs(buckets, layers_for, forms, dynamic=limits.graph_shapes == "dynamic")
     # A layer stack compiles once per run of layer kinds its stacks cover (a MoE model mixing
-    # dense and sparse layers: ExplicitRunner.graph_count)
-    config = shard_plan.config
-    kinds = tuple(config.is_sparse_layer(n) for n in range(config.num_layers))
+    # dense and sparse layers, a checkpoint with layers left float: ExplicitRunner.graph_count)
+    kinds = shard_plan.config.layer_kinds()
     return sum(len({kinds[first:first + g.layers] for first in range(0, len(kinds), g.layers)})
                if g.part == "layers" else 1 for g in graphs.all())
 

@@ -3,8 +3,10 @@
 Tiny Qwen2 and Qwen3 checkpoints (tools.tiny_model: peaked, input-dependent logits) are
 quantized once per module by msModelSlim's own command line on CPU: W8A8 from a float16
 source in its v0 layout, W8A8 from a bfloat16 source in its v1 layout, W8A16 (v0),
-W8A8_DYNAMIC (v1, per-token activations), and a Qwen3 in W8A8 (v1); plus its W8A16 directory
-requantized group-wise (GROUPED: msModelSlim writes no group-wise int8 on CPU). The reference
+W8A8_DYNAMIC (v1, per-token activations), a Qwen3 in W8A8 (v1), and a four-layer W8A8 (v0)
+with layer 1's down_proj left float by msModelSlim's disable_names (LEFT_OUT: its Qwen
+practices keep some down_proj float); plus its W8A16 directory requantized group-wise
+(GROUPED: msModelSlim writes no group-wise int8 on CPU). The reference
 is transformers' float model with every quantized linear replaced by msModelSlim's formula over
 the tensors it wrote (activations quantized in float32, as the device does; float64 products,
 so exact), and the float tensors it left (embeddings, norms, lm_head, q/k/v biases) loaded as
@@ -12,9 +14,10 @@ they are.
 msinfer must choose the same greedy tokens, and log-probs within LOGPROB_TOLERANCE plus what
 the formula itself moves by under a 1e-6 float perturbation (rounding x / input_scale turns a
 float difference into a whole int8 step where an activation lies on a boundary:
-check_against_formula), on one rank here and on two ranks in one msrun job
-(tests/distributed_worker.py). Directories msinfer cannot run are refused before any rank
-starts, naming the file, the tensor and the scheme.
+check_against_formula), on one rank here, on two ranks in one msrun job
+(tests/distributed_worker.py), and LEFT_OUT on four (tp4) in the dp2 x tp2 job's start.
+Directories msinfer cannot run are refused before any rank starts, naming the file, the
+tensor and the scheme.
 """
 import json
 import os
@@ -85,6 +88,11 @@ CASES = {
     "qwen3_w8a8_v1_bf16": (dict(TINY, dtype="bfloat16", seed=6, family="qwen3", head_dim=32),
                            V1, 8),
 }
+# Layer 1's down_proj left float (disable_names), four layers: on CPU two stacks of two layers
+# of different kinds, (W8A8, float down) and (W8A8, W8A8), each its own graph.
+LEFT_OUT = "qwen2_w8a8_v0_fp16_down1_float"
+CASES[LEFT_OUT] = (dict(TINY, layers=4, dtype="float16", seed=8), V0.replace(
+    "disable_names: []", "disable_names: [model.layers.1.mlp.down_proj]"), 8)
 
 
 def quantize(source, family, template, a_bit, out, work):
@@ -108,7 +116,7 @@ def quantize(source, family, template, a_bit, out, work):
 
 class MadeOnUse(dict):
     """{name: make(name)}, each made when first asked for: the worker that runs this module's
-    four-rank job apart from its other tests (conftest.py) makes that job's one case only."""
+    four-rank job apart from its other tests (conftest.py) makes that job's cases only."""
 
     def __init__(self, make):
         super().__init__()
@@ -293,9 +301,7 @@ def engine_logprobs(outs, vocab):
     return rows
 
 
-@pytest.mark.parametrize("name", list(CASES) + [GROUPED])
-def test_one_rank_generates_what_msmodelslims_formula_does(quantized, references, name):
-    llm = LLM(quantized[name], **ENGINE)
+def generate_and_check(llm, references, name):
     vocab = llm.config.vocab_size
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
                                                 ignore_eos=True, logprobs=vocab))
@@ -309,16 +315,56 @@ def test_one_rank_generates_what_msmodelslims_formula_does(quantized, references
     assert int8 > 0.7 * sum(t.nbytes for t in held), "projections are not held as int8"
 
 
-def run_job_on(quantized, references, out_dir, strategy, names, ranks):
-    """One msrun job of `strategy` running each of `names` (--model2); every rank's tokens
-    the same, and rank 0's against the formula."""
+@pytest.mark.parametrize("name", [n for n in CASES if n != LEFT_OUT] + [GROUPED])
+def test_one_rank_generates_what_msmodelslims_formula_does(quantized, references, name):
+    generate_and_check(LLM(quantized[name], **ENGINE), references, name)
+
+
+def test_layers_msmodelslim_left_float_run_in_graphs_of_their_own(quantized, references):
+    """LEFT_OUT: layer 1's down_proj FLOAT (its float weight, float matmul), the others
+    W8A8. Layers 0-1 and 2-3 are stacks of different kinds: each compiled at warm-up (as
+    many graphs as `msinfer plan` counts, and it says which layer is float), nothing while
+    generating, and each rank holds what the plan counts (the float down_proj as float)."""
+    from msinfer.planning.planner import make_plan
+
+    llm = LLM(quantized[LEFT_OUT], **ENGINE)
+    quantization = llm.config.quantization
+    assert [quantization.scheme_of("mlp.down_proj", n) for n in range(4)] == \
+        ["W8A8", "FLOAT", "W8A8", "W8A8"]
+    runner = llm.engine.runner
+    stacks = {g.layers for g in runner.graph_of.all() if g.part == "layers"}
+    assert stacks == {2}, "the test wants stacks of two layers (CPU's min_layers_per_graph)"
+    compiled = llm.engine.warmup()
+    report = make_plan(llm.config, llm.strategy, llm.profile, llm.limits,
+                       parallel_mode=llm.parallel_mode)
+    layer_graphs = sum(g.part == "layers" for g in runner.graph_of.all())
+    assert compiled == report.warmup_graphs == runner.graph_count \
+        == len(runner.graph_of.all()) + layer_graphs  # a second kind of stack per call kind
+    assert "down W8A8, FLOAT in layer 1" in report.quantization
+    held = [runner.embed_weight] + [t for layer in runner.layer_weights for w in layer
+                                    for t in (w if isinstance(w, tuple) else (w,))]
+    held += [w for w in runner.head_weights if w is not runner.embed_weight]
+    float_down = runner.layer_weights[1][-1]
+    assert str(float_down.dtype) == "Float32" and float_down.shape in ((128, 256), (256, 128))
+    # the plan's figure within its per-tensor activation scales (2 floats per projection)
+    assert 0 <= sum(t.nbytes for t in held) - report.devices[0].weights_bytes <= 15 * 8
+    before = llm.compilations
+    generate_and_check(llm, references, LEFT_OUT)
+    assert llm.compilations == before, "a graph compiled after warm-up"
+
+
+def run_job_on(quantized, references, out_dir, strategy, names, ranks, strategies=None):
+    """One msrun job of `strategy` running each of `names` (--model2; `strategies`: {name:
+    its own strategy file}); every rank's tokens the same, and rank 0's against the
+    formula."""
     cmd = (msrun_prefix(ranks, out_dir / "logs")
            + [WORKER, "--model", quantized[names[0]],
               "--strategy", os.path.join(ROOT, "strategies", strategy),
               "--out", str(out_dir), "--prompts", json.dumps(PROMPTS),
               "--new-tokens", str(NEW_TOKENS)])
     for name in names[1:]:
-        cmd += ["--model2", quantized[name]]
+        cmd += ["--model2", quantized[name], "--model2-strategy",
+                os.path.join(ROOT, "strategies", (strategies or {}).get(name, strategy))]
     code, out, _ = run_job(cmd)
     logs = "".join(p.read_text() for p in sorted((out_dir / "logs").glob("*.log")))
     assert code == 0, (out + logs)[-4000:]
@@ -338,19 +384,22 @@ def test_two_ranks_generate_what_msmodelslims_formula_does(quantized, references
     are Qwen2's linears): column-parallel q/k/v and gate/up split weight, deq_scale,
     quant_bias and weight scales by output; row-parallel o/down split the weight (and
     group-wise scales) by input, add quant_bias once (tensor rank 0) and, per token, take the
-    whole row's scale."""
+    whole row's scale; LEFT_OUT's float down_proj of layer 1 splits as a float one."""
     names = [name for name in CASES if name.startswith("qwen2")] + [GROUPED]
     run_job_on(quantized, references, tmp_path_factory.mktemp("quant_tp2"), "qwen2_tp2.yaml",
                names, 2)
 
 
 @pytest.mark.multirank
-def test_two_replicas_of_two_ranks_generate_what_the_formula_does(quantized, references,
-                                                                  tmp_path_factory):
+def test_two_replicas_of_two_ranks_then_four_ranks_generate_what_the_formula_does(
+        quantized, references, tmp_path_factory):
     """dp2 x tp2: each replica's tensor group is a sub-group (its AllReduces, the per-token
-    maxima's too), on W8A8_DYNAMIC."""
+    maxima's too), on W8A8_DYNAMIC; then, in the same job start, tp4 on LEFT_OUT (W8A8 with
+    layer 1's down_proj float): a query head and a quarter of each MLP per rank (o and down
+    split by input, quant_bias on tensor rank 0), the 2 KV heads each on 2 ranks."""
     run_job_on(quantized, references, tmp_path_factory.mktemp("quant_dp2tp2"),
-               "qwen2_dp2_tp2.yaml", ["qwen2_w8a8_dynamic_v1_bf16"], 4)
+               "qwen2_dp2_tp2.yaml", ["qwen2_w8a8_dynamic_v1_bf16", LEFT_OUT], 4,
+               strategies={LEFT_OUT: "qwen2_tp4.yaml"})
 
 
 def copy_with_description(source, target, change):
@@ -394,10 +443,25 @@ def test_unknown_schemes_missing_tensors_and_wrong_dtypes_name_the_tensor(quanti
     with pytest.raises(MsinferError, match=r"model.layers.1.mlp.down_proj.weight has scheme "
                                            r"'W2A2'.*W8A8S \(as W8A8\)"):
         ModelConfig.from_model_dir(str(weird))
+    # A fused projection's parts in one layer take one scheme (layers may differ: LEFT_OUT)
     mixed = copy_with_description(source, tmp_path / "mixed", lambda d: d.update(
-        {"model.layers.1.mlp.down_proj.weight": "FLOAT"}))
-    with pytest.raises(MsinferError, match=r"mlp.down_proj mixes schemes"):
+        {"model.layers.1.mlp.gate_proj.weight": "FLOAT"}))
+    with pytest.raises(MsinferError, match=r"the parts of model.layers.1.mlp.gate_up_proj mix "
+                                           r"schemes \(model.layers.1.mlp.gate_proj.weight: "
+                                           r"FLOAT, model.layers.1.mlp.up_proj.weight: W8A8\)"):
         ModelConfig.from_model_dir(str(mixed))
+    # A quantized tensor outside the decoder layers' projections (msinfer holds it float)
+    head = copy_with_description(source, tmp_path / "head", lambda d: d.update(
+        {"lm_head.weight": "W8A8"}))
+    with pytest.raises(MsinferError, match=r"lm_head.weight is W8A8; msinfer runs quantized "
+                                           r"only the decoder layers' q/k/v, o, gate/up"):
+        ModelConfig.from_model_dir(str(head))
+    # A projection said FLOAT whose weight the files hold as int8
+    left = copy_with_description(source, tmp_path / "left", lambda d: d.update(
+        {"model.layers.1.mlp.down_proj.weight": "FLOAT"}))
+    with pytest.raises(MsinferError, match=r"model.layers.1.mlp.down_proj.weight \(FLOAT\) is "
+                                           r"I8; FLOAT takes F16 or F32 or BF16"):
+        ModelConfig.from_model_dir(str(left))
     # A tensor of the wrong dtype, then one missing: named with their file.
     broken = copy_with_description(source, tmp_path / "broken", lambda d: None)
     file = next(p for p in broken.iterdir() if p.name.endswith("-00001-of-00001.safetensors"))

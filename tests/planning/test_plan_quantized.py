@@ -49,7 +49,9 @@ def test_qwen25_72b_w8a8_fits_one_300i_duo_card_where_float_does_not():
 def test_quantized_presets_and_what_the_plan_says(capsys):
     for name, scheme in {"qwen2.5-72b-w8a8": "W8A8", "qwen2.5-32b-w8a8": "W8A8",
                          "qwen3-32b-w8a8": "W8A8", "qwen2.5-7b-w8a16": "W8A16"}.items():
-        schemes = set(dict(PRESETS[name].quantization.schemes).values())
+        quantization = PRESETS[name].quantization
+        schemes = {s for signature in quantization.layer_schemes for s in signature}
+        assert len(quantization.layer_schemes) == PRESETS[name].num_layers
         assert schemes == {scheme}, name
     w8a16, float16 = plan("qwen2.5-7b-w8a16"), plan("qwen2.5-7b")
     assert 0.5 < w8a16.devices[0].weights_bytes / float16.devices[0].weights_bytes < 0.65
@@ -63,3 +65,27 @@ def test_quantized_presets_and_what_the_plan_says(capsys):
 def test_semi_auto_refuses_a_quantized_model():
     report = plan("qwen2.5-72b-w8a8", mode="semi_auto")
     assert not report.fits and "parallel_mode explicit only" in report.errors[0]
+    assert "bench/semi_auto_quantized.py" in report.errors[0]  # the reproduction of why
+
+
+def test_layers_left_float_are_counted_in_their_own_scheme_and_graphs():
+    """Qwen2.5-72B W8A8 with two layers' down_proj left float (msModelSlim's disable_names):
+    each of those weighs its float16 bytes instead of int8 and scales, the plan names them,
+    and warm-up compiles more graphs (a stack covering a float layer is a kind of its own)."""
+    import dataclasses
+
+    uniform = PRESETS["qwen2.5-72b-w8a8"]
+    schemes = list(uniform.quantization.layer_schemes)
+    for layer in (0, 79):
+        schemes[layer] = schemes[layer][:3] + ("FLOAT",)
+    left = dataclasses.replace(uniform, quantization=dataclasses.replace(
+        uniform.quantization, layer_schemes=tuple(schemes)))
+    limits = EngineLimits.for_model(uniform, max_len=8192)
+    before, after = (make_plan(c, TP2, DUO, limits) for c in (uniform, left))
+    # down_proj (8192 x 29568) is split by input at tp2: 8192 rows of 14784 per chip, float16
+    # where it was int8 with a float32 deq_scale and an int32 quant_bias per row
+    rows, cols = 8192, 29568 // 2
+    assert after.devices[0].weights_bytes - before.devices[0].weights_bytes == \
+        2 * (rows * cols * 2 - (rows * cols + rows * 8))
+    assert "down W8A8, FLOAT in layers 0, 79" in after.quantization
+    assert after.warmup_graphs > before.warmup_graphs
