@@ -38,9 +38,8 @@ int64_t leading(int ndims, const int64_t *shape) {
   return rows;
 }
 
-constexpr int RB = 4;          // rows per register block
-constexpr int NB = 4;          // outputs per register block
-constexpr int64_t RCHUNK = 64;  // rows per pass over the weights: x's chunk stays in L2
+constexpr int RB = 4;  // rows per register block (few rows: dot products)
+constexpr int NB = 4;  // outputs per register block
 
 // ---- int8 x int8, exact ---------------------------------------------------------------
 
@@ -133,24 +132,103 @@ Quantized quantize(const float *x, int64_t rows, int64_t k, const float *divisor
   return out;
 }
 
+// Many rows: each thread lays its block of PN outputs' weights out as [k / 4][PN] groups of
+// 4 bytes (top bits flipped), so one vpdpbusd sums 4 inputs for 16 outputs of a row, the
+// row's 4 bytes broadcast: no horizontal sums, each weight read once per block of rows.
+constexpr int PN = 32;         // outputs per packed block (two vectors)
+constexpr int PR = 8;          // rows per packed register block
+constexpr int64_t PACK_ROWS = 32;  // from this many rows the packing pays (measured)
+
+void pack_int8(const int8_t *w, int64_t k, int64_t kp, int64_t outputs, int32_t *packed) {
+  const int32_t flip = static_cast<int32_t>(0x80808080u);
+  const int64_t whole = outputs == PN ? k / 4 : 0;  // groups read as one word each
+  for (int64_t kg = 0; kg < whole; kg++)
+    for (int64_t j = 0; j < PN; j++) {
+      int32_t word;
+      std::memcpy(&word, w + j * k + kg * 4, 4);
+      packed[kg * PN + j] = word ^ flip;
+    }
+  for (int64_t kg = whole; kg < kp / 4; kg++)
+    for (int64_t j = 0; j < PN; j++) {
+      uint8_t bytes[4] = {0, 0, 0, 0};  // past the weights: x's padding is zero there
+      if (j < outputs)
+        for (int64_t b = 0; b < 4 && kg * 4 + b < k; b++) bytes[b] = w[j * k + kg * 4 + b];
+      int32_t word;
+      std::memcpy(&word, bytes, 4);
+      packed[kg * PN + j] = word ^ flip;
+    }
+}
+
+template <int R>
+inline void packed_int8_block(const int8_t *xq, int64_t ldx, const int32_t *packed,
+                              int64_t kp, int32_t *acc) {
+  __m512i sum[R][2];
+  for (int r = 0; r < R; r++) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
+  for (int64_t kg = 0; kg < kp / 4; kg++) {
+    const __m512i w0 = _mm512_loadu_si512(packed + kg * PN);
+    const __m512i w1 = _mm512_loadu_si512(packed + kg * PN + 16);
+    for (int r = 0; r < R; r++) {
+      int32_t word;
+      std::memcpy(&word, xq + r * ldx + kg * 4, 4);
+      const __m512i xv = _mm512_set1_epi32(word);
+      sum[r][0] = _mm512_dpbusd_epi32(sum[r][0], w0, xv);
+      sum[r][1] = _mm512_dpbusd_epi32(sum[r][1], w1, xv);
+    }
+  }
+  for (int r = 0; r < R; r++) {
+    _mm512_storeu_si512(acc + r * PN, sum[r][0]);
+    _mm512_storeu_si512(acc + r * PN + 16, sum[r][1]);
+  }
+}
+
+template <int R = PR>
+inline void packed_int8_rows(int64_t rows, const int8_t *xq, int64_t ldx,
+                             const int32_t *packed, int64_t kp, int32_t *acc) {
+  if constexpr (R > 1) {
+    if (rows < R) return packed_int8_rows<R - 1>(rows, xq, ldx, packed, kp, acc);
+  }
+  packed_int8_block<R>(xq, ldx, packed, kp, acc);
+}
+
+template <class Epilogue>
+void packed_int8_matmul(const Quantized &x, int64_t rows, const int8_t *w, int64_t k,
+                        int64_t out, Epilogue epilogue) {
+  const int64_t blocks = (out + PN - 1) / PN;
+#pragma omp parallel num_threads(threads())
+  {
+    std::vector<int32_t> packed(x.ld / 4 * PN);
+    int32_t acc[PR * PN];
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+      const int64_t n0 = b * PN, nn = std::min<int64_t>(PN, out - n0);
+      pack_int8(w + n0 * k, k, x.ld, nn, packed.data());
+      for (int64_t r = 0; r < rows; r += PR) {
+        const int64_t rr = std::min<int64_t>(PR, rows - r);
+        packed_int8_rows(rr, x.q.data() + r * x.ld, x.ld, packed.data(), x.ld, acc);
+        for (int64_t i = 0; i < rr; i++)
+          for (int64_t j = 0; j < nn; j++)
+            epilogue(r + i, n0 + j, acc[i * PN + j] - 128 * x.sum[r + i]);
+      }
+    }
+  }
+}
+
 // Calls epilogue(r, n, exact int32 x_q[r] . W_q[n]) for every row and output.
 template <class Epilogue>
 void int8_matmul(const Quantized &x, int64_t rows, const int8_t *w, int64_t k, int64_t out,
                  Epilogue epilogue) {
+  if (rows >= PACK_ROWS) return packed_int8_matmul(x, rows, w, k, out, epilogue);
   const int64_t blocks = (out + NB - 1) / NB;
-  for (int64_t r0 = 0; r0 < rows; r0 += RCHUNK) {
-    const int64_t r1 = std::min(rows, r0 + RCHUNK);
 #pragma omp parallel for num_threads(threads()) schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-      const int64_t n0 = b * NB, nn = std::min<int64_t>(NB, out - n0);
-      int32_t acc[RB * NB];
-      for (int64_t r = r0; r < r1; r += RB) {
-        const int64_t rr = std::min<int64_t>(RB, r1 - r);
-        int8_tile(x.q.data() + r * x.ld, x.ld, rr, w + n0 * k, k, nn, acc, NB);
-        for (int64_t i = 0; i < rr; i++)
-          for (int64_t j = 0; j < nn; j++)
-            epilogue(r + i, n0 + j, acc[i * NB + j] - 128 * x.sum[r + i]);
-      }
+  for (int64_t b = 0; b < blocks; b++) {
+    const int64_t n0 = b * NB, nn = std::min<int64_t>(NB, out - n0);
+    int32_t acc[RB * NB];
+    for (int64_t r = 0; r < rows; r += RB) {
+      const int64_t rr = std::min<int64_t>(RB, rows - r);
+      int8_tile(x.q.data() + r * x.ld, x.ld, rr, w + n0 * k, k, nn, acc, NB);
+      for (int64_t i = 0; i < rr; i++)
+        for (int64_t j = 0; j < nn; j++)
+          epilogue(r + i, n0 + j, acc[i * NB + j] - 128 * x.sum[r + i]);
     }
   }
 }
@@ -242,24 +320,98 @@ inline void float_tile(const float *x, int64_t ldx, int64_t rows, const typename
   }
 }
 
+// Many rows: as packed_int8_matmul, each thread widens its block of PN outputs' weights once
+// into float32 [k][PN], and a row's x[k] is broadcast against them.
+template <class L>
+void pack_float(const typename L::T *w, int64_t k, int64_t outputs, float *packed) {
+  alignas(64) float block[PN][16];  // 16 inputs of each output, transposed in L1
+  for (int64_t kk = 0; kk < k; kk += 16) {
+    const int64_t n = std::min<int64_t>(16, k - kk);
+    const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+    for (int64_t j = 0; j < PN; j++)
+      _mm512_store_ps(block[j], j < outputs ? L::load(w + j * k + kk, mask)
+                                            : _mm512_setzero_ps());
+    const __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7,
+                                                              6, 5, 4, 3, 2, 1, 0),
+                                             _mm512_set1_epi32(16));
+    for (int64_t i = 0; i < n; i++) {
+      _mm512_storeu_ps(packed + (kk + i) * PN, _mm512_i32gather_ps(lanes, &block[0][i], 4));
+      _mm512_storeu_ps(packed + (kk + i) * PN + 16,
+                       _mm512_i32gather_ps(lanes, &block[16][i], 4));
+    }
+  }
+}
+
+template <int R>
+inline void packed_float_block(const float *x, int64_t ldx, const float *packed, int64_t k0,
+                               int64_t k1, float *dot) {
+  __m512 sum[R][2];
+  for (int r = 0; r < R; r++) sum[r][0] = sum[r][1] = _mm512_setzero_ps();
+  for (int64_t kk = k0; kk < k1; kk++) {
+    const __m512 w0 = _mm512_loadu_ps(packed + kk * PN);
+    const __m512 w1 = _mm512_loadu_ps(packed + kk * PN + 16);
+    for (int r = 0; r < R; r++) {
+      const __m512 xv = _mm512_set1_ps(x[r * ldx + kk]);
+      sum[r][0] = _mm512_fmadd_ps(xv, w0, sum[r][0]);
+      sum[r][1] = _mm512_fmadd_ps(xv, w1, sum[r][1]);
+    }
+  }
+  for (int r = 0; r < R; r++) {
+    _mm512_storeu_ps(dot + r * PN, sum[r][0]);
+    _mm512_storeu_ps(dot + r * PN + 16, sum[r][1]);
+  }
+}
+
+template <int R = PR>
+inline void packed_float_rows(int64_t rows, const float *x, int64_t ldx, const float *packed,
+                              int64_t k0, int64_t k1, float *dot) {
+  if constexpr (R > 1) {
+    if (rows < R) return packed_float_rows<R - 1>(rows, x, ldx, packed, k0, k1, dot);
+  }
+  packed_float_block<R>(x, ldx, packed, k0, k1, dot);
+}
+
+template <class L, class Epilogue>
+void packed_float_matmul(const float *x, int64_t rows, const typename L::T *w, int64_t k,
+                         int64_t out, int64_t groups, Epilogue epilogue) {
+  const int64_t blocks = (out + PN - 1) / PN, size = k / groups;
+#pragma omp parallel num_threads(threads())
+  {
+    std::vector<float> packed(k * PN);
+    float dot[PR * PN];
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+      const int64_t n0 = b * PN, nn = std::min<int64_t>(PN, out - n0);
+      pack_float<L>(w + n0 * k, k, nn, packed.data());
+      for (int64_t r = 0; r < rows; r += PR) {
+        const int64_t rr = std::min<int64_t>(PR, rows - r);
+        for (int64_t g = 0; g < groups; g++) {
+          packed_float_rows(rr, x + r * k, k, packed.data(), g * size, (g + 1) * size, dot);
+          for (int64_t i = 0; i < rr; i++)
+            for (int64_t j = 0; j < nn; j++) epilogue(r + i, n0 + j, g, dot[i * PN + j]);
+        }
+      }
+    }
+  }
+}
+
 // Calls epilogue(r, n, g, x[r, group g] . w[n, group g]) for every row, output and group.
 template <class L, class Epilogue>
 void float_matmul(const float *x, int64_t rows, const typename L::T *w, int64_t k, int64_t out,
                   int64_t groups, Epilogue epilogue) {
+  if (rows >= PACK_ROWS)
+    return packed_float_matmul<L>(x, rows, w, k, out, groups, epilogue);
   const int64_t blocks = (out + NB - 1) / NB, size = k / groups;
-  for (int64_t r0 = 0; r0 < rows; r0 += RCHUNK) {
-    const int64_t r1 = std::min(rows, r0 + RCHUNK);
 #pragma omp parallel for num_threads(threads()) schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-      const int64_t n0 = b * NB, nn = std::min<int64_t>(NB, out - n0);
-      float dot[RB * NB];
-      for (int64_t r = r0; r < r1; r += RB) {
-        const int64_t rr = std::min<int64_t>(RB, r1 - r);
-        for (int64_t g = 0; g < groups; g++) {
-          float_tile<L>(x + r * k, k, rr, w + n0 * k, k, g * size, (g + 1) * size, nn, dot);
-          for (int64_t i = 0; i < rr; i++)
-            for (int64_t j = 0; j < nn; j++) epilogue(r + i, n0 + j, g, dot[i * NB + j]);
-        }
+  for (int64_t b = 0; b < blocks; b++) {
+    const int64_t n0 = b * NB, nn = std::min<int64_t>(NB, out - n0);
+    float dot[RB * NB];
+    for (int64_t r = 0; r < rows; r += RB) {
+      const int64_t rr = std::min<int64_t>(RB, rows - r);
+      for (int64_t g = 0; g < groups; g++) {
+        float_tile<L>(x + r * k, k, rr, w + n0 * k, k, g * size, (g + 1) * size, nn, dot);
+        for (int64_t i = 0; i < rr; i++)
+          for (int64_t j = 0; j < nn; j++) epilogue(r + i, n0 + j, g, dot[i * NB + j]);
       }
     }
   }
