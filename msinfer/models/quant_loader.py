@@ -34,9 +34,7 @@ def quantized_rank_weights(model_dir, plan, tensor_rank, names, dtype, tables=()
     shapes = config.parameter_shapes()
     quantized = [n for n in names if _scheme(config, n) != "FLOAT"]
     floats = [n for n in names if n not in quantized]
-    if table_dtype is None:
-        tables = ()
-    tables = [n for n in floats if n in tables]
+    tables = [n for n in floats if n in tables] if table_dtype is not None else []
 
     def parts_of(name):
         return [(part, plan.slices(part, tensor_rank), shapes[part])
