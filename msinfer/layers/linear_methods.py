@@ -17,10 +17,10 @@ quant_model_description.json gives them per tensor:
 
 Weights stay int8 on every hardware; `method_class` picks each scheme's form per hardware,
 in one place:
-- CPU with g++: C++ kernels (cpu_kernels/int8_linear.cc) that read the int8 weight as it is
+- CPU with g++ and AVX512-VNNI: C++ kernels (cpu_kernels/int8_linear.cc) that read the int8 weight as it is
   (int8 x int8 summed exactly in int32 by AVX512-VNNI), and hold the checkpoint's FLOAT
   embedding and lm_head in its 16-bit dtype (`table_dtype`), upcast exactly as they are read;
-- CPU without g++: the MindSpore forms below, the reference: integer products exact as int8 x
+- other CPUs: the MindSpore forms below, the reference: integer products exact as int8 x
   int8 accumulated in float32 over runs of inputs short enough that every partial sum stays
   below 2**24 (IntegerMatmul), the runs summed in int32; the tables in float32;
 - Ascend: MindSpore's quantized matmul primitives (`ascend_kernels`).
@@ -272,9 +272,18 @@ def cpu_kernel_methods():
             "W8A8_DYNAMIC": KernelW8A8DynamicMethod, "W8A16": KernelW8A16Method}
 
 
+# The instructions int8_linear.cc is written with (AVX512-VNNI's vpdpbusd for the int8 sums).
+KERNEL_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c"}
+
+
+def kernels_available() -> bool:
+    """Whether this host builds and runs int8_linear.cc: g++, and the instructions it takes."""
+    return cpu_kernels.compiler_available() and KERNEL_FLAGS <= cpu_kernels.processor_flags()
+
+
 def uses_cpu_kernels() -> bool:
-    """Whether this process runs the C++ kernels: on CPU, where g++ can build them."""
-    return ms.get_context("device_target") == "CPU" and cpu_kernels.compiler_available()
+    """Whether this process runs the C++ kernels: on CPU, where the host can build them."""
+    return ms.get_context("device_target") == "CPU" and kernels_available()
 
 
 def method_class(scheme):

@@ -1,14 +1,15 @@
 """The CPU kernels of quantized checkpoints (layers/cpu_kernels/int8_linear.cc), run as the
 linear methods run them (compiled graphs, rows dynamic), against numpy: the int8 x int8
 products exact (int64 in numpy), the float ones to float32's rounding; and the MindSpore
-forms that hosts without g++ keep, which the kernels must agree with."""
+forms that other hosts keep, which the kernels must agree with."""
 import ml_dtypes
 import numpy as np
 import pytest
 
 from msinfer.layers import cpu_kernels
+from msinfer.layers.linear_methods import kernels_available
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.compiler_available(), reason="no g++")
+pytestmark = pytest.mark.skipif(not kernels_available(), reason="no g++ or no AVX512-VNNI")
 
 ROWS = (1, 3, 16, 67, 300)  # one graph of dynamic rows runs them all
 
@@ -120,8 +121,9 @@ def test_16_bit_tables_are_read_as_their_exact_float32_values(ms, dtype):
 
 
 def test_without_gxx_the_mindspore_forms_run_and_agree_with_the_kernels(ms, monkeypatch):
-    """Where no g++ exists, method_class keeps the MindSpore forms and the tables stay in the
-    compute dtype; those forms give what the kernels give."""
+    """Where the host cannot build the kernels (no g++, or no AVX512-VNNI), method_class
+    keeps the MindSpore forms and the tables stay in the compute dtype; those forms give
+    what the kernels give."""
     from types import SimpleNamespace
 
     from mindspore import Tensor
@@ -145,6 +147,9 @@ def test_without_gxx_the_mindspore_forms_run_and_agree_with_the_kernels(ms, monk
     kernels = {scheme: methods.method_class(scheme)(k)(x, *args).asnumpy()
                for scheme, args in cases.items()}
     assert methods.method_class("W8A8") is methods.KernelW8A8Method
+    monkeypatch.setattr(cpu_kernels, "processor_flags", lambda: {"avx512f", "avx2"})
+    assert methods.method_class("W8A8") is methods.W8A8Method
+    monkeypatch.undo()
     monkeypatch.setattr(cpu_kernels, "compiler_available", lambda: False)
     assert methods.table_dtype(ctx) is None
     for scheme, args in cases.items():

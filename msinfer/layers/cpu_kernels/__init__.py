@@ -40,6 +40,17 @@ def compiler_available() -> bool:
     return shutil.which(COMPILER) is not None
 
 
+def processor_flags() -> set:
+    """The host processor's feature flags (/proc/cpuinfo's), empty where unknown: a kernel
+    written with instructions the host lacks is not built there."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line.split(":", 1)[1].split() for line in f
+                             if line.startswith("flags")), []))
+    except OSError:
+        return set()
+
+
 def cache_root() -> str:
     """$MSINFER_KERNEL_CACHE, else $XDG_CACHE_HOME/msinfer/kernels, else
     ~/.cache/msinfer/kernels."""
