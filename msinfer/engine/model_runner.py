@@ -35,6 +35,7 @@ from ..engine_config import EngineLimits
 from ..hardware import DTYPE_BYTES
 from ..layers.attention import new_cache
 from ..layers.cpu_forms import matmul_forms
+from ..layers.linear_methods import table_dtype
 from ..layers.parallel_context import ParallelContext
 from ..layers.rotary import rotary_tables
 from ..models.families import family_of
@@ -389,18 +390,23 @@ def build_runner(model_dir, ctx, layout, limits, world_size, profile):
     family = family_of(config)
     names = family.weight_names(config)
     host_dtype = np.float16 if ctx.dtype == ms.float16 else np.float32  # numpy has no bf16
+    # A quantized checkpoint's FLOAT embedding and lm_head: 16-bit where kernels read them.
+    table = table_dtype(ctx)
+    tables = {family.EMBEDDING_WEIGHT, family.head_weight_names(config)[-1]} if table else set()
     if config.quantization is None:
         weights = rank_weights(model_dir, ctx.plan, ctx.tensor_rank, names, host_dtype)
     else:  # msModelSlim's tensors: a quantized projection's as a tuple (int8 weight, ...)
-        weights = quantized_rank_weights(model_dir, ctx.plan, ctx.tensor_rank, names,
-                                         host_dtype)
+        weights = quantized_rank_weights(
+            model_dir, ctx.plan, ctx.tensor_rank, names, host_dtype, tables,
+            table and ms.dtype_to_nptype(table))
     if ctx.mode == "semi_auto":
         model = family.Model(ctx, layout, full_shapes(config, names))
         runner = SemiAutoRunner(ctx, layout, limits, model=model, world_size=world_size)
         runner.load(weights, world_size)
         return runner
     loaded = {name: (tuple(ms.Tensor.from_numpy(a) for a in array) if isinstance(array, tuple)
-                     else host_tensor(family.weight_layout(ctx, name, array), ctx.dtype))
+                     else host_tensor(family.weight_layout(ctx, name, array),
+                                      table if name in tables else ctx.dtype))
               for name, array in weights}
     return ExplicitRunner(ctx, layout, limits, weights=loaded,
                           min_layers_per_graph=profile.min_layers_per_graph,

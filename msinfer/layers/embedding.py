@@ -1,6 +1,9 @@
-"""The token embedding, split by vocabulary rows (`vocab`) or whole on every rank."""
+"""The token embedding, split by vocabulary rows (`vocab`) or whole on every rank; a
+quantized checkpoint's 16-bit table (linear_methods.table_dtype) read by a kernel that
+upcasts the rows it gathers."""
 from mindspore import nn, ops
 
+from .linear_methods import TableRows, table_dtype
 from .parallel_context import ParallelContext
 
 
@@ -12,6 +15,8 @@ class ParallelEmbedding(nn.Cell):
         super().__init__()
         weight_name = name + ".weight"
         self.gather = ops.Gather()
+        dtype = table_dtype(ctx)
+        self.table_rows = TableRows(dtype) if dtype is not None else None
         self.reduce = None
         if ctx.explicit_collectives and ctx.plan.style(weight_name) == "vocab":
             self.reduce = ctx.all_reduce()
@@ -23,9 +28,14 @@ class ParallelEmbedding(nn.Cell):
 
     def construct(self, ids, weight):
         if self.reduce is None:
-            return self.gather(weight, ids, 0)
+            return self.rows(weight, ids)
         inside = ops.logical_and(ids >= self.vocab_start, ids < self.vocab_end)
         local_ids = ops.where(inside, ids - self.vocab_start, ops.zeros_like(ids))
-        rows = self.gather(weight, local_ids, 0)
+        rows = self.rows(weight, local_ids)
         rows = rows * ops.expand_dims(inside, -1).astype(rows.dtype)
         return self.reduce(rows)
+
+    def rows(self, weight, ids):
+        if self.table_rows is not None:
+            return self.table_rows(weight, ids)
+        return self.gather(weight, ids, 0)

@@ -16,7 +16,7 @@ from mindspore import nn, ops
 
 from ..hardware import rows_within
 from .cpu_forms import Expand
-from .linear_methods import method_class
+from .linear_methods import TableMethod, method_class, table_dtype
 from .parallel_context import ParallelContext
 
 
@@ -36,6 +36,7 @@ class ParallelLinear(nn.Cell):
         # None for a float weight (the matmuls below, in the forms they are asked for).
         self.method = quantized_method(ctx, name)
         self.bias_folded = self.method is not None and self.method.BIAS_FOLDED
+        self.table = isinstance(self.method, TableMethod)  # one weight, not a tuple
         self.matmul = ops.MatMul(transpose_b=not in_out)
         self.weight_first_range = weight_first  # (first, last) rows, or None
         self.weight_first = ops.MatMul(transpose_b=True)
@@ -64,6 +65,8 @@ class ParallelLinear(nn.Cell):
         """weight: a Tensor, or a quantized method's tuple of tensors (its TENSORS)."""
         if self.method is None:
             y = self.matmul(x, weight)
+        elif self.table:
+            y = self.method(x, weight)
         else:
             y = self.method(x, *weight)
         if bias is not None and not self.bias_folded:
@@ -87,7 +90,10 @@ class ParallelLinear(nn.Cell):
         chain of weight-first layers transposes once, and the lm_head's is done on the host.
         No bias."""
         if self.method is not None:  # a quantized weight has one form: x @ W_q.T
-            y = self.method(x.transpose(1, 0) if x_transposed else x, *weight)
+            x = x.transpose(1, 0) if x_transposed else x
+            if self.table:  # its kernel writes y.T itself
+                return self.transposed_result(self.method.transposed(x, weight))
+            y = self.method(x, *weight)
             return self.transposed_result(y.transpose(1, 0))
         y = self.weight_times(weight, x) if x_transposed else self.weight_first(weight, x)
         return self.transposed_result(y)
@@ -124,8 +130,11 @@ class ParallelLinear(nn.Cell):
 
 
 def quantized_method(ctx, name):
-    """The linear method of `name`'s scheme in a quantized checkpoint, None for FLOAT."""
+    """The linear method of `name`'s scheme in a quantized checkpoint, None for FLOAT (and
+    the lm_head's 16-bit table, where linear_methods.table_dtype holds it so)."""
     quantization = ctx.config.quantization
+    if name == "lm_head" and table_dtype(ctx) is not None:
+        return TableMethod(table_dtype(ctx))
     if quantization is None:
         return None
     scheme = quantization.scheme_at(name)  # in the layer `name` says (the layer's kind's)

@@ -15,14 +15,22 @@ quant_model_description.json gives them per tensor:
   group of `in / groups` inputs when weight_scale is (out, groups). Never materialised:
       y = (x @ W_q.T - rowsum(x) * offset) * scale    (per group, summed over groups)
 
-Weights stay int8 on every hardware. On CPU the integer products are exact: int8 x int8
-accumulated in float32 over runs of inputs short enough that every partial sum stays below
-2**24 (IntegerMatmul), the runs summed in int32; on Ascend MindSpore's quantized matmul primitives
-(`ascend_kernels`, the one place that picks them). A method's `TENSORS` are the checkpoint
-suffixes it takes, in the order construct receives them.
+Weights stay int8 on every hardware; `method_class` picks each scheme's form per hardware,
+in one place:
+- CPU with g++ and AVX512-VNNI: C++ kernels (cpu_kernels/int8_linear.cc) that read the int8 weight as it is
+  (int8 x int8 summed exactly in int32 by AVX512-VNNI), and hold the checkpoint's FLOAT
+  embedding and lm_head in its 16-bit dtype (`table_dtype`), upcast exactly as they are read;
+- other CPUs: the MindSpore forms below, the reference: integer products exact as int8 x
+  int8 accumulated in float32 over runs of inputs short enough that every partial sum stays
+  below 2**24 (IntegerMatmul), the runs summed in int32; the tables in float32;
+- Ascend: MindSpore's quantized matmul primitives (`ascend_kernels`).
+A method's `TENSORS` are the checkpoint suffixes it takes, in the order construct receives
+them.
 """
 import mindspore as ms
 from mindspore import nn, ops
+
+from . import cpu_kernels
 
 # |x_q * W_q| <= 128 * 127: the sum of this many stays an exact float32 integer (< 2**24).
 EXACT_FLOAT_INPUTS = (1 << 24) // (128 * 127)
@@ -151,6 +159,104 @@ class AscendW8A16Method(W8A16Method):
         return self.wqbmm(x, weight, weight_scale.reshape(-1), -weight_offset.reshape(-1))
 
 
+def kernel_op(function, inputs):
+    """Function `function` of cpu_kernels/int8_linear.cc as a MindSpore op of float32 result;
+    `inputs` its inputs' MindSpore DataType names."""
+    return cpu_kernels.custom_op("int8_linear", function, inputs, ms.float32)
+
+
+class KernelW8A8Method(nn.Cell):
+    """W8A8 on CPU in one C++ kernel: quantize, exact int32 product, + quant_bias,
+    * deq_scale."""
+
+    TENSORS, BIAS_FOLDED = W8A8Method.TENSORS, W8A8Method.BIAS_FOLDED
+
+    def __init__(self, in_features, row_max=None):
+        super().__init__()
+        self.op = kernel_op("W8A8Matmul", ("F32_Default", "I8_Default", "F32_Default",
+                                           "I32_Default", "F32_Default", "F32_Default"))
+
+    def construct(self, x, weight, deq_scale, quant_bias, input_scale, input_offset):
+        y = self.op(ops.cast(x, ms.float32), weight, deq_scale, quant_bias,
+                    ops.cast(input_scale, ms.float32), ops.cast(input_offset, ms.float32))
+        return ops.cast(y, x.dtype)
+
+
+class KernelW8A8DynamicMethod(nn.Cell):
+    """W8A8_DYNAMIC on CPU: the per-token scale as above (the row's maximum may need the
+    tensor group's), then one C++ kernel: quantize, exact int32 product, * scales."""
+
+    TENSORS, BIAS_FOLDED = W8A8DynamicMethod.TENSORS, W8A8DynamicMethod.BIAS_FOLDED
+
+    def __init__(self, in_features, row_max=None):
+        super().__init__()
+        self.row_max = row_max
+        self.op = kernel_op("W8A8DynamicMatmul", ("F32_Default", "I8_Default", "F32_Default",
+                                                  "F32_Default"))
+
+    def construct(self, x, weight, weight_scale):
+        x32 = ops.cast(x, ms.float32)
+        largest = ops.amax(ops.abs(x32), -1, True)  # (tokens, 1)
+        if self.row_max is not None:
+            largest = self.row_max(largest)
+        scale = ops.maximum(largest / 127.0, 1e-12)
+        y = self.op(x32, weight, scale, ops.cast(weight_scale, ms.float32).reshape(-1))
+        return ops.cast(y, x.dtype)
+
+
+class KernelW8A16Method(nn.Cell):
+    """W8A16 on CPU in one C++ kernel: int8 weights widened in registers, never stored."""
+
+    TENSORS, BIAS_FOLDED = W8A16Method.TENSORS, W8A16Method.BIAS_FOLDED
+
+    def __init__(self, in_features, row_max=None):
+        super().__init__()
+        self.op = kernel_op("W8A16Matmul", ("F32_Default", "I8_Default", "F32_Default",
+                                            "F32_Default"))
+
+    def construct(self, x, weight, weight_scale, weight_offset):
+        y = self.op(ops.cast(x, ms.float32), weight, ops.cast(weight_scale, ms.float32),
+                    ops.cast(weight_offset, ms.float32))
+        return ops.cast(y, x.dtype)
+
+
+class TableMethod(nn.Cell):
+    """x @ W.T of a 16-bit weight (a quantized checkpoint's FLOAT lm_head, `table_dtype`) and
+    float32 x, the weight upcast exactly as it is read: float32's numerics at half its bytes.
+    `transposed` gives y.T, as ParallelLinear's weight-first form does."""
+
+    TENSORS = ("weight",)
+    BIAS_FOLDED = False
+
+    def __init__(self, dtype):
+        super().__init__()
+        name = "BF16" if dtype == ms.bfloat16 else "F16"
+        inputs = ("F32_Default", "BF16_Default" if dtype == ms.bfloat16 else "F16_Default")
+        self.op = kernel_op(f"{name}WeightMatmul", inputs)
+        self.op_transposed = kernel_op(f"{name}WeightMatmulT", inputs)
+
+    def construct(self, x, weight):
+        return self.op(ops.cast(x, ms.float32), weight)
+
+    def transposed(self, x, weight):
+        return self.op_transposed(ops.cast(x, ms.float32), weight)
+
+
+class TableRows(nn.Cell):
+    """Rows `ids` of a 16-bit table (a quantized checkpoint's FLOAT embedding,
+    `table_dtype`) as float32."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        name = "BF16" if dtype == ms.bfloat16 else "F16"
+        self.op = kernel_op(f"{name}Rows", ("BF16_Default" if dtype == ms.bfloat16
+                                             else "F16_Default", "I32_Default"))
+
+    def construct(self, table, ids):
+        return self.op(table, ops.cast(ids, ms.int32))
+
+
+# The MindSpore forms: CPU without g++, and every scheme's reference.
 CPU_METHODS = {"W8A8": W8A8Method, "W8A8S": W8A8Method,
                "W8A8_DYNAMIC": W8A8DynamicMethod, "W8A16": W8A16Method}
 
@@ -161,11 +267,45 @@ def ascend_kernels():
     return {"W8A8": AscendW8A8Method, "W8A8S": AscendW8A8Method, "W8A16": AscendW8A16Method}
 
 
+def cpu_kernel_methods():
+    return {"W8A8": KernelW8A8Method, "W8A8S": KernelW8A8Method,
+            "W8A8_DYNAMIC": KernelW8A8DynamicMethod, "W8A16": KernelW8A16Method}
+
+
+# The instructions int8_linear.cc is written with (AVX512-VNNI's vpdpbusd for the int8 sums).
+KERNEL_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c"}
+
+
+def kernels_available() -> bool:
+    """Whether this host builds and runs int8_linear.cc: g++, and the instructions it takes."""
+    return cpu_kernels.compiler_available() and KERNEL_FLAGS <= cpu_kernels.processor_flags()
+
+
+def uses_cpu_kernels() -> bool:
+    """Whether this process runs the C++ kernels: on CPU, where the host can build them."""
+    return ms.get_context("device_target") == "CPU" and kernels_available()
+
+
 def method_class(scheme):
     """The method of msModelSlim scheme `scheme` on this process's device."""
     if ms.get_context("device_target") == "Ascend" and scheme in ascend_kernels():
         return ascend_kernels()[scheme]
+    if uses_cpu_kernels():
+        return cpu_kernel_methods()[scheme]
     return CPU_METHODS[scheme]
+
+
+def table_dtype(ctx):
+    """The dtype a quantized checkpoint's FLOAT embedding and lm_head are held in: the
+    checkpoint's own 16-bit dtype where the C++ kernels read it (explicit mode, float32
+    compute, CPU with g++), else None (ctx.dtype, as any float weight). msModelSlim writes
+    them in its source's dtype: held in float32 the tied 151,936 x 896 table of Qwen2-0.5B's
+    shape alone outweighed all its int8 projections."""
+    config = ctx.config
+    if (config.quantization is None or ctx.mode != "explicit" or ctx.dtype != ms.float32
+            or not uses_cpu_kernels()):
+        return None
+    return {"float16": ms.float16, "bfloat16": ms.bfloat16}.get(config.torch_dtype)
 
 
 def tensor_suffixes(scheme):

@@ -23,21 +23,25 @@ from .loader import Checkpoint
 PER_TENSOR = ("input_scale", "input_offset")
 
 
-def quantized_rank_weights(model_dir, plan, tensor_rank, names, dtype):
+def quantized_rank_weights(model_dir, plan, tensor_rank, names, dtype, tables=(),
+                           table_dtype=None):
     """Yields (name, array) for each float weight in `names` and (name, tuple of arrays) for
-    each quantized projection's, as rank_weights does for a float checkpoint."""
+    each quantized projection's, as rank_weights does for a float checkpoint; the float
+    weights in `tables` (the embedding, the lm_head) in `table_dtype` where it is given."""
     config = plan.config
     file_of, _ = weight_files(model_dir)
     checkpoint = Checkpoint(model_dir, file_of)
     shapes = config.parameter_shapes()
     quantized = [n for n in names if _scheme(config, n) != "FLOAT"]
     floats = [n for n in names if n not in quantized]
+    tables = [n for n in floats if n in tables] if table_dtype is not None else []
 
     def parts_of(name):
         return [(part, plan.slices(part, tensor_rank), shapes[part])
                 for part in checkpoint_parts(name)]
 
-    yield from checkpoint.load(floats, parts_of, dtype)
+    yield from checkpoint.load(tables, parts_of, table_dtype)
+    yield from checkpoint.load([n for n in floats if n not in tables], parts_of, dtype)
     for name in quantized:
         scheme = _scheme(config, name)
         yield name, tuple(_stacked(checkpoint, plan, tensor_rank, name, suffix, dtype)

@@ -232,6 +232,15 @@ def init_distributed(device_target: str, expected_world_size: int = 1,
     return info
 
 
+_CPU_THREADS = []  # the count set_graph_mode gave MindSpore's CPU pool in this process
+
+
+def cpu_threads():
+    """The threads MindSpore's CPU kernels use in this process (set_graph_mode's share of
+    the host's cores), None before it ran: C++ kernels (layers/cpu_kernels) take the same."""
+    return _CPU_THREADS[0] if _CPU_THREADS else None
+
+
 def set_graph_mode(device_target: str, device_id: int = 0, processes_on_host: int = 1) -> None:
     """GRAPH_MODE on the device; on CPU, share the host's cores among its ranks.
 
@@ -255,6 +264,7 @@ def set_graph_mode(device_target: str, device_id: int = 0, processes_on_host: in
             raise MsinferError(f"MSINFER_CPU_THREADS={threads!r}: give a positive integer")
         threads = int(threads)
     ms.device_context.cpu.op_tuning.threads_num(threads)
+    _CPU_THREADS.append(threads)
 
 
 def free_port() -> int:

@@ -6,10 +6,12 @@ import numpy as np
 import pytest
 
 from msinfer.layers import cpu_kernels
+from msinfer.layers.linear_methods import kernels_available
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.compiler_available(), reason="no g++")
 
 
+@pytest.mark.skipif(not kernels_available(), reason="int8_linear.cc needs AVX512-VNNI")
 def test_a_kernel_builds_once_and_runs_in_graphs_of_static_and_dynamic_shape(tmp_path,
                                                                               monkeypatch):
     import mindspore as ms
@@ -17,34 +19,34 @@ def test_a_kernel_builds_once_and_runs_in_graphs_of_static_and_dynamic_shape(tmp
 
     monkeypatch.setenv("MSINFER_KERNEL_CACHE", str(tmp_path))
     cpu_kernels.library.cache_clear()
-    path = cpu_kernels.library("example_scale")
+    path = cpu_kernels.library("int8_linear")
     assert os.path.dirname(path) == str(tmp_path) and os.listdir(tmp_path) == [
         os.path.basename(path)]
     cpu_kernels.library.cache_clear()
-    assert cpu_kernels.library("example_scale") == path  # found, not built again
+    assert cpu_kernels.library("int8_linear") == path  # found, not built again
 
     ms.set_context(mode=ms.GRAPH_MODE)
 
-    class Scale(nn.Cell):
+    class Product(nn.Cell):  # x @ w.T of a float16 w
         def __init__(self):
             super().__init__()
-            self.op = cpu_kernels.custom_op("example_scale", "ScaleColumns",
-                                            ("F32_Default", "F32_Default"), ms.float32)
+            self.op = cpu_kernels.custom_op("int8_linear", "F16WeightMatmul",
+                                            ("F32_Default", "F16_Default"), ms.float32)
 
-        def construct(self, x, s):
-            return self.op(x, s) + 1.0
+        def construct(self, x, w):
+            return self.op(x, w) + 1.0
 
-    s = np.array([1.0, -2.0, 0.5], np.float32)
-    static = Scale()
+    w = np.array([[1.0, -2.0, 0.5], [0.25, 0.0, 4.0]], np.float16)
+    static = Product()
     x = np.arange(12, dtype=np.float32).reshape(4, 3)
-    np.testing.assert_array_equal(static(Tensor(x), Tensor(s)).asnumpy(), x * s + 1)
-    dynamic = Scale()
+    np.testing.assert_array_equal(static(Tensor(x), Tensor(w)).asnumpy(), x @ w.T + 1)
+    dynamic = Product()
     dynamic.set_inputs(Tensor(shape=[None, 3], dtype=ms.float32),
-                       Tensor(shape=[3], dtype=ms.float32))
+                       Tensor(shape=[2, 3], dtype=ms.float16))
     for rows in (4, 2, 7):
         x = np.random.default_rng(rows).standard_normal((rows, 3)).astype(np.float32)
-        np.testing.assert_allclose(dynamic(Tensor(x), Tensor(s)).asnumpy(), x * s + 1,
-                                   rtol=1e-6)
+        np.testing.assert_allclose(dynamic(Tensor(x), Tensor(w)).asnumpy(),
+                                   x @ w.T.astype(np.float32) + 1, rtol=1e-6)
 
 
 def test_a_kernel_that_does_not_compile_is_refused_naming_its_source(tmp_path, monkeypatch):

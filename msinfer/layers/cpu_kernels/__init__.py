@@ -10,8 +10,11 @@ Ranks of one job may build at once: each writes its own temporary file and renam
 A kernel's C entry points follow MindSpore's aot contract: `int Name(int nparam, void
 **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream, void *extra)`
 computes, and `std::vector<int64_t> NameInferShape(int *ndims, int64_t **shapes, AotExtra
-*extra)` gives the output's shape, so the op works in graphs of dynamic shape too.
+*extra)` gives the output's shape, so the op works in graphs of dynamic shape too. A kernel
+that runs OpenMP threads exports `void SetThreads(int)`: it is given MindSpore's CPU pool
+size (parallel.distributed.cpu_threads), so ranks sharing a host share its cores.
 """
+import ctypes
 import hashlib
 import os
 import platform
@@ -21,6 +24,7 @@ import tempfile
 from functools import lru_cache
 
 from ...errors import MsinferError
+from ...parallel.distributed import cpu_threads
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # MindSpore is built with the old C++ ABI; an aot library that passes std:: types (the
@@ -34,6 +38,17 @@ def compiler_available() -> bool:
     """Whether this host can build the kernels (where it cannot, layers keep their
     MindSpore-only forms)."""
     return shutil.which(COMPILER) is not None
+
+
+def processor_flags() -> set:
+    """The host processor's feature flags (/proc/cpuinfo's), empty where unknown: a kernel
+    written with instructions the host lacks is not built there."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line.split(":", 1)[1].split() for line in f
+                             if line.startswith("flags")), []))
+    except OSError:
+        return set()
 
 
 def cache_root() -> str:
@@ -81,6 +96,19 @@ def library(name: str) -> str:
     return path
 
 
+_OPENED = {}  # path -> ctypes handle: kept open, so MindSpore's dlopen finds the same copy
+
+
+def share_threads(path):
+    """Gives library `path`'s SetThreads, where it has one, MindSpore's CPU pool size."""
+    threads = cpu_threads()
+    if threads is None:
+        return
+    handle = _OPENED.setdefault(path, ctypes.CDLL(path))
+    if hasattr(handle, "SetThreads"):
+        handle.SetThreads(threads)
+
+
 def custom_op(name: str, function: str, inputs, out_dtype):
     """A MindSpore aot Custom op running `function` of kernel `name`, on CPU, with the
     output's shape from the kernel's `<function>InferShape`. `inputs` are the MindSpore
@@ -97,5 +125,6 @@ def custom_op(name: str, function: str, inputs, out_dtype):
                 "Float16": "F16_Default"}[str(out_dtype)]
     reg = reg.dtype_format(*(getattr(DataType, t) for t in (*inputs, out_name)))
     info = reg.target("CPU").get_op_info()
+    share_threads(library(name))
     return ops.Custom(f"{library(name)}:{function}", out_shape=None, out_dtype=out_dtype,
                       func_type="aot", reg_info=info)
