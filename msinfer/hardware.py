@@ -182,6 +182,30 @@ CPU_MATMUL_FORMS = {
 }
 
 
+# The C++ compiler msinfer's CPU kernels are built with (layers/cpu_kernels), and the
+# instructions int8_linear.cc is written with (AVX512-VNNI's vpdpbusd for the int8 sums).
+KERNEL_COMPILER = "g++"
+INT8_KERNEL_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c"})
+
+
+def kernel_compiler_available() -> bool:
+    """Whether this host can build the CPU kernels (where it cannot, layers keep their
+    MindSpore-only forms)."""
+    return shutil.which(KERNEL_COMPILER) is not None
+
+
+def processor_flags(cpuinfo="/proc/cpuinfo") -> set:
+    """The host processor's feature flags (/proc/cpuinfo's), empty where unknown: a kernel
+    written with instructions the host lacks is not built there."""
+    return set(cpuinfo_fields(cpuinfo).get("flags", "").split())
+
+
+def int8_kernels_available() -> bool:
+    """Whether this host builds and runs int8_linear.cc: quantized layers use it on CPU, and
+    the planner counts the 16-bit tables it reads."""
+    return kernel_compiler_available() and INT8_KERNEL_FLAGS <= processor_flags()
+
+
 def cpuinfo_fields(cpuinfo="/proc/cpuinfo") -> dict:
     """The first processor's fields in /proc/cpuinfo, names and values stripped (the names
     are tab-padded: "vendor_id\t: AuthenticAMD"); {} where the file cannot be read."""

@@ -30,6 +30,7 @@ them.
 import mindspore as ms
 from mindspore import nn, ops
 
+from .. import hardware
 from . import cpu_kernels
 
 # |x_q * W_q| <= 128 * 127: the sum of this many stays an exact float32 integer (< 2**24).
@@ -272,18 +273,9 @@ def cpu_kernel_methods():
             "W8A8_DYNAMIC": KernelW8A8DynamicMethod, "W8A16": KernelW8A16Method}
 
 
-# The instructions int8_linear.cc is written with (AVX512-VNNI's vpdpbusd for the int8 sums).
-KERNEL_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c"}
-
-
-def kernels_available() -> bool:
-    """Whether this host builds and runs int8_linear.cc: g++, and the instructions it takes."""
-    return cpu_kernels.compiler_available() and KERNEL_FLAGS <= cpu_kernels.processor_flags()
-
-
 def uses_cpu_kernels() -> bool:
     """Whether this process runs the C++ kernels: on CPU, where the host can build them."""
-    return ms.get_context("device_target") == "CPU" and kernels_available()
+    return ms.get_context("device_target") == "CPU" and hardware.int8_kernels_available()
 
 
 def method_class(scheme):
@@ -301,11 +293,11 @@ def table_dtype(ctx):
     compute, CPU with g++), else None (ctx.dtype, as any float weight). msModelSlim writes
     them in its source's dtype: held in float32 the tied 151,936 x 896 table of Qwen2-0.5B's
     shape alone outweighed all its int8 projections."""
-    config = ctx.config
-    if (config.quantization is None or ctx.mode != "explicit" or ctx.dtype != ms.float32
-            or not uses_cpu_kernels()):
+    if ctx.mode != "explicit" or ctx.dtype != ms.float32 or not uses_cpu_kernels():
         return None
-    return {"float16": ms.float16, "bfloat16": ms.bfloat16}.get(config.torch_dtype)
+    if ctx.config.quantization is None:
+        return None
+    return {"float16": ms.float16, "bfloat16": ms.bfloat16}.get(ctx.config.torch_dtype)
 
 
 def tensor_suffixes(scheme):

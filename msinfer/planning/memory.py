@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..hardware import DTYPE_BYTES
+from ..hardware import DTYPE_BYTES, int8_kernels_available
 from ..quantization import stored_bytes
 from .kv_layout import CacheLayout
 from .workspace import largest_call_bytes
@@ -42,6 +42,20 @@ class EngineMemory:
         return self.layout.num_blocks * self.draft_block_bytes if self.layout else 0
 
 
+TABLES = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def held_table_bytes(config, profile, dtype_bytes):
+    """Bytes per element of the embedding and lm_head: a quantized checkpoint's 16-bit
+    tables stay 16-bit where the CPU kernels read them (layers/linear_methods.table_dtype:
+    float32 compute on a host that builds int8_linear.cc), else the compute dtype's."""
+    if (config.quantization is not None and profile.device_target == "CPU"
+            and dtype_bytes == 4 and config.torch_dtype in ("float16", "bfloat16")
+            and int8_kernels_available()):
+        return 2
+    return dtype_bytes
+
+
 def engine_memory(shard_plan, profile, dtype, limits, tensor_rank=0, strict=True, draft=None,
                   verify_rows=0):
     """The engine's allocations on tensor rank `tensor_rank`: its weight slices, the workspace
@@ -55,11 +69,13 @@ def engine_memory(shard_plan, profile, dtype, limits, tensor_rank=0, strict=True
     config = shard_plan.config
     dtype_bytes = DTYPE_BYTES[dtype]
     weights = 0
+    table_bytes = held_table_bytes(config, profile, dtype_bytes)
     for name in config.parameter_shapes():
         sizes = [s.stop - s.start for s in shard_plan.slices(name, tensor_rank)]
         rows, cols = sizes[0], (sizes[1] if len(sizes) > 1 else 1)
         # int8 weights and their scales in a quantized checkpoint (quantization.py)
-        weights += stored_bytes(config.quantization, name, rows, cols, dtype_bytes)
+        weights += stored_bytes(config.quantization, name, rows, cols,
+                                table_bytes if name in TABLES else dtype_bytes)
     draft_weights = draft_block = 0
     if draft is not None:
         draft_weights = sum(stored_bytes(draft.quantization, name, shape[0],

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from msinfer.layers import cpu_kernels
-from msinfer.layers.linear_methods import kernels_available
+from msinfer.hardware import int8_kernels_available, kernel_compiler_available
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.compiler_available(), reason="no g++")
+pytestmark = pytest.mark.skipif(not kernel_compiler_available(), reason="no g++")
 
 
-@pytest.mark.skipif(not kernels_available(), reason="int8_linear.cc needs AVX512-VNNI")
+@pytest.mark.skipif(not int8_kernels_available(), reason="int8_linear.cc needs AVX512-VNNI")
 def test_a_kernel_builds_once_and_runs_in_graphs_of_static_and_dynamic_shape(tmp_path,
                                                                               monkeypatch):
     import mindspore as ms

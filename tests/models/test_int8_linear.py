@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 from msinfer.layers import cpu_kernels
-from msinfer.layers.linear_methods import kernels_available
+from msinfer import hardware
+from msinfer.hardware import int8_kernels_available
 
-pytestmark = pytest.mark.skipif(not kernels_available(), reason="no g++ or no AVX512-VNNI")
+pytestmark = pytest.mark.skipif(not int8_kernels_available(), reason="no g++ or no AVX512-VNNI")
 
 ROWS = (1, 3, 16, 67, 300)  # one graph of dynamic rows runs them all
 
@@ -147,10 +148,10 @@ def test_without_gxx_the_mindspore_forms_run_and_agree_with_the_kernels(ms, monk
     kernels = {scheme: methods.method_class(scheme)(k)(x, *args).asnumpy()
                for scheme, args in cases.items()}
     assert methods.method_class("W8A8") is methods.KernelW8A8Method
-    monkeypatch.setattr(cpu_kernels, "processor_flags", lambda: {"avx512f", "avx2"})
+    monkeypatch.setattr(hardware, "processor_flags", lambda: {"avx512f", "avx2"})
     assert methods.method_class("W8A8") is methods.W8A8Method
     monkeypatch.undo()
-    monkeypatch.setattr(cpu_kernels, "compiler_available", lambda: False)
+    monkeypatch.setattr(hardware, "kernel_compiler_available", lambda: False)
     assert methods.table_dtype(ctx) is None
     for scheme, args in cases.items():
         method = methods.method_class(scheme)

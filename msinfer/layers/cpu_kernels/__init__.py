@@ -18,11 +18,11 @@ import ctypes
 import hashlib
 import os
 import platform
-import shutil
 import subprocess
 import tempfile
 from functools import lru_cache
 
+from ... import hardware
 from ...errors import MsinferError
 from ...parallel.distributed import cpu_threads
 
@@ -31,24 +31,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # shape inference returns std::vector) must match it.
 FLAGS = ("-std=c++17", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
          "-D_GLIBCXX_USE_CXX11_ABI=0")
-COMPILER = "g++"
-
-
-def compiler_available() -> bool:
-    """Whether this host can build the kernels (where it cannot, layers keep their
-    MindSpore-only forms)."""
-    return shutil.which(COMPILER) is not None
-
-
-def processor_flags() -> set:
-    """The host processor's feature flags (/proc/cpuinfo's), empty where unknown: a kernel
-    written with instructions the host lacks is not built there."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(next((line.split(":", 1)[1].split() for line in f
-                             if line.startswith("flags")), []))
-    except OSError:
-        return set()
 
 
 def cache_root() -> str:
@@ -81,13 +63,13 @@ def library(name: str) -> str:
     path = os.path.join(cache_root(), f"{name}-{key}.so")
     if os.path.exists(path):
         return path
-    if not compiler_available():
-        raise MsinferError(f"building CPU kernel {name}: no {COMPILER} on this host "
+    if not hardware.kernel_compiler_available():
+        raise MsinferError(f"building CPU kernel {name}: no {hardware.KERNEL_COMPILER} on this host "
                            "(install g++, or use the float/MindSpore forms)")
     os.makedirs(cache_root(), exist_ok=True)
     fd, partial = tempfile.mkstemp(suffix=".so", dir=cache_root())
     os.close(fd)
-    built = subprocess.run([COMPILER, *FLAGS, "-o", partial, source],
+    built = subprocess.run([hardware.KERNEL_COMPILER, *FLAGS, "-o", partial, source],
                            capture_output=True, text=True)
     if built.returncode != 0:
         os.unlink(partial)
