@@ -212,6 +212,11 @@ def markdown(r):
         f"MindSpore {r['versions']['mindspore']}, torch {r['versions']['torch']}, "
         f"transformers {r['versions']['transformers']}.",
         "",
+        *([f"**Measured under load** (a load average above the {r['machine']['cores']} cores: "
+           "other jobs shared the host), so the steps are slower and noisier than on a quiet "
+           "host; the runs of each column are in moe.json.", ""]
+          if max(r["machine"]["load_average_at_start"][0],
+                 r["machine"]["load_average_at_end"][0]) > r["machine"]["cores"] else []),
         f"- MoE: Qwen3-MoE, `{' '.join(m['flags'])}`: {m['parameters']:,} parameters, "
         f"{m['active_parameters']:,} active per token",
         f"- dense: Qwen3, `{' '.join(d['flags'])}`: {d['parameters']:,} parameters",

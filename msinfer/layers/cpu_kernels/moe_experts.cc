@@ -9,8 +9,8 @@
 // this rank does not hold and add nothing. x, weights, the experts and y are all float32 or
 // all float16 (float16 is computed in float32). The pairs (t, j) are grouped by expert, so an
 // expert routed by several tokens of the call is read once for all of them: gate/up by row
-// pairs (one dot product per token), then down by column blocks (each thread owns some of the
-// output's columns: no two threads write one element, and the sums run in a fixed order).
+// pairs (one dot product per token), then down by blocks of the output's columns (a work
+// item each: no two threads write one element, and the sums run in a fixed order).
 // `threads`: how many threads compute, MindSpore's CPU pool's count (ranks sharing a host
 // each take their share): this one and workers of a pool of the kernel's own (`Pool`).
 // Which thread computes which part changes no number.
@@ -84,9 +84,10 @@ constexpr int64_t COLUMN_BLOCK = 128;  // down's output columns per work item
 
 // Threads for the kernel's two passes of work items, instead of OpenMP's: libgomp's idle
 // threads spin ~300,000 rounds before they sleep, which on a host of few cores takes the cores
-// MindSpore's next ops run on (a decode step ran 4x slower). Here an idle worker spins 20 us,
-// then sleeps; and items go to whichever thread claims them first, so a worker late to wake,
-// or descheduled on a busy host, holds a call up by no more than the items it has claimed.
+// MindSpore's next ops run on (a decode step ran 4x slower on 2 busy cores). Here an idle
+// worker spins 20 us, then sleeps; and items go to whichever thread claims them first, so a
+// worker late to wake, or descheduled on a busy host, holds a call up by no more than the
+// items it has claimed.
 class Pool {
  public:
   using Item = std::function<void(int64_t)>;
