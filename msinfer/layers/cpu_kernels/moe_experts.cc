@@ -14,8 +14,10 @@
 // `threads`: how many threads compute, MindSpore's CPU pool's count (ranks sharing a host
 // each take their share): this one and workers of a pool of the kernel's own (`Pool`).
 // Which thread computes which part changes no number.
-#include <immintrin.h>
 #include <sched.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -75,6 +77,12 @@ inline void vstore(float *p, vec a) { *p = a; }
 inline vec vset1(float a) { return a; }
 inline vec vfma(vec a, vec b, vec c) { return a * b + c; }
 inline float vsum(vec a) { return a; }
+#endif
+
+#if defined(__x86_64__) || defined(__i386__)
+inline void Relax() { _mm_pause(); }
+#else
+inline void Relax() { std::this_thread::yield(); }
 #endif
 
 constexpr int MAX_TILE = 4;            // tokens of one expert multiplied together
@@ -150,7 +158,7 @@ class Pool {
 
   void Wait(int64_t items) {
     for (int spins = 0; done_.load() < items; spins++) {
-      if (spins < 2000) _mm_pause();
+      if (spins < 2000) Relax();
       else sched_yield();  // a busy host: let the thread holding an item run
     }
   }
@@ -160,7 +168,7 @@ class Pool {
     for (;;) {
       const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(20);
       while (Gen(ticket_.load()) == seen && std::chrono::steady_clock::now() < until)
-        _mm_pause();
+        Relax();
       if (Gen(ticket_.load()) == seen) {
         std::unique_lock<std::mutex> lock(mutex_);
         sleepers_.fetch_add(1);
