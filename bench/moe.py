@@ -13,7 +13,8 @@ timing (msinfer) and (time of N tokens - time of 1 token) / (N - 1) (transformer
 of --reps runs, at batch 1 and 8. msinfer's MoE tokens are checked against transformers'.
 Where g++ builds msinfer's C++ experts kernel (layers/moe.uses_cpu_kernel), the MoE also runs
 without it (`moe_mindspore`: the MindSpore form that runs where g++ is missing), so the
-kernel's gain is measured under the same load. Writes OUT/moe.json and OUT/moe.md with the machine, its load and the versions.
+kernel's gain is measured under the same load. Writes OUT/moe.json and OUT/moe.md with the
+machine, its load and the versions.
 """
 import argparse
 import contextlib
