@@ -11,9 +11,13 @@ both, and transformers the MoE, one after the other in this process on the same 
 (greedy, ignore_eos), each warmed up first; per-token decode time is the engine's own decode
 timing (msinfer) and (time of N tokens - time of 1 token) / (N - 1) (transformers), medians
 of --reps runs, at batch 1 and 8. msinfer's MoE tokens are checked against transformers'.
-Writes OUT/moe.json and OUT/moe.md with the machine, its load and the versions.
+Where g++ builds msinfer's C++ experts kernel (layers/moe.uses_cpu_kernel), the MoE also runs
+without it (`moe_mindspore`: the MindSpore form that runs where g++ is missing), so the
+kernel's gain is measured under the same load. Writes OUT/moe.json and OUT/moe.md with the
+machine, its load and the versions.
 """
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -52,6 +56,38 @@ def msinfer_decode(llm, prompts, tokens):
                                                 ignore_eos=True))
     step = (timings["decode_s"] - seconds) / (timings["decode_steps"] - steps)
     return step, [o.token_ids for o in outs]
+
+
+@contextlib.contextmanager
+def without_kernel():
+    """Sparse layers built meanwhile take the MindSpore form, as where g++ is missing (the
+    engine builds a graph's cells when a call first needs it)."""
+    from msinfer.layers import moe as moe_layers
+
+    with_kernel = moe_layers.uses_cpu_kernel
+    moe_layers.uses_cpu_kernel = lambda device_target=None: False
+    try:
+        yield
+    finally:
+        moe_layers.uses_cpu_kernel = with_kernel
+
+
+def kernels_in(llm):
+    """Whether the sparse layers of each graph llm built run the kernel."""
+    from msinfer.layers.moe import SparseMoE
+
+    return {cell.kernel is not None for stack in llm.engine.runner.cells.values()
+            for _, cell in stack.cells_and_names() if isinstance(cell, SparseMoE)}
+
+
+def decode(name, llm, prompts, tokens):
+    """msinfer_decode, the MoE's MindSpore form without the kernel."""
+    if name != "moe_mindspore":
+        return msinfer_decode(llm, prompts, tokens)
+    with without_kernel():
+        out = msinfer_decode(llm, prompts, tokens)
+    assert kernels_in(llm) == {False}
+    return out
 
 
 def hf_decode(hf, prompts, tokens):
@@ -95,23 +131,32 @@ def main(argv=None):
     from msinfer import LLM
     from msinfer.config import ModelConfig
     from msinfer.hardware import cpuinfo_fields
+    from msinfer.layers import moe as moe_layers
 
     torch.set_num_threads(os.cpu_count())
     engine = dict(max_len=256, max_num_seqs=8, max_prefill_tokens=64)
     llms = {"moe": LLM(moe_dir, **engine), "dense": LLM(dense_dir, **engine)}
+    if moe_layers.uses_cpu_kernel():
+        llms["moe_mindspore"] = LLM(moe_dir, **engine)
     hf = transformers.AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
     rng = np.random.default_rng(0)
     results = {}
     for batch in (1, 8):
         prompts = rng.integers(0, 8192, size=(batch, 32)).tolist()
         for name, llm in llms.items():  # warm-up: compiles the graphs of this batch
-            msinfer_decode(llm, prompts, 4)
+            decode(name, llm, prompts, 4)
+        assert kernels_in(llms["moe"]) == {moe_layers.uses_cpu_kernel()}
         hf_decode(hf, prompts, 3)
-        runs = {"moe": [], "dense": [], "hf_moe": []}
+        runs = {name: [] for name in (*llms, "hf_moe")}
         for _ in range(args.reps):  # alternated, so a change of load weighs on all alike
             step, moe_tokens = msinfer_decode(llms["moe"], prompts, args.tokens)
             runs["moe"].append(step)
             runs["dense"].append(msinfer_decode(llms["dense"], prompts, args.tokens)[0])
+            if "moe_mindspore" in llms:
+                step, tokens = decode("moe_mindspore", llms["moe_mindspore"], prompts,
+                                      args.tokens)
+                runs["moe_mindspore"].append(step)
+                assert tokens == moe_tokens, "the kernel and the MindSpore form differ"
             step, hf_tokens = hf_decode(hf, prompts, args.tokens)
             runs["hf_moe"].append(step)
             if moe_tokens != hf_tokens:
@@ -123,6 +168,8 @@ def main(argv=None):
             runs_ms={k: [round(x * 1000, 2) for x in v] for k, v in runs.items()},
             moe_over_dense=round(medians["moe"] / medians["dense"], 3),
             moe_over_hf=round(medians["moe"] / medians["hf_moe"], 3),
+            **({"moe_mindspore_over_dense": round(medians["moe_mindspore"] / medians["dense"], 3)}
+               if "moe_mindspore" in medians else {}),
             same_tokens_as_hf=True)
         print(f"batch {batch}: {results[f'batch{batch}']}", flush=True)
 
@@ -166,6 +213,11 @@ def markdown(r):
         f"MindSpore {r['versions']['mindspore']}, torch {r['versions']['torch']}, "
         f"transformers {r['versions']['transformers']}.",
         "",
+        *([f"**Measured under load** (a load average above the {r['machine']['cores']} cores: "
+           "other jobs shared the host), so the steps are slower and noisier than on a quiet "
+           "host; the runs of each column are in moe.json.", ""]
+          if max(r["machine"]["load_average_at_start"][0],
+                 r["machine"]["load_average_at_end"][0]) > r["machine"]["cores"] else []),
         f"- MoE: Qwen3-MoE, `{' '.join(m['flags'])}`: {m['parameters']:,} parameters, "
         f"{m['active_parameters']:,} active per token",
         f"- dense: Qwen3, `{' '.join(d['flags'])}`: {d['parameters']:,} parameters",
@@ -181,6 +233,12 @@ def markdown(r):
         ms = row["decode_ms"]
         lines.append(f"| {key[5:]} | {ms['moe']} | {ms['dense']} | {ms['hf_moe']} | "
                      f"{row['moe_over_dense']}x | {row['moe_over_hf']}x |")
+    if all("moe_mindspore" in row["decode_ms"] for row in r["results"].values()):
+        lines += ["", "The MoE above runs its experts as msinfer's C++ kernel; without it (the "
+                  "MindSpore form, where g++ is missing), in the same runs:", "",
+                  "| batch | msinfer MoE, MindSpore form ms/step | its / dense |", "|---|---|---|"]
+        lines += [f"| {key[5:]} | {row['decode_ms']['moe_mindspore']} | "
+                  f"{row['moe_mindspore_over_dense']}x |" for key, row in r["results"].items()]
     return "\n".join(lines) + "\n"
 
 

@@ -7,7 +7,9 @@ routed experts where they lie (no copy) beats the by-token form's gather.
 The experts part of 8 sparse layers (8 of 128 experts of width 128, hidden 512: bench/moe.py's
 MoE) in one GRAPH_MODE Cell per form, weights as graph arguments as the engine passes them,
 one process, forms alternated, median ms per call of the 8 layers, at 1 and 8 tokens:
-- `by_token`: layers/moe.SparseMoE as decode runs it (router, gather, batched matmuls);
+- `kernel`: layers/moe.SparseMoE as decode runs it on CPU with g++: its router and the C++
+  kernel reading the routed experts in place (layers/cpu_kernels/moe_experts.cc);
+- `by_token`: SparseMoE's MindSpore form without the kernel (router, gather, batched matmuls);
 - `route_gather`: its router and gathers only (the copies, no matmul);
 - `route`: its router only;
 - `dense`: a dense SwiGLU MLP 8 x 128 wide (the same bytes per token), no router;
@@ -157,9 +159,17 @@ def forms(tokens):
         sparse_weights += [router, Tensor(np.ascontiguousarray(
             gate_up.asnumpy().transpose(0, 2, 1)).reshape(E * H, 2 * I)), down]
         dense_weights += [tensor(2 * K * I, H), tensor(K * I, H)]
-    moe = (lambda: SparseMoE(ctx, "model.layers.0.mlp"), 3, moe_weights)
+    def gathering():  # the MindSpore form, as where g++ is missing
+        layer = SparseMoE(ctx, "model.layers.0.mlp")
+        layer.kernel = None
+        return layer
+
+    forms = {"kernel": (lambda: SparseMoE(ctx, "model.layers.0.mlp"), 3, moe_weights)}
+    if forms["kernel"][0]().kernel is None:
+        del forms["kernel"]  # no g++ here
     return {
-        "by_token": moe,
+        **forms,
+        "by_token": (gathering, 3, moe_weights),
         "route_gather": (lambda: RouteGather(True), 3, moe_weights),
         "route": (lambda: RouteGather(False), 3, moe_weights),
         "dense": (Dense, 2, dense_weights),
@@ -172,7 +182,7 @@ def measure(tokens, reps):
     made, stack, x = forms(tokens)
     cells = {name: (stack(make, n), weights) for name, (make, n, weights) in made.items()}
     outputs = {name: cell(x, *w).asnumpy() for name, (cell, w) in cells.items()}  # compiles
-    for name in ("views", "sparse_matmul"):  # the in-place forms compute by_token's numbers
+    for name in {"kernel", "views", "sparse_matmul"} & set(outputs):  # by_token's numbers
         diff = abs(outputs[name] - outputs["by_token"]).max()
         assert diff < 1e-3 * (1 + abs(outputs["by_token"]).max()), (name, diff)
     times = {name: [] for name in cells}

@@ -18,8 +18,11 @@ Either way the partial sums, with the shared expert's (split as a dense MLP), ar
 one AllReduce per layer, as the dense MLP's.
 
 The cost grows with the routed experts, not all of them: no token is multiplied by an expert
-that did not route it. Two forms of static shape, by the P = tokens x k (token, expert) pairs
-of a call:
+that did not route it. On CPU where g++ builds it (`uses_cpu_kernel`), a C++ kernel computes
+the routed experts of every call, decode and prefill, reading the stacked experts where they
+lie (layers/cpu_kernels/moe_experts.cc: the pairs grouped by expert, so an expert is read once
+per call however many tokens route to it; on MindSpore's CPU threads' count). Elsewhere, two
+MindSpore forms of static shape, by the P = tokens x k (token, expert) pairs of a call:
 - by token (`_by_token`: decode steps, and calls whose rows a graph does not fix): each pair
   gathers its expert's weights (this rank's slice), and each token is multiplied by its k
   experts side by side, as by a dense MLP k experts wide (one batched matmul per projection,
@@ -33,13 +36,14 @@ of a call:
   routing, so its shapes are fixed by the graph's rows; block = P // experts keeps that
   within about two blocks per expert.
 Both copy the routed experts' weights (ops.Gather), the cost that decode pays over a dense MLP
-of the same active size on CPU; MindSpore 2.10 has no CPU grouped matmul, and the CPU ops
-that read experts in place (SelectExtView per pair, SparseTensorDenseMatmul) measured slower
-than the copy (bench/moe_forms.py, docs/moe.md).
+of the same active size on CPU, which the kernel avoids; MindSpore 2.10 has no CPU grouped
+matmul, and the CPU ops that read experts in place (SelectExtView per pair,
+SparseTensorDenseMatmul) measured slower than the copy (bench/moe_forms.py, docs/moe.md).
 
-On Ascend (`uses_moe_primitives`, the one place the form is chosen by hardware) the experts
-are MindSpore's MoE primitives instead (`PrimitiveExperts`), which have kernels there only;
-the forms above are the reference, and what every other backend runs.
+On Ascend (`uses_moe_primitives`: with `uses_cpu_kernel` the one place the form is chosen by
+hardware) the experts are MindSpore's MoE primitives instead (`PrimitiveExperts`), which have
+kernels there only; the MindSpore forms above are the reference, and what every other backend
+runs.
 """
 import mindspore as ms
 import numpy as np
@@ -47,6 +51,9 @@ from mindspore import Tensor, nn, ops
 from mindspore.ops import moe_init_routing_v2, moe_token_unpermute
 from mindspore.ops.auto_generate import SiLU, grouped_matmul
 
+from ..parallel.distributed import cpu_threads
+from .. import hardware
+from . import cpu_kernels
 from .mlp import SwiGLU
 
 
@@ -57,6 +64,25 @@ def uses_moe_primitives(device_target=None) -> bool:
     if device_target is None:
         device_target = ms.get_context("device_target")
     return device_target == "Ascend"
+
+
+def uses_cpu_kernel(device_target=None) -> bool:
+    """Whether the experts run as the C++ kernel (`experts_kernel`): on CPU, where this host's
+    g++ can build it."""
+    if device_target is None:
+        device_target = ms.get_context("device_target")
+    return device_target == "CPU" and hardware.kernel_compiler_available()
+
+
+def experts_kernel(dtype):
+    """The C++ kernel as a MindSpore op: (x (T, H), ids (T, k) int32 (this rank's numbers;
+    outside [0, experts) not held: they add nothing), weights (T, k), gate/up (E, 2I, H),
+    down (E, I, H), threads (1,) int32) -> (T, H); x, weights, experts and out of `dtype`,
+    float32 or float16."""
+    dtype = dtype or ms.float32
+    name = {ms.float32: "F32_Default", ms.float16: "F16_Default"}[dtype]
+    return cpu_kernels.custom_op("moe_experts", "MoeExperts",
+                                 (name, "I32_Default", name, name, name, "I32_Default"), dtype)
 
 
 class SparseMoE(nn.Cell):
@@ -98,9 +124,14 @@ class SparseMoE(nn.Cell):
         self.num_experts = self.local_experts if self.expert_parallel else moe.num_experts
         self.primitives = (PrimitiveExperts(self.num_experts) if uses_moe_primitives()
                            else None)
+        self.kernel = None
+        if self.primitives is None and uses_cpu_kernel():
+            self.kernel = experts_kernel(ctx.dtype)
+            self.threads = Tensor(np.array([cpu_threads()], np.int32))
         rows = ctx.graph.rows if ctx.graph is not None else 0
         self.pairs = rows * self.top_k  # 0: rows not fixed when the graph is built
-        self.grouped = self.primitives is None and self.pairs > self.num_experts
+        self.grouped = (self.primitives is None and self.kernel is None
+                        and self.pairs > self.num_experts)
         if self.grouped:
             self.block = self.pairs // self.num_experts
             self.blocks = -(-self.pairs // self.block) + min(self.num_experts, self.pairs)
@@ -137,6 +168,10 @@ class SparseMoE(nn.Cell):
 
     def _experts(self, x, weights, ids, w_gate_up, w_down):
         """Sum over each token's k experts of weight x expert(x), this rank's part of it."""
+        if self.kernel is not None:  # it skips the experts it is not given
+            if self.expert_parallel:
+                ids = ids - self.first_expert
+            return self.kernel(x, ids, weights, w_gate_up, w_down, self.threads)
         if self.expert_parallel:
             local = ids - self.first_expert
             held = ops.logical_and(local >= 0, local < self.local_experts)

@@ -232,13 +232,14 @@ def init_distributed(device_target: str, expected_world_size: int = 1,
     return info
 
 
-_CPU_THREADS = []  # the count set_graph_mode gave MindSpore's CPU pool in this process
+_cpu_threads = None  # the threads set_graph_mode gave MindSpore's CPU kernels
 
 
-def cpu_threads():
-    """The threads MindSpore's CPU kernels use in this process (set_graph_mode's share of
-    the host's cores), None before it ran: C++ kernels (layers/cpu_kernels) take the same."""
-    return _CPU_THREADS[0] if _CPU_THREADS else None
+def cpu_threads() -> int:
+    """How many threads MindSpore's CPU kernels run on in this process (set_graph_mode's share;
+    this process's cores where it has not set one), for the kernels of msinfer's own
+    (layers/cpu_kernels) to run on as many."""
+    return _cpu_threads or len(os.sched_getaffinity(0))
 
 
 def set_graph_mode(device_target: str, device_id: int = 0, processes_on_host: int = 1) -> None:
@@ -264,7 +265,8 @@ def set_graph_mode(device_target: str, device_id: int = 0, processes_on_host: in
             raise MsinferError(f"MSINFER_CPU_THREADS={threads!r}: give a positive integer")
         threads = int(threads)
     ms.device_context.cpu.op_tuning.threads_num(threads)
-    _CPU_THREADS.append(threads)
+    global _cpu_threads
+    _cpu_threads = threads
 
 
 def free_port() -> int:

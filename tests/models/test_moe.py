@@ -1,8 +1,8 @@
 """Mixture-of-experts models: Qwen3-MoE and Qwen2-MoE against Hugging Face transformers' own
 Qwen3MoeForCausalLM and Qwen2MoeForCausalLM, on one rank, on two (experts sharded along their
-width, and whole experts per rank), and through the OpenAI server; the sparse layer's two
-forms against a numpy reference under skewed routing; the planner's and the loader's
-refusals.
+width, and whole experts per rank), and through the OpenAI server; the sparse layer's forms
+(the C++ kernel, and the MindSpore forms where g++ is missing) against a numpy reference under
+skewed routing; the planner's and the loader's refusals.
 
 The checkpoints are written by transformers' classes (save_pretrained: experts per expert on
 disk) with tools.tiny_model's random values (peaked logits, clear router choices): Qwen3-MoE
@@ -155,14 +155,17 @@ def test_float16_compute_the_310p_path_gives_the_same_greedy_tokens(case):
         o.token_ids for o in llm.generate(prompts, params)]
 
 
-def test_the_engine_runs_both_forms_and_a_stack_per_run_of_layer_kinds(case):
-    from msinfer.layers.moe import SparseMoE
+def test_the_engine_runs_this_hosts_forms_and_a_stack_per_run_of_layer_kinds(case):
+    """The C++ kernel for every call where g++ builds it; else the grouped form for prefill
+    chunks and the by-token one for decode."""
+    from msinfer.layers.moe import SparseMoE, uses_cpu_kernel
 
     name, config, llm, hf = case
     runner = llm.engine.runner
-    forms = {cell.grouped for stack in runner.cells.values()
+    forms = {"kernel" if cell.kernel is not None else "grouped" if cell.grouped else "by_token"
+             for stack in runner.cells.values()
              for _, cell in stack.cells_and_names() if isinstance(cell, SparseMoE)}
-    assert forms == {True, False}
+    assert forms == ({"kernel"} if uses_cpu_kernel() else {"grouped", "by_token"})
     held = dict(zip([f"model.layers.0.{w}" for w in runner.layer_classes[0].WEIGHTS],
                     runner.layer_weights[0]))
     experts = held["model.layers.0.mlp.experts.gate_up_proj.weight"]
@@ -193,16 +196,21 @@ def reference_moe(x, router, gate_up, down, k, renormalise):
     return out
 
 
-@pytest.mark.parametrize("rows,skewed,tensor", [(24, True, 1), (24, False, 1), (3, True, 1),
-                                                (24, False, 2)])
+@pytest.mark.parametrize("rows,skewed,tensor,kernel", [
+    (24, True, 1, False), (24, False, 1, False), (3, True, 1, False), (24, False, 2, False),
+    (24, True, 1, True), (3, False, 2, True)])
 def test_the_sparse_layer_sums_each_tokens_routed_experts_whatever_the_routing(
-        rows, skewed, tensor):
+        rows, skewed, tensor, kernel, monkeypatch):
     """24 rows x top-3 of 6 experts: the grouped form (pairs > experts), every token routed to
-    experts 0-2 when skewed (the worst case for one expert's run); 3 rows: by token. tensor 2:
-    rank 1 of expert parallelism (experts 3-5), whose partial sum holds only its experts'."""
+    experts 0-2 when skewed (the worst case for one expert's run); 3 rows: by token; kernel:
+    the C++ kernel instead, as where g++ is (else the MindSpore forms, as where it is not).
+    tensor 2: rank 1 of expert parallelism (experts 3-5), whose partial sum holds only its
+    experts'."""
     import mindspore as ms
     from mindspore import Tensor
 
+    from msinfer import hardware
+    from msinfer.layers import moe
     from msinfer.layers.moe import SparseMoE
     from msinfer.layers.parallel_context import ParallelContext
     from msinfer.parallel.distributed import set_graph_mode
@@ -230,9 +238,13 @@ def test_the_sparse_layer_sums_each_tokens_routed_experts_whatever_the_routing(
     rank = tensor - 1
     ctx = ParallelContext(config=config, plan=plan, tensor_rank=rank, dtype=ms.float32,
                           graph=Graph("layers", "prefill", 1, rows=rows))
+    if kernel and not hardware.kernel_compiler_available():
+        pytest.skip("no g++")
+    monkeypatch.setattr(moe, "uses_cpu_kernel", lambda device_target=None: kernel)
     layer = SparseMoE(ctx, "model.layers.0.mlp")
     layer.reduce = None  # one rank's partial sum, with no job to sum it over
-    assert layer.grouped == (rows * 3 > 6)
+    assert (layer.kernel is not None) == kernel
+    assert layer.grouped == (not kernel and rows * 3 > 6)
     held = list(plan.local_experts("model.layers.0.mlp.experts.gate_up_proj.weight", rank))
     down_in_out = np.ascontiguousarray(down[held].transpose(0, 2, 1))  # as loaded
     got = layer(Tensor(x), Tensor(router), Tensor(gate_up[held]), Tensor(down_in_out)).asnumpy()

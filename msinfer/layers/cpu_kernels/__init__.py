@@ -84,8 +84,6 @@ _OPENED = {}  # path -> ctypes handle: kept open, so MindSpore's dlopen finds th
 def share_threads(path):
     """Gives library `path`'s SetThreads, where it has one, MindSpore's CPU pool size."""
     threads = cpu_threads()
-    if threads is None:
-        return
     handle = _OPENED.setdefault(path, ctypes.CDLL(path))
     if hasattr(handle, "SetThreads"):
         handle.SetThreads(threads)
