@@ -104,36 +104,13 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    from xdist.scheduler import LoadScopeScheduling
+    from units_scheduler import UnitScheduling
 
-    class Units(LoadScopeScheduling):
-        def _read_units(self):
-            if not hasattr(self, "_units"):
-                with open(os.environ[UNITS_FILE]) as f:
-                    found = json.load(f)
-                self._units, self._first = found["units"], found["first"]
-
-        def _split_scope(self, nodeid):
-            self._read_units()
-            return self._units[nodeid]
-
-        def _reschedule(self, node):
-            # the next unit once a worker has its last test left (it holds a test until it
-            # knows the next), not its last two (xdist's rule): a unit given then waits
-            # behind two tests, and those can be jobs of a minute, while a worker idles
-            if (not node.shutting_down and self.workqueue
-                    and self._pending_of(self.assigned_work[node]) > 1):
-                return
-            super()._reschedule(node)
-
-        def _assign_work_unit(self, node):
-            self._read_units()
-            for unit in reversed(self._first):
-                if unit in self.workqueue:
-                    self.workqueue.move_to_end(unit, last=False)
-            super()._assign_work_unit(node)
-
-    return Units(config, log)
+    def read_units():
+        with open(os.environ[UNITS_FILE]) as f:
+            found = json.load(f)
+        return found["units"], found["first"]
+    return UnitScheduling(config, read_units)
 
 
 def pytest_collection_finish(session):
