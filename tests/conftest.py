@@ -74,11 +74,11 @@ def pytest_configure(config):
 # - the tests of a module that share a module fixture (an engine, a job), one unit: the fixture
 #   made once, the tests in their order. A job of two ranks (`multirank(ranks=2)`) is such a
 #   test, not one of the four-rank unit: it runs beside that unit (a job of 4 ranks, and at
-#   most two of 2 ranks on the other workers), with its module's fixtures (checkpoints,
-#   quantized directories) made once on its worker; the units that hold one are given out
-#   after the first two, being long.
-# Workers collect the tests, the controller schedules them: the first worker writes each
-# test's unit to a file the controller reads.
+#   most two of 2 ranks on the other workers, at a lower priority: pytest_runtest_protocol),
+#   with its module's fixtures (checkpoints, quantized directories) made once on its worker;
+#   the units that hold one are given out after the first two, being long.
+# Workers collect the tests, the controller schedules them (units_scheduler.py): the first
+# worker writes each test's unit to a file the controller reads.
 UNITS_FILE = "MSINFER_TEST_UNITS"
 FIRST_UNITS = ("multirank", "server")
 
@@ -109,36 +109,28 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    from xdist.scheduler import LoadScopeScheduling
+    from units_scheduler import UnitScheduling
 
-    class Units(LoadScopeScheduling):
-        def _read_units(self):
-            if not hasattr(self, "_units"):
-                with open(os.environ[UNITS_FILE]) as f:
-                    found = json.load(f)
-                self._units, self._first = found["units"], found["first"]
+    def read_units():
+        with open(os.environ[UNITS_FILE]) as f:
+            found = json.load(f)
+        return found["units"], found["first"]
+    return UnitScheduling(config, read_units)
 
-        def _split_scope(self, nodeid):
-            self._read_units()
-            return self._units[nodeid]
 
-        def _reschedule(self, node):
-            # the next unit once a worker has its last test left (it holds a test until it
-            # knows the next), not its last two (xdist's rule): a unit given then waits
-            # behind two tests, and those can be jobs of a minute, while a worker idles
-            if (not node.shutting_down and self.workqueue
-                    and self._pending_of(self.assigned_work[node]) > 1):
-                return
-            super()._reschedule(node)
+# The four-rank unit is the suite's longest path, and what ran beside it (jobs of two ranks
+# among them) took the cores from its ranks. A worker runs every other unit at a lower
+# priority (never raised again; its jobs and servers inherit it): the four-rank jobs take the
+# cores whenever they compute, the other workers what they leave (a job's start, a timeout).
+BESIDE_MULTIRANK_NICE = 5
+_niced = []
 
-        def _assign_work_unit(self, node):
-            self._read_units()
-            for unit in reversed(self._first):
-                if unit in self.workqueue:
-                    self.workqueue.move_to_end(unit, last=False)
-            super()._assign_work_unit(node)
 
-    return Units(config, log)
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    if hasattr(item.config, "workerinput") and not _niced and unit_of(item) != "multirank":
+        os.nice(BESIDE_MULTIRANK_NICE)
+        _niced.append(item.nodeid)
 
 
 def pytest_collection_finish(session):

@@ -204,7 +204,7 @@ def wait_unhealthy(job, since, bound):
     """Poll /health until it fails; its body, within `bound` seconds of `since`."""
     while True:
         try:
-            r = httpx.get(job.url + "/health", timeout=5)
+            r = job.http.get("/health", timeout=5)
             if r.status_code != 200:
                 return r.json()["status"]
         except httpx.HTTPError:
@@ -228,9 +228,11 @@ def test_tp4_under_mpirun_serves_the_same_completions_and_a_stopped_rank_ends_it
     log = str(tmp_path / "tp4.log")
     draft = json.dumps({"method": "draft_model", "model": model_dir,
                         "num_speculative_tokens": 3})
+    # one sequence at a time (each request is sent alone): warm-up compiles the decode graphs
+    # of batch 1 only, not of 2 and 4 as well, for the model and its draft on each rank
     job = ServerProcess(["launch", "--nproc", "4", "--strategy", TP4, "--", "serve",
-                         "--model", model_dir, *SERVE_ARGS, "--stall-timeout", str(STALL),
-                         "--speculative-config", draft],
+                         "--model", model_dir, *SERVE_ARGS, "--max-num-seqs", "1",
+                         "--stall-timeout", str(STALL), "--speculative-config", draft],
                         log, ready_timeout=900)
     try:
         for prompt in PROMPTS:

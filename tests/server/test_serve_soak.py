@@ -307,7 +307,7 @@ def test_a_soak_of_a_dp2_tp2_job_whose_replica_is_killed_and_the_job_restarted(
         first = None
         while True:
             try:
-                status = httpx.get(job.url + "/health", timeout=5).status_code
+                status = job.http.get("/health", timeout=5).status_code
             except httpx.HTTPError:
                 return 0.0 if first is None else time.monotonic() - first
             if status != 200 and first is None:

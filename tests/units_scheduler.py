@@ -1,0 +1,126 @@
+"""A pytest-xdist scheduler that hands out units of tests (conftest.py says which), written
+against the protocol of xdist's public `pytest_xdist_make_scheduler` hook (xdist's
+scheduler/protocol.py), with nothing of xdist's own schedulers.
+
+- A unit's tests go to one worker together, in collection order: its module fixtures are made
+  once.
+- Units are given out in the order asked for, then in collection order.
+- A worker gets its next unit when it has one test left: xdist's worker holds its last test
+  until it knows the next one (or is told to stop), so that it can tear fixtures down.
+- A worker that crashes: its test in progress is reported as the crash, the tests it had left
+  go back to the front of the queue, for the worker xdist starts in its place.
+"""
+
+
+class UnitScheduling:
+    def __init__(self, config, read_units):
+        """read_units() -> ({test id: its unit's name}, [the units given out before the
+        others, in this order]); read when the workers have collected."""
+        self.config, self.read_units = config, read_units
+        self.unit_of = {}
+        # -n N is --tx popen N times; a --tx spec of its own may say "N*popen"
+        self.numnodes = sum(int(spec.split("*")[0]) if "*" in spec else 1
+                            for spec in config.getoption("tx"))
+        self.collections = {}  # worker -> the test ids it collected
+        self.pending = {}  # worker -> the ids it was sent and has not finished, in order
+        self.queue = {}  # unit -> its test ids, in the order units are given out
+        self.scheduled = False
+
+    # ---- the state xdist's session asks about ----
+
+    @property
+    def nodes(self):
+        return list(self.pending)
+
+    @property
+    def collection_is_completed(self):
+        return len(self.collections) >= self.numnodes
+
+    @property
+    def tests_finished(self):
+        # a worker's last test runs once it is told to stop (when this says True)
+        return (self.collection_is_completed and not self.queue
+                and all(len(tests) < 2 for tests in self.pending.values()))
+
+    @property
+    def has_pending(self):
+        return bool(self.queue) or any(self.pending.values())
+
+    # ---- workers come and go ----
+
+    def add_node(self, node):
+        self.pending[node] = []
+
+    def add_node_collection(self, node, collection):
+        self.collections[node] = list(collection)
+
+    def remove_node(self, node):
+        """The test it was running if it had tests left (a crash), else None."""
+        left = self.pending.pop(node)
+        if not left:
+            return None
+        crashed, rest = left[0], left[1:]
+        requeued = {}
+        for nodeid in rest:
+            requeued.setdefault(self.unit_of[nodeid], []).append(nodeid)
+        self.queue = {**requeued, **self.queue}
+        for other in self.nodes:
+            self._give(other)
+        return crashed
+
+    # ---- tests ----
+
+    def schedule(self):
+        """Called once every worker has collected (and again when a replacement joins)."""
+        if not self.scheduled:
+            self.scheduled = True
+            collection = self._common_collection()
+            if collection is None:
+                return
+            self.unit_of, first = self.read_units()
+            units = {}
+            for nodeid in collection:
+                units.setdefault(self.unit_of[nodeid], []).append(nodeid)
+            order = [u for u in first if u in units] + list(units)
+            self.queue = {unit: units[unit] for unit in dict.fromkeys(order)}
+        for node in self.nodes:
+            self._give(node)
+
+    def mark_test_complete(self, node, item_index, duration=0):
+        self.pending[node].remove(self.collections[node][item_index])
+        self._give(node)
+
+    def mark_test_pending(self, item):
+        raise NotImplementedError("units are never stolen back")
+
+    def remove_pending_tests_from_node(self, node, indices):
+        raise NotImplementedError("units are never stolen back")
+
+    def _give(self, node):
+        """Units for `node` until it has two tests or more to run; told to stop once none
+        are left."""
+        if node.shutting_down or node not in self.collections:
+            return
+        while self.queue and len(self.pending[node]) < 2:
+            unit = next(iter(self.queue))
+            tests = self.queue.pop(unit)
+            self.pending[node] += tests
+            index = {nodeid: i for i, nodeid in enumerate(self.collections[node])}
+            node.send_runtest_some([index[nodeid] for nodeid in tests])
+        if not self.queue:
+            node.shutdown()
+
+    def _common_collection(self):
+        """The workers' collection, or None (a failed collection report) if two differ."""
+        (first, ids), *others = self.collections.items()
+        for node, other in others:
+            if other != ids:
+                import pytest
+
+                differ = sorted(set(ids) ^ set(other))[:5] or ["(the same tests, reordered)"]
+                self.config.hook.pytest_collectreport(report=pytest.CollectReport(
+                    nodeid=node.gateway.id, outcome="failed", result=[],
+                    longrepr=f"workers {first.gateway.id} and {node.gateway.id} collected "
+                             f"different tests: {', '.join(differ)}"))
+                return None
+        return ids
