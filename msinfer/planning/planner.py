@@ -191,9 +191,10 @@ def check_plan_or_raise(config: ModelConfig, strategy: Strategy, profile: Hardwa
 
 def _speculation_words(settings) -> str:
     k = settings["num_speculative_tokens"]
-    source = {"ngram": f"n-grams of {settings['prompt_lookup_min']}.."
-                       f"{settings['prompt_lookup_max']} tokens looked up in the prompt and "
-                       f"output", "suffix": "suffix decoding over this and recent requests",
+    lengths = sorted({settings["prompt_lookup_min"], settings["prompt_lookup_max"]})
+    source = {"ngram": f"n-grams of {'..'.join(map(str, lengths))} tokens looked up in the "
+                       f"prompt and output",
+              "suffix": "suffix decoding over this and recent requests",
               "draft_model": f"the draft model {settings['model']}"}[settings["method"]]
     return (f"{settings['method']}: up to {k} tokens proposed per sequence and step ({source}),"
             f" verified in one forward of {k + 1} positions per sequence (docs/speculative.md)")
