@@ -8,10 +8,10 @@ Every call is padded to the GraphShape the planner's ShapePlan decides (planning
 its shape bucket, and in explicit mode the graphs that run it); the runner only executes it:
 - decode: batch B (powers of two up to max_num_seqs) x context T (powers of two from 64 up to
   max_model_len): B sequences, one token each, each over its own T gathered cache slots;
-- prefill: chunk C tokens (16, 32, 64, ... up to max_prefill_tokens; with speculative decoding
-  from 2) x context T: the chunk's
-  tokens (of one or several sequences) over their concatenated contexts, and the lm_head on
-  R rows (the last token of each sequence whose prompt the chunk completes; powers of two).
+- prefill: chunk C tokens (16, 32, 64, ... up to max_prefill_tokens; with speculative
+  decoding from 2) x context T: the chunk's tokens (of one or several sequences) over their
+  concatenated contexts, and the lm_head on R rows (the last token of each sequence whose
+  prompt the chunk completes; powers of two).
 In explicit mode a call is one embedding call, the decoder layers in stacks of k consecutive
 layers (each layer's weights and KV cache passed in; k the fewest for a pass in a few calls,
 within the planner's workspace for that shape: planning/workspace.py), and one lm_head call

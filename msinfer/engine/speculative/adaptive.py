@@ -8,11 +8,11 @@ forward each; they pay only when accepted. Three rules keep a losing bet small:
 - per sequence, a proposal none of whose tokens were accepted doubles a back-off (2, 4,
   8 ... up to MAX_BACKOFF steps): the sequence proposes again in the first step at least
   that many steps later whose number is a multiple of it (and on, while it finds nothing to
-  propose, only in such steps); one accepted token resets it. Text with no repeats stops being verified after a few misses,
-  and is tried again now and then, one token at a time. The multiples put the tries of
-  sequences backing off alike in the same steps: a step with a verification in it costs the
-  whole batch more (its decodes ride in the prefill call), so one such step for several
-  sequences costs less than one each;
+  propose, only in such steps); one accepted token resets it. Text with no repeats stops
+  being verified after a few misses, and is tried again now and then, one token at a time.
+  The multiples put the tries of sequences backing off alike in the same steps: a step with
+  a verification in it costs the whole batch more (its decodes ride in the prefill call),
+  so one such step for several sequences costs less than one each;
 - per step, no speculation when more sequences decode than `disable_by_batch_size` (vLLM's
   setting): a large batch already reads the weights once for many tokens.
 The state changes only from what every rank of a tensor group knows (the tokens the leader
