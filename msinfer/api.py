@@ -116,7 +116,8 @@ class LLM:
                                     verify_rows=verify_rows(cfg.speculative, self.limits))
         _log_start(self, report)
         runner = build_runner(cfg.model, ctx, self.memory.layout, self.limits,
-                              self.dist.world_size, self.profile)
+                              self.dist.world_size, self.profile,
+                              speculative=cfg.speculative is not None)
         proposer = None
         if cfg.speculative is not None and cfg.speculative.method == "draft_model":
             # (a semi_auto plan with speculation was refused by the planner's check above)
@@ -319,5 +320,6 @@ def draft_model_proposer(model_dir, config, target_config, dtype, layout, limits
                                DTYPE_BYTES[str(dtype).lower()])
     log.get().info("draft model %s: %d layers, KV cache %.1f MiB", model_dir,
                    config.num_layers, draft_layout.total_bytes / 2 ** 20)
-    runner = build_runner(model_dir, ctx, draft_layout, limits, 1, profile)
+    # its catch-up chunks (the tokens since it last proposed) are a few rows too
+    runner = build_runner(model_dir, ctx, draft_layout, limits, 1, profile, speculative=True)
     return DraftModelProposer(runner, limits.max_prefill_tokens, limits.max_model_len)

@@ -21,6 +21,8 @@ import numbers
 from .errors import MsinferError
 
 METHODS = ("ngram", "suffix", "draft_model")
+# ngram's n-gram length when neither prompt_lookup_min nor _max is given (vLLM's)
+DEFAULT_PROMPT_LOOKUP = 5
 # vLLM's spellings of the methods: accepted, stored under ours
 METHOD_ALIASES = {"[ngram]": "ngram", "draft": "draft_model", "eagle_draft": "draft_model"}
 
@@ -41,9 +43,10 @@ def _check_real(field, value, low, high):
 class SpeculativeConfig:
     method: str
     num_speculative_tokens: int = 4  # k: tokens proposed per sequence and step, at most
-    # ngram: the longest and shortest n-gram looked up
-    prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 1
+    # ngram: the longest and shortest n-gram looked up. As vLLM: one given, the other is
+    # the same (an n-gram of exactly that length); neither, both DEFAULT_PROMPT_LOOKUP
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
     # draft_model: the draft's checkpoint directory (the target's tokenizer and vocabulary)
     model: str | None = None
     # suffix: deepest continuation followed, requests whose outputs are kept for lookups,
@@ -65,6 +68,13 @@ class SpeculativeConfig:
                                f"{', '.join(METHODS)}")
         object.__setattr__(self, "method", method)
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1)
+        lookup_min, lookup_max = self.prompt_lookup_min, self.prompt_lookup_max
+        if lookup_min is None and lookup_max is None:
+            lookup_min = lookup_max = DEFAULT_PROMPT_LOOKUP
+        object.__setattr__(self, "prompt_lookup_min", lookup_max if lookup_min is None
+                           else lookup_min)
+        object.__setattr__(self, "prompt_lookup_max", lookup_min if lookup_max is None
+                           else lookup_max)
         _check_int("prompt_lookup_min", self.prompt_lookup_min, 1)
         _check_int("prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min)
         _check_int("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth, 1)

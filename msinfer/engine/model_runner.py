@@ -8,9 +8,10 @@ Every call is padded to the GraphShape the planner's ShapePlan decides (planning
 its shape bucket, and in explicit mode the graphs that run it); the runner only executes it:
 - decode: batch B (powers of two up to max_num_seqs) x context T (powers of two from 64 up to
   max_model_len): B sequences, one token each, each over its own T gathered cache slots;
-- prefill: chunk C tokens (16, 32, 64, ... up to max_prefill_tokens) x context T: the chunk's
-  tokens (of one or several sequences) over their concatenated contexts, and the lm_head on
-  R rows (the last token of each sequence whose prompt the chunk completes; powers of two).
+- prefill: chunk C tokens (16, 32, 64, ... up to max_prefill_tokens; with speculative
+  decoding from 2) x context T: the chunk's tokens (of one or several sequences) over their
+  concatenated contexts, and the lm_head on R rows (the last token of each sequence whose
+  prompt the chunk completes; powers of two).
 In explicit mode a call is one embedding call, the decoder layers in stacks of k consecutive
 layers (each layer's weights and KV cache passed in; k the fewest for a pass in a few calls,
 within the planner's workspace for that shape: planning/workspace.py), and one lm_head call
@@ -53,7 +54,10 @@ class ModelRunner:
     GraphShape the planner's ShapePlan gives (`shape_plan`), timings, compiling ahead. A
     subclass runs the padded call (`_run`)."""
 
-    def __init__(self, ctx: ParallelContext, layout: CacheLayout, limits: EngineLimits):
+    def __init__(self, ctx: ParallelContext, layout: CacheLayout, limits: EngineLimits,
+                 speculative: bool = False):
+        """`speculative`: the engine verifies proposals (speculative decoding), in prefill
+        chunks of a few rows (ShapeBuckets.VERIFY_CHUNK)."""
         config = ctx.config
         self.ctx = ctx
         self.layout = layout
@@ -65,7 +69,8 @@ class ModelRunner:
         host = np.float16 if str(ctx.dtype) == "Float16" else np.float32
         self.cos, self.sin = cos.astype(host), sin.astype(host)
         self.buckets = ShapeBuckets.for_engine(
-            limits, step=ctx.plan.data if ctx.mode == "semi_auto" else 1)
+            limits, step=ctx.plan.data if ctx.mode == "semi_auto" else 1,
+            speculative=speculative)
         self.batch_buckets = self.buckets.batch
         self.context_buckets = self.buckets.context
         self.chunk_buckets = self.buckets.chunk
@@ -225,12 +230,12 @@ class ExplicitRunner(ModelRunner):
     built and compiled when a call first needs it; warm-up runs one call for each."""
 
     def __init__(self, ctx, layout, limits, weights, min_layers_per_graph=1,
-                 layer_peak_growth=1.0):
+                 layer_peak_growth=1.0, speculative=False):
         """weights: {name: Tensor} of this rank's slices, in the layouts the graphs take
         (the family's weight_layout). `min_layers_per_graph`, `layer_peak_growth`: the
         hardware profile's.
         limits.graph_shapes "dynamic": graphs of dynamic shape, else one per call shape."""
-        super().__init__(ctx, layout, limits)
+        super().__init__(ctx, layout, limits, speculative)
         config = ctx.config
         family = self.family
         self.caches = [(new_cache(layout.rows_shape, ctx.dtype),
@@ -383,9 +388,11 @@ class SemiAutoRunner(ModelRunner):
                          Tensor(rows)).asnumpy()
 
 
-def build_runner(model_dir, ctx, layout, limits, world_size, profile):
+def build_runner(model_dir, ctx, layout, limits, world_size, profile, speculative=False):
     """The runner of `ctx.mode`, with this rank's weights loaded from `model_dir` and its KV
-    cache allocated (`layout`): what nano-vllm's ModelRunner does in its constructor."""
+    cache allocated (`layout`): what nano-vllm's ModelRunner does in its constructor.
+    `speculative`: its calls verify proposals (explicit mode only: the planner refuses
+    speculation in semi_auto)."""
     config = ctx.config
     family = family_of(config)
     names = family.weight_names(config)
@@ -410,7 +417,7 @@ def build_runner(model_dir, ctx, layout, limits, world_size, profile):
               for name, array in weights}
     return ExplicitRunner(ctx, layout, limits, weights=loaded,
                           min_layers_per_graph=profile.min_layers_per_graph,
-                          layer_peak_growth=profile.layer_peak_growth)
+                          layer_peak_growth=profile.layer_peak_growth, speculative=speculative)
 
 
 def flat(weights):

@@ -154,7 +154,8 @@ def make_plan(config: ModelConfig, strategy: Strategy, profile: HardwareProfile,
         return report
 
     dtype_bytes = DTYPE_BYTES[report.dtype]
-    report.warmup_graphs = warmup_graphs(shard_plan, profile, limits, dtype_bytes, mode)
+    report.warmup_graphs = warmup_graphs(shard_plan, profile, limits, dtype_bytes, mode,
+                                         speculative is not None)
     report.graph_shapes = limits.graph_shapes
     speculation = (speculative, draft_config(speculative))  # the draft's config read once
     report.devices, layout = _device_memory(shard_plan, profile, report.dtype, limits,
@@ -193,9 +194,10 @@ def check_plan_or_raise(config: ModelConfig, strategy: Strategy, profile: Hardwa
 
 def _speculation_words(settings) -> str:
     k = settings["num_speculative_tokens"]
-    source = {"ngram": f"n-grams of {settings['prompt_lookup_min']}.."
-                       f"{settings['prompt_lookup_max']} tokens looked up in the prompt and "
-                       f"output", "suffix": "suffix decoding over this and recent requests",
+    lengths = sorted({settings["prompt_lookup_min"], settings["prompt_lookup_max"]})
+    source = {"ngram": f"n-grams of {'..'.join(map(str, lengths))} tokens looked up in the "
+                       f"prompt and output",
+              "suffix": "suffix decoding over this and recent requests",
               "draft_model": f"the draft model {settings['model']}"}[settings["method"]]
     return (f"{settings['method']}: up to {k} tokens proposed per sequence and step ({source}),"
             f" verified in one forward of {k + 1} positions per sequence (docs/speculative.md)")
@@ -266,11 +268,12 @@ def _device_memory(shard_plan, profile, dtype, limits, speculation=(None, None))
     return devices, layout
 
 
-def warmup_graphs(shard_plan, profile, limits, dtype_bytes, mode) -> int:
+def warmup_graphs(shard_plan, profile, limits, dtype_bytes, mode, speculative=False) -> int:
     """Graphs one rank's warm-up compiles (planning/shapes.py): semi_auto one per call shape;
-    explicit one per `Graph` (ExplicitGraphs), as the model runner builds them."""
-    buckets = ShapeBuckets.for_engine(limits,
-                                      step=shard_plan.data if mode == "semi_auto" else 1)
+    explicit one per `Graph` (ExplicitGraphs), as the model runner builds them (with
+    `speculative`, the target's: a draft model's are its own)."""
+    buckets = ShapeBuckets.for_engine(limits, step=shard_plan.data if mode == "semi_auto" else 1,
+                                      speculative=speculative)
     if mode == "semi_auto":
         return len(buckets.calls())
     layers_for = stack_layers(shard_plan, dtype_bytes, limits, profile.min_layers_per_graph,

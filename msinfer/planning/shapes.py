@@ -41,21 +41,34 @@ class ShapeBuckets:
     context: tuple  # context slots a call reads
     chunk: tuple  # tokens of a prefill call
     rows: tuple  # lm_head rows (the batch buckets)
+    # speculative decoding: prefill calls from VERIFY_CHUNK tokens, which may ask the logits
+    # of every row (a verification's)
+    verify: bool = False
+
+    # The smallest prefill chunk; with speculative decoding, VERIFY_CHUNK: a verification
+    # (a sequence's last token and its 1 .. k proposals, the decodes of the step riding
+    # beside it) is a call of a few rows, and padded to 16 it cost 1.6 decode steps where 2
+    # static rows cost one and 8 about 1.35 (docs/speculative.md, "What a failed
+    # verification costs").
+    SMALLEST_CHUNK = 16
+    VERIFY_CHUNK = 2
 
     @classmethod
-    def for_engine(cls, limits, step=1):
+    def for_engine(cls, limits, step=1, speculative=False):
         """The buckets of the engine's EngineLimits `limits`. `step`: semi_auto splits the
         tokens of the dense layers over the data replicas (and MindSpore refuses a split that
-        does not divide): every token and row count is a multiple of it."""
+        does not divide): every token and row count is a multiple of it. `speculative`:
+        chunks from VERIFY_CHUNK tokens up (speculative decoding's verifications)."""
         max_prefill_tokens, max_len = limits.max_prefill_tokens, limits.max_model_len
         batch = power_buckets(step, round_up(limits.max_num_seqs, step))
+        smallest = cls.VERIFY_CHUNK if speculative else cls.SMALLEST_CHUNK
         # Powers of 2, not 4: a 128-token prompt padded to a 256-token chunk ran markedly
         # slower (docs/engine.md, "Measured figures behind the code"); the cost is two more
         # chunk sizes to compile.
-        chunk = power_buckets(round_up(min(16, max_prefill_tokens), step),
+        chunk = power_buckets(round_up(min(smallest, max_prefill_tokens), step),
                               round_up(max_prefill_tokens, step))
         return cls(batch=batch, context=power_buckets(min(64, max_len), max_len), chunk=chunk,
-                   rows=batch)
+                   rows=batch, verify=speculative)
 
     def calls(self):
         """(kind, tokens or batch, context) of every call shape: each batch over each context;
@@ -252,8 +265,11 @@ class ShapePlan:
 
     def at(self, kind, size, context) -> GraphShape:
         """The call of a padded (kind, size, context) with its fewest lm_head rows (a decode
-        step: its batch): what warm-up runs."""
-        rows = size if kind == "decode" else self.prefill_rows(1, size)
+        step: its batch), or with verifications (ShapeBuckets.verify) a prefill call's most
+        (every row: the lm_head a verification's rows take beyond the largest batch, compiled
+        by warm-up): what warm-up runs."""
+        rows = (size if kind == "decode" else
+                self.prefill_rows(size if self.buckets.verify else 1, size))
         return self._shape(kind, size, context, rows)
 
     def warmup(self) -> list:

@@ -72,7 +72,8 @@ def greedy(rid):
     return SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 
 
-METHODS = [{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2},
+METHODS = [{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+            "prompt_lookup_max": 4},
            {"method": "suffix", "num_speculative_tokens": 4},
            {"method": "suffix", "num_speculative_tokens": 6,
             "suffix_decoding_max_spec_factor": 2.0, "suffix_decoding_max_cached_requests": 2}]

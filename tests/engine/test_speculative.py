@@ -244,7 +244,8 @@ def test_the_next_proposal_is_as_long_as_the_last_one_earned():
     seq = SimpleNamespace(request_id="a", params=SimpleNamespace(max_tokens=100),
                           generated=[], length=10)
 
-    def wanted():
+    def wanted():  # a new step
+        budget.new_step()
         return budget.wanted(seq, 1, 256)
 
     assert wanted() == 8
@@ -252,15 +253,42 @@ def test_the_next_proposal_is_as_long_as_the_last_one_earned():
     assert wanted() == 4
     budget.proposed(seq, 4, 4)  # all: twice as many, up to k
     assert wanted() == 8
-    budget.proposed(seq, 8, 0)  # none: wait a step, then one token
-    assert [wanted(), wanted()] == [0, 1]
-    budget.proposed(seq, 1, 0)  # none again: wait two steps
+    budget.proposed(seq, 8, 0)  # none (step 3): one token, 2 steps later, in an even step
     assert [wanted(), wanted(), wanted()] == [0, 0, 1]
+    budget.proposed(seq, 1, 0)  # none again (step 6): 4 steps later, a multiple of 4
+    assert [wanted() for _ in range(6)] == [0, 0, 0, 0, 0, 1]
     budget.proposed(seq, 1, 1)
     assert wanted() == 2
     seq.generated = [0] * 98  # two tokens left: one proposal and the token after it
     assert wanted() == 1
     assert budget.wanted(seq, 9, 256) == 0  # beyond the batch bound (8)
+
+
+def test_sequences_backing_off_alike_try_again_in_the_same_step():
+    """After misses in different steps, two sequences at the same back-off propose again
+    together, in a step whose number is a multiple of it (one verification step for both,
+    not one each)."""
+    from types import SimpleNamespace
+
+    from msinfer.engine.speculative.adaptive import ProposalBudget
+
+    budget = ProposalBudget(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    a, b = (SimpleNamespace(request_id=r, params=SimpleNamespace(max_tokens=500),
+                            generated=[], length=10) for r in "ab")
+    tries = {"a": [], "b": []}
+    for step in range(1, 120):
+        budget.new_step()
+        for seq in (a, b):
+            if step < 3 and seq is b:
+                continue  # b starts two steps later
+            if budget.wanted(seq, 2, 1024):
+                tries[seq.request_id].append(step)
+                budget.proposed(seq, 1, 0)  # every proposal missed
+    # back-offs 2, 4 ... 32: a tries in steps 1, 4, 8, 16, 32, 64, b in 3, 6, 12, 24, 48,
+    # 96; then both every 32 steps, together
+    assert tries["a"][:6] == [1, 4, 8, 16, 32, 64] and tries["b"][:6] == [3, 6, 12, 24, 48, 96]
+    assert tries["a"][6:] == tries["b"][5:] == [96]
+
 
 
 def test_decodes_ride_with_verifications_in_one_call():

@@ -111,22 +111,6 @@ def test_after_warmup_a_mixed_workload_compiles_nothing(model_dir, mode, max_len
     assert llm.compilations == before
 
 
-def test_with_speculation_verifications_compile_nothing_after_warmup(model_dir):
-    """A verification takes a row per position: more rows than the largest batch (4), so a
-    head of its chunk's rows, which warm-up compiles too."""
-    from msinfer import LLM
-
-    llm = LLM(model_dir, **ENGINE, speculative_config={
-        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
-    llm.engine.warmup()
-    before = llm.compilations
-    repeated = [1, 2, 3, 4, 5, 6, 7, 8] * 6
-    llm.generate([repeated[:n] for n in (10, 30, 45)] + [prompt(60, 13)],
-                 SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
-    assert llm.engine.stats().spec_num_drafts > 0
-    assert llm.compilations == before
-
-
 def call(shape):
     """A GraphShape's call: (kind, size, context, lm_head rows)."""
     return shape.kind, shape.size, shape.context, shape.rows
@@ -182,3 +166,41 @@ def test_shapes_say_how_many_rows_each_call_computes(model_dir):
     assert [static.shape_plan.padded_chunk(n) for n in (1, 5, 17)] == [16, 16, 32]  # its bucket
     assert [call(s)[:3] for s in static.shapes()] == [s[:3] for s in semi_auto]
     assert static.graph_count == len(semi_auto) + len({1, 2, 4, 16, 32}) + len({1, 2, 4})
+
+
+def test_speculative_verifications_and_a_draft_compile_nothing_after_warmup(model_dir):
+    """With speculative decoding the prefill chunks start at 2 tokens (a verification's last
+    token and its proposals, and a draft's catch-up, run in static rows of their size, not
+    padded to 16): warm-up compiles them, for the target and the draft model alike, and the
+    plan counts them; verifying then compiles nothing."""
+    from msinfer import LLM
+
+    spec = {"method": "draft_model", "model": model_dir, "num_speculative_tokens": 3}
+    # the draft's KV cache has as many blocks as the target's
+    llm = LLM(model_dir, **dict(DYNAMIC, kv_cache_memory=2 * 33 * BYTES_PER_BLOCK),
+              speculative_config=spec)
+    target, draft = llm.engine.runners
+    assert target.graph_of.short_chunks == draft.graph_of.short_chunks == (2, 4, 8, 16, 32)
+    assert [target.shape_plan.padded_chunk(n) for n in (1, 2, 3, 5, 9, 17)] == [
+        2, 2, 4, 8, 16, 32]
+    compiled = llm.engine.warmup()
+    plan = make_plan(llm.config, llm.strategy, llm.profile, llm.limits,
+                     speculative=llm.engine_config.speculative)
+    assert plan.warmup_graphs == target.compilations
+    assert compiled == target.compilations + draft.compilations
+    sizes = []
+    prefill = target.prefill
+
+    def spy(chunks):
+        sizes.append(target.shape_plan.prefill(sum(c.count for c in chunks), 64, 1).size)
+        return prefill(chunks)
+
+    target.prefill = spy
+    before = llm.compilations
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    llm.generate([prompt(30, 1), prompt(7, 2)], params)
+    llm.generate([prompt(9, 3)], params)
+    assert llm.compilations == before, f"{llm.compilations - before} graphs compiled mid-work"
+    assert llm.engine.stats().spec_num_accepted_tokens > 0  # its own draft: accepted
+    # verifications in chunks of fewer than 16 rows (their tokens: test_speculative_models)
+    assert {4, 8} & set(sizes)

@@ -18,7 +18,9 @@ from test_parity import ENGINE, NEW_TOKENS, assert_matches_hf, case_spec, greedy
 
 CASE = "gqa_untied_config4"  # test_parity's checkpoint (made once per session)
 METHODS = {
-    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3},
+    # n-grams of 1 .. 3: proposals on the random prompts too (mostly rejected)
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+              "prompt_lookup_max": 3},
     "suffix": {"method": "suffix", "num_speculative_tokens": 4},
     # the target as its own draft: every proposal accepted unless it runs past the end
     "draft_model": {"method": "draft_model", "num_speculative_tokens": 3},

@@ -5,10 +5,14 @@ a padded chunk; on any device more compute), and a draft model's proposals cost 
 forward each; they pay only when accepted. Three rules keep a losing bet small:
 - per sequence, the next proposal is as long as the last one earned: all accepted, twice as
   many (up to k); some, one more than were accepted; none, one;
-- per sequence, a proposal none of whose tokens were accepted doubles a back-off: the
-  sequence decodes plainly for that many steps before proposing again (1, 2, 4 ... up to
-  MAX_BACKOFF); one accepted token resets it. Text with no repeats stops being verified after
-  a few misses, and is tried again now and then, one token at a time;
+- per sequence, a proposal none of whose tokens were accepted doubles a back-off (2, 4,
+  8 ... up to MAX_BACKOFF steps): the sequence proposes again in the first step at least
+  that many steps later whose number is a multiple of it (and on, while it finds nothing to
+  propose, only in such steps); one accepted token resets it. Text with no repeats stops
+  being verified after a few misses, and is tried again now and then, one token at a time.
+  The multiples put the tries of sequences backing off alike in the same steps: a step with
+  a verification in it costs the whole batch more (its decodes ride in the prefill call),
+  so one such step for several sequences costs less than one each;
 - per step, no speculation when more sequences decode than `disable_by_batch_size` (vLLM's
   setting): a large batch already reads the weights once for many tokens.
 The state changes only from what every rank of a tensor group knows (the tokens the leader
@@ -28,8 +32,8 @@ DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 @dataclasses.dataclass
 class _Odds:
     length: int  # tokens the next proposal may have
-    backoff: int = 0  # steps to wait after the next miss
-    wait: int = 0  # plain decode steps left before the next proposal
+    backoff: int = 0  # steps waited after the last miss (0: none), the multiple proposed at
+    resume: int = 0  # the first step it may propose in again
 
 
 class ProposalBudget:
@@ -38,6 +42,10 @@ class ProposalBudget:
         self.batch_bound = (config.disable_by_batch_size if config.disable_by_batch_size
                             is not None else DEFAULT_DISABLE_BY_BATCH_SIZE)
         self._odds = {}  # request id -> _Odds
+        self.step = 0  # the engine's steps with speculation, counted alike on every rank
+
+    def new_step(self) -> None:
+        self.step += 1
 
     def wanted(self, seq, decoding: int, max_model_len: int) -> int:
         """Tokens to propose for `seq` this step (0: decode plainly), with `decoding`
@@ -46,14 +54,15 @@ class ProposalBudget:
         if decoding > self.batch_bound:
             return 0
         odds = self._odds.get(seq.request_id)
-        if odds is not None and odds.wait:
-            odds.wait -= 1
+        if odds is not None and odds.backoff and (self.step < odds.resume
+                                                  or self.step % odds.backoff):
             return 0
         left = min(seq.params.max_tokens - len(seq.generated), max_model_len - seq.length)
         return max(0, min(self.k if odds is None else odds.length, left - 1))
 
     def proposed(self, seq, count: int, accepted: int) -> None:
-        """`seq` verified `count` proposals (> 0) and kept `accepted` of them."""
+        """`seq` verified `count` proposals (> 0) in this step and kept `accepted` of
+        them."""
         odds = self._odds.setdefault(seq.request_id, _Odds(self.k))
         if accepted == count:
             odds.length = min(self.k, 2 * count)
@@ -62,8 +71,8 @@ class ProposalBudget:
         if accepted:
             odds.backoff = 0
         else:
-            odds.backoff = min(MAX_BACKOFF, max(1, 2 * odds.backoff))
-            odds.wait = odds.backoff
+            odds.backoff = min(MAX_BACKOFF, max(2, 2 * odds.backoff))
+            odds.resume = self.step + odds.backoff
 
     def finished(self, seq) -> None:
         self._odds.pop(seq.request_id, None)

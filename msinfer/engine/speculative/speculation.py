@@ -25,7 +25,9 @@ class Speculation:
         self.accepted_per_pos = [0] * config.num_speculative_tokens
 
     def lookahead(self, max_model_len):
-        """The scheduler's `lookahead`: room for this many proposals after `seq`."""
+        """The scheduler's `lookahead` for a new step: room for this many proposals after
+        `seq`."""
+        self.budget.new_step()
         return lambda seq, decoding: self.budget.wanted(seq, decoding, max_model_len)
 
     def propose(self, schedule, blocks) -> None:
