@@ -114,7 +114,7 @@ def test_the_json_reaches_every_rank_intact_under_mpirun(model_dir, tmp_path, ca
 
     built = {}
 
-    def run(command, timeout, env):
+    def run(command, timeout, env, grace=None):
         built["command"] = command
         return 0
     original = launch._run
