@@ -267,8 +267,8 @@ def test_a_raw_in_strategy_of_the_wrong_rank_is_reported(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "2 violation(s)" in out
     import msinfer.layers.embedding as source
-    line = open(source.__file__).read().splitlines().index(
-        "            return self.gather(weight, ids, 0)") + 1
+    line = [text.strip() for text in open(source.__file__).read().splitlines()].index(
+        "return self.gather(weight, ids, 0)") + 1
     assert (f"Gather at layers/embedding.py:{line} return self.gather(weight, ids, 0) (decode), "
             "input 1: strategy (1, 1) has 2 entries for a rank-1 input (1,)") in out
     assert "(prefill), input 1: strategy (1, 1) has 2 entries for a rank-1 input (16,)" in out
