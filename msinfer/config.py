@@ -385,6 +385,15 @@ def _rope_scaling(raw, max_positions, source):
                        truncate=bool(params.get("truncate", True)))
 
 
+def user_cache_dir(kind: str, variable: str) -> str:
+    """$variable, else $XDG_CACHE_HOME/msinfer/kind, else ~/.cache/msinfer/kind: where msinfer
+    keeps what it builds once per host (compiled graphs, C++ kernels)."""
+    if os.environ.get(variable):
+        return os.environ[variable]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "msinfer", kind)
+
+
 def read_json_object(path: str) -> dict:
     """The JSON object in `path`, or {} when the file is absent."""
     if not os.path.isfile(path):

@@ -32,6 +32,8 @@ import time
 from contextlib import contextmanager
 
 from .. import log
+from ..config import user_cache_dir
+from ..hardware import cpuinfo_fields
 
 MANIFEST = "manifest.json"
 _used_in_process = False  # MindSpore numbers cached graphs per process, from the first
@@ -40,22 +42,12 @@ _used_in_process = False  # MindSpore numbers cached graphs per process, from th
 def default_root() -> str:
     """$MSINFER_COMPILE_CACHE, else $XDG_CACHE_HOME/msinfer/compile, else
     ~/.cache/msinfer/compile."""
-    if os.environ.get("MSINFER_COMPILE_CACHE"):
-        return os.environ["MSINFER_COMPILE_CACHE"]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "msinfer", "compile")
+    return user_cache_dir("compile", "MSINFER_COMPILE_CACHE")
 
 
 def _processor() -> str:
     """The CPU model: explicit mode picks matmul forms per processor (layers/cpu_forms.py)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpuinfo_fields().get("model name") or platform.processor() or platform.machine()
 
 
 _source_digest = None

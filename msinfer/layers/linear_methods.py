@@ -80,6 +80,21 @@ class W8A8Method(nn.Cell):
         return ops.cast(ops.cast(acc, ms.float32) * deq_scale, x.dtype)
 
 
+class TokenScale(nn.Cell):
+    """W8A8_DYNAMIC's per-token scale of float32 x, max|x_t| / 127, (tokens, 1); `row_max`
+    (a row-parallel layer's) takes the maximum over the tensor group's slices of the row."""
+
+    def __init__(self, row_max=None):
+        super().__init__()
+        self.row_max = row_max
+
+    def construct(self, x32):
+        largest = ops.amax(ops.abs(x32), -1, True)
+        if self.row_max is not None:
+            largest = self.row_max(largest)
+        return ops.maximum(largest / 127.0, 1e-12)
+
+
 class W8A8DynamicMethod(nn.Cell):
     """Per-token symmetric activation quantization, per-channel weight scale. A row-parallel
     layer's rank holds a slice of each token's inputs: `row_max` (an AllReduce of the maxima
@@ -91,14 +106,11 @@ class W8A8DynamicMethod(nn.Cell):
     def __init__(self, in_features, row_max=None):
         super().__init__()
         self.matmul = IntegerMatmul(in_features)
-        self.row_max = row_max
+        self.token_scale = TokenScale(row_max)
 
     def construct(self, x, weight, weight_scale):
         x32 = ops.cast(x, ms.float32)
-        largest = ops.amax(ops.abs(x32), -1, True)  # (tokens, 1)
-        if self.row_max is not None:
-            largest = self.row_max(largest)
-        scale = ops.maximum(largest / 127.0, 1e-12)
+        scale = self.token_scale(x32)
         x_q = ops.clamp(ops.round(x32 / scale), -128.0, 127.0)
         acc = self.matmul(x_q, weight)
         return ops.cast(ops.cast(acc, ms.float32) * scale * weight_scale.reshape(1, -1), x.dtype)
@@ -191,16 +203,13 @@ class KernelW8A8DynamicMethod(nn.Cell):
 
     def __init__(self, in_features, row_max=None):
         super().__init__()
-        self.row_max = row_max
+        self.token_scale = TokenScale(row_max)
         self.op = kernel_op("W8A8DynamicMatmul", ("F32_Default", "I8_Default", "F32_Default",
                                                   "F32_Default"))
 
     def construct(self, x, weight, weight_scale):
         x32 = ops.cast(x, ms.float32)
-        largest = ops.amax(ops.abs(x32), -1, True)  # (tokens, 1)
-        if self.row_max is not None:
-            largest = self.row_max(largest)
-        scale = ops.maximum(largest / 127.0, 1e-12)
+        scale = self.token_scale(x32)
         y = self.op(x32, weight, scale, ops.cast(weight_scale, ms.float32).reshape(-1))
         return ops.cast(y, x.dtype)
 

@@ -23,6 +23,7 @@ import tempfile
 from functools import lru_cache
 
 from ... import hardware
+from ...config import user_cache_dir
 from ...errors import MsinferError
 from ...parallel.distributed import cpu_threads
 
@@ -36,21 +37,13 @@ FLAGS = ("-std=c++17", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
 def cache_root() -> str:
     """$MSINFER_KERNEL_CACHE, else $XDG_CACHE_HOME/msinfer/kernels, else
     ~/.cache/msinfer/kernels."""
-    if os.environ.get("MSINFER_KERNEL_CACHE"):
-        return os.environ["MSINFER_KERNEL_CACHE"]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "msinfer", "kernels")
+    return user_cache_dir("kernels", "MSINFER_KERNEL_CACHE")
 
 
 def _processor() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("model name", "flags")):
-                    return line  # the first of them: enough to tell -march=native apart
-    except OSError:
-        pass
-    return platform.processor()
+    """What -march=native builds for: the processor's model and flags."""
+    fields = hardware.cpuinfo_fields()
+    return f"{fields.get('model name', platform.processor())} {fields.get('flags', '')}"
 
 
 @lru_cache(maxsize=None)
