@@ -308,7 +308,8 @@ def test_dp2_tp2_replicas_share_the_requests_and_a_diverging_rank_ends_the_job(
     job = ServerProcess(["launch", "--nproc", "4", "--strategy", DP2_TP2, "--", "serve",
                          "--model", model_dir, *SERVE_ARGS, "--stall-timeout", str(STALL),
                          "--reasoning-parser", "qwen3", "--speculative-config",
-                         json.dumps({"method": "ngram", "num_speculative_tokens": 3})],
+                         json.dumps({"method": "ngram", "num_speculative_tokens": 3,
+                                     "prompt_lookup_min": 1, "prompt_lookup_max": 4})],
                         str(tmp_path / "dp2tp2.log"), ready_timeout=900, env=env)
     try:
         # n=2 unseeded, the job's first request: one choice on each replica, each replica's
