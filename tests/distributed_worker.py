@@ -49,7 +49,9 @@ def main():
     p.add_argument("--model2", action="append", default=[],
                    help="another checkpoint to run, after the first, in the job (repeatable: "
                         "the n-th writes rank_R.model{n+1}.npz)")
-    p.add_argument("--model2-new-tokens", type=int, help="default: --new-tokens")
+    p.add_argument("--model2-new-tokens", type=int, action="append", default=[],
+                   help="the n-th --model2's new tokens; one value: every --model2's "
+                        "(default: --new-tokens)")
     p.add_argument("--model2-strategy", action="append", default=[],
                    help="the n-th --model2's strategy (default: --strategy)")
     p.add_argument("--graph-shapes", help="EngineLimits.graph_shapes (default: the engine's)")
@@ -91,9 +93,11 @@ def main():
     for number, path in enumerate(args.model2, start=2):
         strategies = args.model2_strategy[number - 2:number - 1] or [args.strategy]
         speculative = args.model2_speculative_config[number - 2:number - 1] or [None]
+        counts = args.model2_new_tokens
+        new_tokens = counts[0] if len(counts) == 1 else dict(enumerate(counts, 2)).get(number)
         other = make_llm(path, strategies[0], args.graph_shapes, speculative[0])
         write_results(other, prompts, args, f"rank_{rank}.model{number}.npz",
-                      new_tokens=args.model2_new_tokens)
+                      new_tokens=new_tokens)
     try:
         lose_a_rank(args.out, rank)
     except MsinferError as e:

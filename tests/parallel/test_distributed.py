@@ -1,15 +1,16 @@
 """Real multi-process jobs on CPU: tensor parallelism through MindSpore's collectives.
 
-Three jobs of tests/distributed_worker.py (mpirun or msrun, 2 or 4 ranks), each started once
-as a subprocess and checked for many things: every rank agrees, log-probabilities match
-transformers within 1e-4, greedy tokens are identical, each rank holds only its slice (the
-tp4 job runs a tied Qwen3 checkpoint as well, after the Qwen2 one; the tp2 job an untied
-Qwen3); with two data replicas, every rank returns every output exactly as the replica that
-ran it computed it, and the same job then runs a Qwen2 with yarn rope scaling as transformers
-does. Once their results are written, the tp4 and tp2 jobs lose a rank (the worker's test hooks:
-under mpirun one is killed, under msrun one fails with a user error) while the others wait in
-a collective, and the job must come down quickly and non-zero. Jobs run in their own process
-group and are killed on timeout, so no rank outlives a test.
+Two jobs of tests/distributed_worker.py, each started once as a subprocess and checked for many
+things. The 4-rank job under mpirun runs four checkpoints one after the other: two data
+replicas of two tensor ranks (dp2 x tp2), where every rank returns every output exactly as the
+replica that ran it computed it; then tp4 on a Qwen2 whose 2 KV heads are replicated and on a
+tied Qwen3; then dp2 x tp2 again on a Qwen2 with yarn rope scaling. The 2-rank job under msrun
+runs a tied Qwen2 weight first and an untied Qwen3 with graphs of static shape. Every rank
+agrees, log-probabilities match transformers within 1e-4, greedy tokens are identical, each
+rank holds only its slice. Once their results are written, each job loses a rank (the worker's
+test hooks: under mpirun one is killed, under msrun one fails with a user error) while the
+others wait in a collective, and the job must come down quickly and non-zero. Jobs run in their
+own process group and are killed on timeout, so no rank outlives a test.
 """
 import json
 import os
@@ -158,17 +159,47 @@ def run_losing_a_rank(cmd, out_dir, env, log_dir=None):
 
 
 @pytest.fixture(scope="module")
-def tp4_mpirun(models, tmp_path_factory):
-    """tp4 under mpirun on the GQA checkpoint, then on the Qwen3 one and on the Qwen2 with
-    yarn in the same job (9 new tokens: fewer decode batches to compile), with graphs of
-    dynamic shape, the default (the tp2 job runs the static ones); after the results, rank 2
-    is SIGKILLed."""
-    out_dir = tmp_path_factory.mktemp("tp4_mpirun")
+def four_ranks(models, tmp_path_factory):
+    """One start of 4 ranks under mpirun (a start costs what two models' runs do on 2 cores):
+    the tied Qwen2 under dp2 x tp2 with SAMPLING (every output's fields, rank_R.json); the GQA
+    Qwen2 (model2) and the tied Qwen3 (model3, 9 new tokens: fewer decode batches to compile)
+    under tp4; the yarn Qwen2 under dp2 x tp2 (model4, 9 new tokens), all with graphs of dynamic
+    shape, the default (the tp2 job runs the static ones); after the results, rank 2 is
+    SIGKILLed. Returns the job and the transformers tokens SAMPLING was made from."""
+    out_dir = tmp_path_factory.mktemp("four_ranks")
+    hf = models["tied"][1]
+    hf_tokens = [hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+                 for prompt in PROMPTS]
+    sampling, stop = sampling_cases(models["tied"][0], hf_tokens)
+    dp2_tp2, tp4 = (os.path.join(STRATEGIES, name)
+                    for name in ("qwen2_dp2_tp2.yaml", "qwen2_tp4.yaml"))
     cmd = (mpirun_prefix(4) + [sys.executable]
-           + worker_args(models["gqa"][0], "qwen2_tp4.yaml", out_dir)
-           + ["--model2", models["qwen3_tied"][0], "--model2", models["yarn"][0],
+           + worker_args(models["tied"][0], "qwen2_dp2_tp2.yaml", out_dir)
+           + ["--sampling", json.dumps(sampling)]
+           + ["--model2", models["gqa"][0], "--model2-strategy", tp4,
+              "--model2-new-tokens", str(NEW_TOKENS)]
+           + ["--model2", models["qwen3_tied"][0], "--model2-strategy", tp4,
+              "--model2-new-tokens", "9"]
+           + ["--model2", models["yarn"][0], "--model2-strategy", dp2_tp2,
               "--model2-new-tokens", "9"])
-    return run_losing_a_rank(cmd, out_dir, {"MSINFER_TEST_KILL_RANK": "2"})
+    job = run_losing_a_rank(cmd, out_dir, {"MSINFER_TEST_KILL_RANK": "2"})
+    return SimpleNamespace(job=job, sampling=sampling, stop=stop, hf_tokens=hf_tokens)
+
+
+def sampling_cases(model_dir, hf_tokens):
+    """Replica 0 runs prompts 0 and 2, replica 1 prompts 1 and 3. Replica 1's are the telling
+    ones: prompt 1 is cut at a stop string (with logprobs), prompt 3 reports 5 logprobs per
+    token and ends at max_tokens; replica 0's prompt 0 stops at a stop token id."""
+    from msinfer.engine.tokenizer import Tokenizer
+
+    # Two characters from the middle of what prompt 1 generates: its text is cut there.
+    text = Tokenizer.from_model_dir(model_dir).decode(hf_tokens[1])
+    stop = next(text[i:i + 2] for i in range(len(text) // 2, len(text) - 1)
+                if "\ufffd" not in text[i:i + 2])
+    greedy = dict(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    return [dict(greedy, stop_token_ids=[hf_tokens[0][9]]), dict(greedy, stop=[stop], logprobs=2),
+            dict(greedy), dict(greedy, logprobs=5)], stop
 
 
 @pytest.fixture(scope="module")
@@ -188,12 +219,13 @@ def tp2_msrun(models, tmp_path_factory):
     return run_losing_a_rank(cmd, out_dir, env, log_dir=out_dir / "logs")
 
 
-def test_tp4_under_mpirun_matches_hf_with_replicated_kv_heads(models, tp4_mpirun):
+def test_tp4_under_mpirun_matches_hf_with_replicated_kv_heads(models, four_ranks):
     model_dir, hf = models["gqa"]
-    job = tp4_mpirun
+    job = four_ranks.job
     assert job.down_seconds is not None, job.out[-3000:]  # every rank got past its results
     assert "each KV head on 2 ranks" in job.out
-    ranks = check_ranks_against_hf(job.dir, 4, hf, "mpirun-bridge")
+    ranks = check_ranks_against_hf(job.dir, 4, hf, "mpirun-bridge", results="model2.npz")
+    assert ranks[0]["tokens"].shape == (len(PROMPTS), NEW_TOKENS)
     # Each rank holds its slice only: the sharded tensors a quarter, the norms whole, the
     # 2 KV heads once per pair of ranks.
     full_bytes = sum(p.numel() for p in hf.parameters()) * 4
@@ -214,26 +246,26 @@ def test_tp4_under_mpirun_matches_hf_with_replicated_kv_heads(models, tp4_mpirun
     assert [int(r["kv_bytes"]) for r in ranks] == [d.kv_cache_bytes for d in report.devices]
 
 
-def test_tp4_under_mpirun_runs_qwen3_as_transformers_does(models, tp4_mpirun):
+def test_tp4_under_mpirun_runs_qwen3_as_transformers_does(models, four_ranks):
     """Qwen3 at tp4: one KV head and two query heads per rank, the q/k norms whole on every
     rank, the tied embedding split by vocabulary (lm_head gathered); the same job, after the
-    Qwen2 checkpoint."""
+    Qwen2 checkpoints."""
     model_dir, hf = models["qwen3_tied"]
-    job = tp4_mpirun
+    job = four_ranks.job
     assert job.down_seconds is not None, job.out[-3000:]
-    ranks = check_ranks_against_hf(job.dir, 4, hf, "mpirun-bridge", results="model2.npz")
+    ranks = check_ranks_against_hf(job.dir, 4, hf, "mpirun-bridge", results="model3.npz")
     assert ranks[0]["tokens"].shape == (len(PROMPTS), 9)
     full_bytes = sum(p.numel() for p in hf.parameters()) * 4
     assert all(int(r["param_bytes"]) < 0.4 * full_bytes for r in ranks)
 
 
-def test_tp4_under_mpirun_runs_qwen2_with_yarn_as_transformers_does(models, tp4_mpirun):
-    """Qwen2 with yarn rope scaling at tp4 (2 KV heads, each on 2 ranks), positions up to 48
-    past its original 32; the same job, third."""
-    job = tp4_mpirun
+def test_dp2_tp2_runs_qwen2_with_yarn_as_transformers_does(models, four_ranks):
+    """Qwen2 with yarn rope scaling under dp2 x tp2 (one KV head per rank), positions up to 48
+    past its original 32, the same on every rank; the same job, fourth."""
+    job = four_ranks.job
     assert job.down_seconds is not None, job.out[-3000:]
     ranks = check_ranks_against_hf(job.dir, 4, models["yarn"][1], "mpirun-bridge",
-                                   results="model3.npz")
+                                   results="model4.npz")
     assert ranks[0]["tokens"].shape == (len(PROMPTS), 9) and max(map(len, PROMPTS)) + 9 > 32
 
 
@@ -257,46 +289,20 @@ def test_tp2_under_msrun_runs_qwen3_as_transformers_does(models, tp2_msrun):
     assert ranks[0]["tokens"].shape == (len(PROMPTS), 9)
 
 
-def test_dp2_tp2_every_rank_returns_exactly_what_one_process_returns(models, tmp_path):
-    """Two data replicas of two tensor ranks under mpirun: replica 0 runs prompts 0 and 2,
-    replica 1 prompts 1 and 3, each in its own tensor group, and then every rank returns
-    every output with every field as its replica computed it. Replica 1's prompts are the
-    telling ones: prompt 1 is cut at a stop string (with logprobs), prompt 3 reports 5 logprobs
-    per token and ends at max_tokens; replica 0's prompt 0 stops at a stop token id."""
+def test_dp2_tp2_every_rank_returns_exactly_what_one_process_returns(models, four_ranks):
+    """Two data replicas of two tensor ranks under mpirun (the job's first model), each in its
+    own tensor group: every rank returns every output with every field as its replica computed
+    it (sampling_cases: stop strings, stop token ids, logprobs, max_tokens)."""
     from distributed_worker import output_fields
 
     from msinfer import LLM, SamplingParams
-    from msinfer.engine.tokenizer import Tokenizer
 
-    model_dir, hf = models["tied"]
-    hf_tokens = [hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-                 for prompt in PROMPTS]
-    # Two characters from the middle of what prompt 1 generates: its text is cut there.
-    text = Tokenizer.from_model_dir(model_dir).decode(hf_tokens[1])
-    stop = next(text[i:i + 2] for i in range(len(text) // 2, len(text) - 1)
-                if "\ufffd" not in text[i:i + 2])
-    greedy = dict(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    sampling = [dict(greedy, stop_token_ids=[hf_tokens[0][9]]),
-                dict(greedy, stop=[stop], logprobs=2), dict(greedy), dict(greedy, logprobs=5)]
-    cmd = (mpirun_prefix(4) + [sys.executable]
-           + worker_args(model_dir, "qwen2_dp2_tp2.yaml", tmp_path)
-           + ["--sampling", json.dumps(sampling)]
-           + ["--model2", models["yarn"][0], "--model2", models["qwen3_untied"][0],
-              "--model2-new-tokens", "9"])
-    code, out, _ = run_job(cmd)
-    assert code == 0, out[-3000:]
-    assert "2 data replicas" in out
-    # The same job's second model: Qwen2 with yarn (positions up to 48, past the original 32)
-    # under dp2 x tp2, greedy tokens and log-probs as transformers', the same on every rank.
-    yarn = check_ranks_against_hf(tmp_path, 4, models["yarn"][1], "mpirun-bridge",
-                                  results="model2.npz")
-    assert yarn[0]["tokens"].shape == (len(PROMPTS), 9) and max(map(len, PROMPTS)) + 9 > 32
-    # and its third: the untied Qwen3 (head_dim 32 over hidden 64) under dp2 x tp2
-    qwen3 = check_ranks_against_hf(tmp_path, 4, models["qwen3_untied"][1], "mpirun-bridge",
-                                   results="model3.npz")
-    assert qwen3[0]["tokens"].shape == (len(PROMPTS), 9)
-    ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(4)]
+    model_dir = models["tied"][0]
+    job, sampling, stop, hf_tokens = (four_ranks.job, four_ranks.sampling, four_ranks.stop,
+                                      four_ranks.hf_tokens)
+    assert job.down_seconds is not None, job.out[-3000:]
+    assert "2 data replicas" in job.out
+    ranks = [json.loads((job.dir / f"rank_{r}.json").read_text()) for r in range(4)]
     for r, outputs in enumerate(ranks):  # exactly, floats included: nothing lost on the way
         assert outputs == ranks[0], f"rank {r} differs from rank 0"
     results = ranks[0]
@@ -349,9 +355,9 @@ def test_outputs_cross_the_replica_exchange_with_every_field_intact():
     assert [_output_from_json(fields) for fields in back] == outputs
 
 
-def test_a_killed_rank_brings_the_mpirun_job_down_quickly(tp4_mpirun):
+def test_a_killed_rank_brings_the_mpirun_job_down_quickly(four_ranks):
     """Rank 2 SIGKILLs itself while ranks 0, 1 and 3 wait for it in a collective."""
-    job = tp4_mpirun
+    job = four_ranks.job
     assert job.down_seconds is not None, job.out[-3000:]
     assert job.code != 0
     assert job.down_seconds < DOWN_WITHIN, f"job down {job.down_seconds:.0f}s after the kill"
