@@ -211,6 +211,14 @@ def serve_model(tiny_checkpoint):
 
 
 @pytest.fixture(scope="session")
+def qwen3_serve_model(tiny_checkpoint):
+    """A Qwen3 checkpoint of the shared server's size (servers.dp2_tp2_job's): Qwen3's chat
+    template, its think tags one token each (tiny_model)."""
+    from servers import TINY_SERVE_MODEL
+    return tiny_checkpoint(family="qwen3", **TINY_SERVE_MODEL)[0]
+
+
+@pytest.fixture(scope="session")
 def _tiny_servers():
     started = []
     yield started

@@ -26,6 +26,21 @@ SERVE_ARGS = ["--served-model-name", NAME, "--max-len", str(MAX_LEN), "--max-num
 TINY_SERVE_MODEL = dict(layers=2, hidden=128, heads=4, kv_heads=2, vocab=512)
 
 
+def dp2_tp2_job(model_dir, log, stall, env=None):
+    """The deploy guide's dp2 x tp2 serve job (4 ranks under launch) over a Qwen3 checkpoint of
+    TINY_SERVE_MODEL's size, with Qwen3's reasoning parser and n-gram speculation (1- to
+    4-grams, so that its short prompts get proposals). test_serve and test_serve_soak start it
+    alike: every start after the session's first loads its graphs from the compile cache
+    (warm in about 1 s instead of 10 on a quiet machine)."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+             "prompt_lookup_max": 4}
+    strategy = os.path.join(ROOT, "strategies", "qwen2_dp2_tp2.yaml")
+    return ServerProcess(["launch", "--nproc", "4", "--strategy", strategy, "--", "serve",
+                          "--model", model_dir, *SERVE_ARGS, "--stall-timeout", str(stall),
+                          "--reasoning-parser", "qwen3", "--speculative-config",
+                          json.dumps(ngram)], log, ready_timeout=900, env=env)
+
+
 def kv_events_args():
     """`--kv-events-config` publishing on a free port (the endpoint in /kv_event_sources)."""
     config = {"enable_kv_cache_events": True, "publisher": "zmq",

@@ -353,17 +353,16 @@ def test_ascend_runs_the_experts_by_moe_primitives_and_cpu_by_its_own_forms(monk
 @pytest.fixture(scope="module")
 def tp2_job(moe_checkpoints, tmp_path_factory):
     """One mpirun job of 2 ranks: Qwen3-MoE with experts sharded along their width
-    (strategies/moe/tp2.yaml), then Qwen2-MoE the same way, then both with whole experts per
-    rank (strategies/moe/ep2.yaml; Qwen2-MoE's shared expert still split, its partial sums in
-    the experts' AllReduce)."""
+    (strategies/moe/tp2.yaml), then Qwen2-MoE with whole experts per rank
+    (strategies/moe/ep2.yaml), its shared expert still split along its width and its partial
+    sums in the experts' AllReduce. Each placement once and each family once: the other two
+    pairings run the same layer code (a run of a model costs about as much as a job start)."""
     out_dir = tmp_path_factory.mktemp("moe_tp2")
     qwen3, qwen2 = moe_checkpoints["qwen3_moe"][0], moe_checkpoints["qwen2_moe"][0]
     cmd = (mpirun_prefix(2) + [sys.executable]
            + worker_args(qwen3, "moe/tp2.yaml", out_dir)
-           + ["--model2", qwen2, "--model2", qwen3, "--model2", qwen2,
-              "--model2-new-tokens", "9"]
-           + [a for s in ("tp2", "ep2", "ep2")
-              for a in ("--model2-strategy", os.path.join(STRATEGIES, f"moe/{s}.yaml"))])
+           + ["--model2", qwen2, "--model2-new-tokens", "9",
+              "--model2-strategy", os.path.join(STRATEGIES, "moe/ep2.yaml")])
     code, out, _ = run_job(cmd)
     assert code == 0, out[-3000:]
     return out_dir
@@ -371,8 +370,7 @@ def tp2_job(moe_checkpoints, tmp_path_factory):
 
 @pytest.mark.multirank(ranks=2)
 @pytest.mark.parametrize("name,results,strategy", [
-    ("qwen3_moe", "npz", "tp2"), ("qwen2_moe", "model2.npz", "tp2"),
-    ("qwen3_moe", "model3.npz", "ep2"), ("qwen2_moe", "model4.npz", "ep2")])
+    ("qwen3_moe", "npz", "tp2"), ("qwen2_moe", "model2.npz", "ep2")])
 def test_two_ranks_match_transformers_holding_what_the_plan_says(moe_checkpoints, tp2_job,
                                                                  name, results, strategy):
     from msinfer.hardware import get_profile

@@ -101,18 +101,18 @@ def test_seeded_sampling_repeats_and_penalties_and_grammar_are_kept(plain, specu
 @pytest.mark.multirank(ranks=2)
 def test_two_tensor_ranks_speculate_as_one_and_give_transformers_tokens(checkpoint,
                                                                         tmp_path_factory):
-    """One mpirun job of two tensor ranks runs the checkpoint with each method in turn
-    (--model2 twice, the same directory): every rank proposes alike (the schedule digest
+    """One mpirun job of two tensor ranks runs the checkpoint with n-grams, then with a draft
+    model (the same directory, --model2): every rank proposes alike (the schedule digest
     covers the proposals), the leader decides and the follower settles its verifications
     from the leader's token lists; greedy tokens and logprobs equal on both ranks and
-    transformers'."""
+    transformers'. (Suffix decoding proposes on every rank as n-grams do, from the tokens
+    alone: the engine tests above cover it.)"""
     from test_distributed import (PROMPTS, check_ranks_against_hf, mpirun_prefix, run_job,
                                   worker_args)
 
     model_dir, config, hf = checkpoint
     out_dir = tmp_path_factory.mktemp("spec_tp2")
-    methods = [dict(METHODS["ngram"]), dict(METHODS["suffix"]),
-               dict(METHODS["draft_model"], model=model_dir)]
+    methods = [dict(METHODS["ngram"]), dict(METHODS["draft_model"], model=model_dir)]
     cmd = (mpirun_prefix(2) + [sys.executable]
            + worker_args(model_dir, "qwen2_tp2.yaml", out_dir)
            + ["--speculative-config", json.dumps(methods[0])])
@@ -120,11 +120,11 @@ def test_two_tensor_ranks_speculate_as_one_and_give_transformers_tokens(checkpoi
         cmd += ["--model2", model_dir, "--model2-speculative-config", json.dumps(method)]
     code, out, _ = run_job(cmd)
     assert code == 0, out[-4000:]
-    for number, results in enumerate(("npz", "model2.npz", "model3.npz")):
+    for number, results in enumerate(("npz", "model2.npz")):
         ranks = check_ranks_against_hf(out_dir, 2, hf, "mpirun-bridge", results=results)
         drafts, draft_tokens, accepted = ranks[0]["spec"].tolist()
         assert drafts > 0 and 0 <= accepted <= draft_tokens, methods[number]
-        if number == 2:
+        if number == 1:
             assert accepted >= 0.9 * draft_tokens  # its own draft
     assert max(map(len, PROMPTS)) > 16  # a prompt of several chunks beside verifications
 

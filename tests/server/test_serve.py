@@ -15,12 +15,11 @@ import httpx2 as httpx
 import pytest
 
 from faults import FAULT_SITE, PLANT_DIVERGENCE
-from servers import MAX_LEN, NAME, ROOT, SERVE_ARGS, TINY_SERVE_MODEL, ServerProcess
+from servers import MAX_LEN, NAME, ROOT, SERVE_ARGS, ServerProcess, dp2_tp2_job
 
 pytestmark = pytest.mark.server
 
 TP4 = os.path.join(ROOT, "strategies", "qwen2_tp4.yaml")
-DP2_TP2 = os.path.join(ROOT, "strategies", "qwen2_dp2_tp2.yaml")
 PROMPTS = ["The capital of France is", "Tensor parallelism splits each layer", "Hello",
            "one two three four five six seven"]
 
@@ -282,16 +281,9 @@ def test_tp4_under_mpirun_serves_the_same_completions_and_a_stopped_rank_ends_it
         job.kill()
 
 
-@pytest.fixture(scope="module")
-def qwen3_dir(tiny_checkpoint):
-    """A Qwen3 checkpoint of the shared server's size: Qwen3's chat template, its think tags
-    one token each (tiny_model)."""
-    return tiny_checkpoint(family="qwen3", **TINY_SERVE_MODEL)[0]
-
-
 @pytest.mark.multirank
 def test_dp2_tp2_replicas_share_the_requests_and_a_diverging_rank_ends_the_job(
-        qwen3_dir, tmp_path):
+        qwen3_serve_model, tmp_path):
     """The deploy guide's dp2 x tp2 job, one start, serving Qwen3 with --reasoning-parser
     qwen3 and speculating with n-grams: 32 requests sharing a prefix give offline
     generation's completions (without the prefix cache, nor speculation); both replicas served (the counts add up to 32) and every prompt token was
@@ -301,16 +293,11 @@ def test_dp2_tp2_replicas_share_the_requests_and_a_diverging_rank_ends_the_job(
     non-zero."""
     from msinfer import LLM, SamplingParams
 
-    model_dir = qwen3_dir
+    model_dir = qwen3_serve_model
     trigger = tmp_path / "diverge"
     env = {PLANT_DIVERGENCE: f"3:{trigger}",  # tests/faults.py, in every rank
            "PYTHONPATH": os.pathsep.join([ROOT, FAULT_SITE])}
-    job = ServerProcess(["launch", "--nproc", "4", "--strategy", DP2_TP2, "--", "serve",
-                         "--model", model_dir, *SERVE_ARGS, "--stall-timeout", str(STALL),
-                         "--reasoning-parser", "qwen3", "--speculative-config",
-                         json.dumps({"method": "ngram", "num_speculative_tokens": 3,
-                                     "prompt_lookup_min": 1, "prompt_lookup_max": 4})],
-                        str(tmp_path / "dp2tp2.log"), ready_timeout=900, env=env)
+    job = dp2_tp2_job(model_dir, str(tmp_path / "dp2tp2.log"), STALL, env=env)
     try:
         # n=2 unseeded, the job's first request: one choice on each replica, each replica's
         # first arrival; replicas keyed alike drew the same stream: identical choices

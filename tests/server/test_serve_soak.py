@@ -237,8 +237,9 @@ def stop_while_streaming(job):
 
 @pytest.mark.multirank
 def test_a_soak_of_a_dp2_tp2_job_whose_replica_is_killed_and_the_job_restarted(
-        serve_model, tmp_path):
-    """The real job (tiny Qwen2, dp2 x tp2, 4 ranks): JOB_REQUESTS mixed requests; half-way,
+        qwen3_serve_model, tmp_path):
+    """The real job (servers.dp2_tp2_job: tiny Qwen3, dp2 x tp2, 4 ranks, n-gram
+    speculation; its graphs from test_serve's start of it when both run): JOB_REQUESTS mixed requests; half-way,
     replica 1's leader (rank 2) is killed. The job must end non-zero within its bound, every
     request in flight then gets a clean answer (a 200, an OpenAI 503, or the connection
     refused once rank 0 has gone), and the test's supervisor restarts the job and sends what
@@ -248,9 +249,8 @@ def test_a_soak_of_a_dp2_tp2_job_whose_replica_is_killed_and_the_job_restarted(
     import re
     import signal
 
-    from servers import NAME, ROOT, SERVE_ARGS, ServerProcess
+    from servers import NAME, dp2_tp2_job
 
-    strategy = os.path.join(ROOT, "strategies", "qwen2_dp2_tp2.yaml")
     rng = random.Random(7)
     todo = {i: {"model": NAME, "prompt": f"{i} " + "word " * rng.randint(1, 12),
                 "max_tokens": rng.randint(8, 40), "temperature": 0, "n": rng.choice([1, 2]),
@@ -261,9 +261,7 @@ def test_a_soak_of_a_dp2_tp2_job_whose_replica_is_killed_and_the_job_restarted(
     def start():
         nonlocal starts
         starts += 1
-        return ServerProcess(["launch", "--nproc", "4", "--strategy", strategy, "--", "serve",
-                              "--model", serve_model, *SERVE_ARGS, "--stall-timeout", "5"],
-                             str(tmp_path / f"job{starts}.log"), ready_timeout=900)
+        return dp2_tp2_job(qwen3_serve_model, str(tmp_path / f"job{starts}.log"), stall=5)
 
     errors = []  # what a sending thread found wrong (its assertions do not fail the test)
 
