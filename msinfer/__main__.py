@@ -1,6 +1,4 @@
 """`python -m msinfer ...` is `msinfer ...` (also what the launcher runs on every rank)."""
-import sys
+from msinfer.cli.main import run
 
-from msinfer.cli.main import main
-
-sys.exit(main())
+run()

@@ -49,5 +49,15 @@ def main(argv=None):
         return 130
 
 
+def run() -> None:
+    """The process's entry point (`msinfer`, `python -m msinfer`): main(), then the exit. A
+    rank of an mpirun job leaves skipping MindSpore's teardown (leave_if_mpirun_rank)."""
+    from ..parallel.distributed import leave_if_mpirun_rank
+
+    code = main()
+    leave_if_mpirun_rank(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -395,6 +395,16 @@ def leave_mpirun_job(code: int) -> None:
     os._exit(code)
 
 
+def leave_if_mpirun_rank(code: int) -> None:
+    """A process that is a rank of an mpirun job (MPI started by the bridge) leaves through
+    leave_mpirun_job, skipping MindSpore's teardown (the same segfault in a cluster thread
+    turned a served job's clean Ctrl-C, every rank's exit 0, into 139); any other process
+    returns. For the process's entry point only, once its work is done on every rank."""
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
+        leave_mpirun_job(code)
+
+
 def all_gather_rows(rows: np.ndarray) -> np.ndarray:
     """Every rank's (n, width) float32 array stacked in rank order, on every rank."""
     return _over_the_job("AllGather", rows)
