@@ -413,12 +413,12 @@ void tiled_float_matmul(const float *x, int64_t rows, const typename L::T *w, in
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
     const int64_t n0 = std::min(out, blocks * t / nt * N);
     const int64_t n1 = std::min(out, blocks * (t + 1) / nt * N), width = n1 - n0;
-    std::vector<float> dot(R * width);
+    std::vector<float> dot(std::min<int64_t>(R, rows) * width);
     for (int64_t r = 0; r < rows;) {
       const int64_t tiles = (rows - r + R - 1) / R, rr = (rows - r + tiles - 1) / tiles;
       const int64_t pass = X_BYTES / 4 / rr / 16 * 16;  // inputs per sweep
       for (int64_t g = 0; g < groups; g++) {
-        std::fill(dot.begin(), dot.end(), 0.0f);
+        std::fill(dot.begin(), dot.begin() + rr * width, 0.0f);
         for (int64_t k0 = g * size; k0 < (g + 1) * size; k0 += pass) {
           const int64_t k1 = std::min(k0 + pass, (g + 1) * size);
           for (int64_t n = n0; n < n1; n += N)
