@@ -402,8 +402,8 @@ constexpr int64_t X_BYTES = 32 << 10;  // a tile's rows of x in one sweep: kept 
 // Calls epilogue(r, n0, n1, g, dot) with dot[n - n0] = x[r, group g] . w[n, group g] for
 // every row and group, over runs [n0, n1) of the outputs, by tiles of R rows x N outputs.
 // Each thread takes a run of blocks of N outputs and sweeps them tile of rows by tile of
-// rows, X_BYTES of the tile's x at a time: x is read from L1 (from L2 when the blocks
-// came first, the tall tile's gain lost), each weight once per tile.
+// rows, X_BYTES of the tile's x at a time, so x is read from L1 and each weight once per
+// tile (block by block over all rows, x came from L2 and the tall tile gained nothing).
 template <class L, int R, int N, class Epilogue>
 void tiled_float_matmul(const float *x, int64_t rows, const typename L::T *w, int64_t k,
                         int64_t out, int64_t groups, Epilogue epilogue) {
