@@ -12,7 +12,7 @@ from msinfer.hardware import int8_kernels_available
 
 pytestmark = pytest.mark.skipif(not int8_kernels_available(), reason="no g++ or no AVX512-VNNI")
 
-ROWS = (1, 3, 16, 67, 300)  # one graph of dynamic rows runs them all
+ROWS = (1, 3, 13, 16, 67, 300)  # one graph of dynamic rows runs them all
 
 
 @pytest.fixture(scope="module")
@@ -78,16 +78,17 @@ def test_w8a16_matches_the_dequantized_product(ms, groups):
     from msinfer.layers.linear_methods import KernelW8A16Method
 
     rng = np.random.default_rng(groups)
-    k, out = 203, 38  # 7 groups of 29: a tail in each
-    w = rng.integers(-128, 128, (out, k)).astype(np.int8)
-    scale = (rng.random((out, groups)) * 1e-2).astype(np.float32)
-    offset = rng.integers(-8, 8, (out, groups)).astype(np.float32)
-    xs = [rng.standard_normal((rows, k)).astype(np.float32) for rows in ROWS]
-    weight = ((w.reshape(out, groups, -1) - offset[..., None].astype(np.float64))
-              * scale[..., None]).reshape(out, k)
-    for x, y in zip(xs, dynamic(ms, KernelW8A16Method(k), xs, w, scale, offset)):
-        exact = x.astype(np.float64) @ weight.T
-        np.testing.assert_allclose(y, exact, rtol=1e-5, atol=1e-5 * np.abs(exact).max())
+    # 7 groups of 29: a tail in each; 2100 inputs: the kernel's passes of 1024 and a tail
+    for k, out in ((203, 38), (2100, 10)):
+        w = rng.integers(-128, 128, (out, k)).astype(np.int8)
+        scale = (rng.random((out, groups)) * 1e-2).astype(np.float32)
+        offset = rng.integers(-8, 8, (out, groups)).astype(np.float32)
+        xs = [rng.standard_normal((rows, k)).astype(np.float32) for rows in ROWS]
+        weight = ((w.reshape(out, groups, -1) - offset[..., None].astype(np.float64))
+                  * scale[..., None]).reshape(out, k)
+        for x, y in zip(xs, dynamic(ms, KernelW8A16Method(k), xs, w, scale, offset)):
+            exact = x.astype(np.float64) @ weight.T
+            np.testing.assert_allclose(y, exact, rtol=1e-5, atol=1e-5 * np.abs(exact).max())
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -269,17 +269,23 @@ struct BF16Weights {
   }
 };
 
-// dot[r][n] = sum over k in [k0, k1) of x[r][k] * w[n][k].
+// dot[r * ld + n] += sum over k in [k0, k1) of x[r][k] * w[n][k]. Each weight vector is
+// widened once for the R rows (2 uops on the FMA ports, against R FMAs).
 template <class L, int R, int N>
 inline void float_block(const float *x, int64_t ldx, const typename L::T *w, int64_t ldw,
-                        int64_t k0, int64_t k1, float *dot) {
+                        int64_t k0, int64_t k1, float *dot, int64_t ld) {
   __m512 sum[R][N];
   for (int r = 0; r < R; r++)
     for (int n = 0; n < N; n++) sum[r][n] = _mm512_setzero_ps();
   int64_t kk = k0;
   for (; kk + 16 <= k1; kk += 16) {
     __m512 wv[N];
-    for (int n = 0; n < N; n++) wv[n] = L::load(w + n * ldw + kk);
+    for (int n = 0; n < N; n++) {
+      wv[n] = L::load(w + n * ldw + kk);
+      // the next block's weights: each block's rows are short streams the hardware
+      // prefetcher starts late on (prefetches do not fault past the end)
+      _mm_prefetch(reinterpret_cast<const char *>(w + (N + n) * ldw + kk), _MM_HINT_T0);
+    }
     for (int r = 0; r < R; r++) {
       const __m512 xv = _mm512_loadu_ps(x + r * ldx + kk);
       for (int n = 0; n < N; n++) sum[r][n] = _mm512_fmadd_ps(xv, wv[n], sum[r][n]);
@@ -295,29 +301,21 @@ inline void float_block(const float *x, int64_t ldx, const typename L::T *w, int
     }
   }
   for (int r = 0; r < R; r++)
-    for (int n = 0; n < N; n++) dot[r * NB + n] = _mm512_reduce_add_ps(sum[r][n]);
+    for (int n = 0; n < N; n++) dot[r * ld + n] += _mm512_reduce_add_ps(sum[r][n]);
 }
 
-template <class L, int R>
-inline void float_rows(const float *x, int64_t ldx, const typename L::T *w, int64_t ldw,
-                       int64_t k0, int64_t k1, int64_t n, float *dot) {
-  switch (n) {
-    case 1: float_block<L, R, 1>(x, ldx, w, ldw, k0, k1, dot); break;
-    case 2: float_block<L, R, 2>(x, ldx, w, ldw, k0, k1, dot); break;
-    case 3: float_block<L, R, 3>(x, ldx, w, ldw, k0, k1, dot); break;
-    default: float_block<L, R, NB>(x, ldx, w, ldw, k0, k1, dot);
+// float_block for `rows` <= R rows and `n` <= N outputs.
+template <class L, int R, int N>
+inline void float_tile(int64_t rows, int64_t n, const float *x, int64_t ldx,
+                       const typename L::T *w, int64_t ldw, int64_t k0, int64_t k1, float *dot,
+                       int64_t ld) {
+  if constexpr (R > 1) {
+    if (rows < R) return float_tile<L, R - 1, N>(rows, n, x, ldx, w, ldw, k0, k1, dot, ld);
   }
-}
-
-template <class L>
-inline void float_tile(const float *x, int64_t ldx, int64_t rows, const typename L::T *w,
-                       int64_t ldw, int64_t k0, int64_t k1, int64_t n, float *dot) {
-  switch (rows) {
-    case 1: float_rows<L, 1>(x, ldx, w, ldw, k0, k1, n, dot); break;
-    case 2: float_rows<L, 2>(x, ldx, w, ldw, k0, k1, n, dot); break;
-    case 3: float_rows<L, 3>(x, ldx, w, ldw, k0, k1, n, dot); break;
-    default: float_rows<L, RB>(x, ldx, w, ldw, k0, k1, n, dot);
+  if constexpr (N > 1) {
+    if (n < N) return float_tile<L, R, N - 1>(rows, n, x, ldx, w, ldw, k0, k1, dot, ld);
   }
+  float_block<L, R, N>(x, ldx, w, ldw, k0, k1, dot, ld);
 }
 
 // Many rows: as packed_int8_matmul, each thread widens its block of PN outputs' weights once
@@ -387,34 +385,60 @@ void packed_float_matmul(const float *x, int64_t rows, const typename L::T *w, i
         const int64_t rr = std::min<int64_t>(PR, rows - r);
         for (int64_t g = 0; g < groups; g++) {
           packed_float_rows(rr, x + r * k, k, packed.data(), g * size, (g + 1) * size, dot);
-          for (int64_t i = 0; i < rr; i++)
-            for (int64_t j = 0; j < nn; j++) epilogue(r + i, n0 + j, g, dot[i * PN + j]);
+          for (int64_t i = 0; i < rr; i++) epilogue(r + i, n0, n0 + nn, g, dot + i * PN);
         }
       }
     }
   }
 }
 
-// Calls epilogue(r, n, g, x[r, group g] . w[n, group g]) for every row, output and group.
+// Up to 4 rows the product is memory-bound: tiles of 4 x 4. From 5 rows, 8 rows x 3 outputs
+// (24 accumulators + 3 weights + x: 28 of the 32 registers) widen each weight once per 8
+// rows, not per 4.
+constexpr int TALL_R = 8;
+constexpr int TALL_N = 3;
+constexpr int64_t X_BYTES = 32 << 10;  // a tile's rows of x in one sweep: kept in L1
+
+// Calls epilogue(r, n0, n1, g, dot) with dot[n - n0] = x[r, group g] . w[n, group g] for
+// every row and group, over runs [n0, n1) of the outputs, by tiles of R rows x N outputs.
+// Each thread takes a run of blocks of N outputs and sweeps them tile of rows by tile of
+// rows, X_BYTES of the tile's x at a time, so x is read from L1 and each weight once per
+// tile (block by block over all rows, x came from L2 and the tall tile gained nothing).
+template <class L, int R, int N, class Epilogue>
+void tiled_float_matmul(const float *x, int64_t rows, const typename L::T *w, int64_t k,
+                        int64_t out, int64_t groups, Epilogue epilogue) {
+  const int64_t blocks = (out + N - 1) / N, size = k / groups;
+#pragma omp parallel num_threads(threads())
+  {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t n0 = std::min(out, blocks * t / nt * N);
+    const int64_t n1 = std::min(out, blocks * (t + 1) / nt * N), width = n1 - n0;
+    std::vector<float> dot(std::min<int64_t>(R, rows) * width);
+    for (int64_t r = 0; r < rows;) {
+      const int64_t tiles = (rows - r + R - 1) / R, rr = (rows - r + tiles - 1) / tiles;
+      const int64_t pass = X_BYTES / 4 / rr / 16 * 16;  // inputs per sweep
+      for (int64_t g = 0; g < groups; g++) {
+        std::fill(dot.begin(), dot.begin() + rr * width, 0.0f);
+        for (int64_t k0 = g * size; k0 < (g + 1) * size; k0 += pass) {
+          const int64_t k1 = std::min(k0 + pass, (g + 1) * size);
+          for (int64_t n = n0; n < n1; n += N)
+            float_tile<L, R, N>(rr, std::min<int64_t>(N, n1 - n), x + r * k, k, w + n * k, k,
+                                k0, k1, dot.data() + n - n0, width);
+        }
+        for (int64_t i = 0; i < rr; i++) epilogue(r + i, n0, n1, g, dot.data() + i * width);
+      }
+      r += rr;
+    }
+  }
+}
+
 template <class L, class Epilogue>
 void float_matmul(const float *x, int64_t rows, const typename L::T *w, int64_t k, int64_t out,
                   int64_t groups, Epilogue epilogue) {
   if (rows >= PACK_ROWS)
     return packed_float_matmul<L>(x, rows, w, k, out, groups, epilogue);
-  const int64_t blocks = (out + NB - 1) / NB, size = k / groups;
-#pragma omp parallel for num_threads(threads()) schedule(static)
-  for (int64_t b = 0; b < blocks; b++) {
-    const int64_t n0 = b * NB, nn = std::min<int64_t>(NB, out - n0);
-    float dot[RB * NB];
-    for (int64_t r = 0; r < rows; r += RB) {
-      const int64_t rr = std::min<int64_t>(RB, rows - r);
-      for (int64_t g = 0; g < groups; g++) {
-        float_tile<L>(x + r * k, k, rr, w + n0 * k, k, g * size, (g + 1) * size, nn, dot);
-        for (int64_t i = 0; i < rr; i++)
-          for (int64_t j = 0; j < nn; j++) epilogue(r + i, n0 + j, g, dot[i * NB + j]);
-      }
-    }
-  }
+  if (rows <= RB) return tiled_float_matmul<L, RB, NB>(x, rows, w, k, out, groups, epilogue);
+  tiled_float_matmul<L, TALL_R, TALL_N>(x, rows, w, k, out, groups, epilogue);
 }
 
 template <class L>
@@ -426,10 +450,14 @@ int half_weight_matmul(void **params, int *ndims, int64_t **shapes, bool transpo
   const int64_t out = shapes[1][0];
   if (transposed)
     float_matmul<L>(x, rows, w, k, out, 1,
-                    [&](int64_t r, int64_t n, int64_t, float d) { y[n * rows + r] = d; });
+                    [&](int64_t r, int64_t n0, int64_t n1, int64_t, const float *dot) {
+      for (int64_t n = n0; n < n1; n++) y[n * rows + r] = dot[n - n0];
+    });
   else
     float_matmul<L>(x, rows, w, k, out, 1,
-                    [&](int64_t r, int64_t n, int64_t, float d) { y[r * out + n] = d; });
+                    [&](int64_t r, int64_t n0, int64_t n1, int64_t, const float *dot) {
+      std::copy(dot, dot + (n1 - n0), y + r * out + n0);
+    });
   return 0;
 }
 
@@ -549,10 +577,13 @@ extern "C" int W8A16Matmul(int, void **params, int *ndims, int64_t **shapes, con
       sums[r * groups + g] = s;
     }
   float_matmul<Int8Weights>(x, rows, w, k, out, groups,
-                            [&](int64_t r, int64_t n, int64_t g, float d) {
-    const int64_t at = n * groups + g;
-    const float part = (d - sums[r * groups + g] * offset[at]) * scale[at];
-    y[r * out + n] = g == 0 ? part : y[r * out + n] + part;
+                            [&](int64_t r, int64_t n0, int64_t n1, int64_t g, const float *dot) {
+    const float sum = sums[r * groups + g];
+    float *yr = y + r * out;
+    for (int64_t n = n0; n < n1; n++) {
+      const float part = (dot[n - n0] - sum * offset[n * groups + g]) * scale[n * groups + g];
+      yr[n] = g == 0 ? part : yr[n] + part;
+    }
   });
   return 0;
 }
