@@ -380,12 +380,13 @@ def run_job_on(quantized, references, out_dir, strategy, names, ranks, strategie
 @pytest.mark.multirank(ranks=2)
 def test_two_ranks_generate_what_msmodelslims_formula_does(quantized, references,
                                                            tmp_path_factory):
-    """One msrun job of two tensor ranks runs every Qwen2 case (--model2; Qwen3's layers
-    are Qwen2's linears): column-parallel q/k/v and gate/up split weight, deq_scale,
-    quant_bias and weight scales by output; row-parallel o/down split the weight (and
-    group-wise scales) by input, add quant_bias once (tensor rank 0) and, per token, take the
-    whole row's scale; LEFT_OUT's float down_proj of layer 1 splits as a float one."""
-    names = [name for name in CASES if name.startswith("qwen2")] + [GROUPED]
+    """One msrun job of two tensor ranks runs W8A8 from fp16 (v0) and from bf16 (v1), W8A16
+    per channel and group-wise (--model2; Qwen3's layers are Qwen2's linears): column-parallel
+    q/k/v and gate/up split weight, deq_scale, quant_bias and weight scales by output;
+    row-parallel o/down split the weight (and group-wise scales) by input and add quant_bias
+    once (tensor rank 0). W8A8_DYNAMIC's per-token scale over a split row and LEFT_OUT's float
+    down_proj run sharded in the 4-rank job below (its dp2 x tp2 groups are tp2's)."""
+    names = ["qwen2_w8a8_v0_fp16", "qwen2_w8a8_v1_bf16", "qwen2_w8a16_v0_fp16", GROUPED]
     run_job_on(quantized, references, tmp_path_factory.mktemp("quant_tp2"), "qwen2_tp2.yaml",
                names, 2)
 

@@ -218,20 +218,20 @@ STALL = 5  # --stall-timeout of the sharded jobs below
 @pytest.mark.multirank
 def test_tp4_under_mpirun_serves_the_same_completions_and_a_stopped_rank_ends_it(
         server, model_dir, tmp_path):
-    """One start of the 4-rank job, speculating with a draft model (the checkpoint itself:
-    its proposals are accepted, several tokens a step): same greedy completions as tp1 (no
-    speculation), whole and streamed (the tokens of a step stream as accepted), vLLM's
+    """One start of the 4-rank job, speculating with suffix decoding (its tree of the job's
+    recent outputs proposes what the same prompt gave before: accepted, several tokens a
+    step; no draft graphs to warm up): same greedy completions as tp1 (no speculation),
+    whole and streamed (the tokens of a step stream as accepted), vLLM's
     spec_decode counters count; the hand-off cost is in /metrics; a rank that stops
     (SIGSTOP: alive, silent) fails /health within the stall timeout, its in-flight request
     gets an answer, and the job ends non-zero."""
     log = str(tmp_path / "tp4.log")
-    draft = json.dumps({"method": "draft_model", "model": model_dir,
-                        "num_speculative_tokens": 3})
+    suffix = json.dumps({"method": "suffix", "num_speculative_tokens": 4})
     # one sequence at a time (each request is sent alone): warm-up compiles the decode graphs
-    # of batch 1 only, not of 2 and 4 as well, for the model and its draft on each rank
+    # of batch 1 only, not of 2 and 4 as well, on each rank
     job = ServerProcess(["launch", "--nproc", "4", "--strategy", TP4, "--", "serve",
                          "--model", model_dir, *SERVE_ARGS, "--max-num-seqs", "1",
-                         "--stall-timeout", str(STALL), "--speculative-config", draft],
+                         "--stall-timeout", str(STALL), "--speculative-config", suffix],
                         log, ready_timeout=900)
     try:
         for prompt in PROMPTS:
@@ -239,6 +239,8 @@ def test_tp4_under_mpirun_serves_the_same_completions_and_a_stopped_rank_ends_it
         long = dict(model=NAME, prompt=PROMPTS[3], max_tokens=30, temperature=0,
                     extra_body={"ignore_eos": True})
         whole = server.client().completions.create(**long)
+        # once whole, so that the suffix tree holds all 30 tokens; then streamed
+        assert job.client().completions.create(**long).choices[0].text == whole.choices[0].text
         chunks = list(job.client().completions.create(**long, stream=True))
         assert "".join(c.choices[0].text for c in chunks if c.choices) == \
             whole.choices[0].text and whole.usage.completion_tokens == 30

@@ -214,9 +214,11 @@ def stop_while_streaming(job):
     streams = []
     with httpx.Client(base_url=job.url, timeout=120) as c:
         for _ in range(2):  # the second goes to the replica the first left idle
+            # sampled: the job's n-gram proposals are then rarely accepted, one token a step
+            # (greedy, the tiny model repeats itself and a step accepts several: done too soon)
             r = c.send(c.build_request("POST", "/v1/completions", json={
                 "model": NAME, "prompt": "last words", "max_tokens": 110, "stream": True,
-                "ignore_eos": True}), stream=True)
+                "ignore_eos": True, "temperature": 1.0, "seed": 1}), stream=True)
             lines = r.iter_lines()
             assert next(lines).startswith("data: {")
             streams.append((r, lines))
