@@ -27,8 +27,10 @@ ROOT = os.path.dirname(BENCH)
 sys.path.insert(0, ROOT)
 
 import report  # noqa: E402
+from machine import machine_record, record_load_at_end  # noqa: E402
 from run import (OTHER_LOAD_LIMIT, QWEN2_05B_SHAPE, SMALL_SHAPE, WorkerProcess,  # noqa: E402
-                 child_env, cpu_seconds, ensure_model, machine_busy_seconds, machine_info)
+                 child_env, cpu_seconds, ensure_model, machine_busy_seconds,
+                 openblas_overrides)
 
 # Qwen2-1.5B's shape (issue 9's command), random weights stored as bfloat16, run in float32.
 QWEN2_15B_SHAPE = ["--layers", "28", "--hidden", "1536", "--heads", "12", "--kv-heads", "2",
@@ -479,7 +481,9 @@ def main(argv=None):
 
     import numpy as np
     results = {"quick": args.quick, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-               "machine": machine_info(), "config": {k: v for k, v in cfg.items()},
+               "machine": dict(machine_record(),
+                               openblas_overrides_in_parent_env=openblas_overrides()),
+               "config": {k: v for k, v in cfg.items()},
                "mixed_retries": args.mixed_retries}
     rng = np.random.default_rng(9)
     if "rss" in args.parts:
@@ -499,6 +503,7 @@ def main(argv=None):
                    + [results.get("ttft", {}).get("load", {})]):
         results["machine"].update(loaded.get("versions", {}))
     results["seconds"] = time.perf_counter() - began
+    record_load_at_end(results["machine"])
     results["bars"] = bars(results)
     paths = report.write_results(results, args.out, "engine", chart, table)
     log(f"wrote {', '.join(paths)}")

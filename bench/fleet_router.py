@@ -25,6 +25,7 @@ import tempfile
 import time
 
 import httpx2 as httpx
+from machine import machine_record, record_load_at_end
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POLICIES = ("round_robin", "power_of_two", "cache_aware", "kv_aware")
@@ -150,7 +151,7 @@ def main(argv=None):
                 os.path.join(out_dir, f"fleet_server{i}.log")))
             servers.append(url)
             kv_ports.append(kv_port)
-        load = os.getloadavg()[0]
+        machine = machine_record()  # the servers up, the measurements next
         prompts = workload(args)
         results = [run_policy(policy, servers, prompts, args, out_dir,
                               kv_aware_args(servers, kv_ports, args.model_dir)
@@ -161,8 +162,8 @@ def main(argv=None):
             process.kill()
     settings = {**vars(args), "model_dir": os.path.basename(args.model_dir.rstrip("/")),
                 "out": os.path.relpath(args.out, ROOT)}
-    report = {"args": settings, "requests": len(prompts), "load_at_start": load,
-              "results": results}
+    report = {"args": settings, "requests": len(prompts),
+              "machine": record_load_at_end(machine), "results": results}
     with open(args.out + ".json", "w") as f:
         json.dump(report, f, indent=2)
     lines = ["| policy | prefix-cache hit rate | hits / queries (tokens) | requests per server "

@@ -126,7 +126,10 @@ def main():
         return worker(args.worker, args.worker_sides, args.runs, names)
     out = os.path.join(ROOT, "bench", "results", args.name)
     sys.path.insert(0, ROOT)
-    from msinfer.engine.compile_cache import _processor
+    # msinfer sets OMP_WAIT_POLICY as it is imported: the workers inherit it from here, those
+    # of a before-tree older than that setting too
+    import msinfer  # noqa: F401
+    from machine import machine_record, record_load_at_end
 
     if args.before_tree:  # (tree, graph_shapes) per side
         sides = {"before": (os.path.abspath(args.before_tree), args.before_graph_shapes),
@@ -136,8 +139,7 @@ def main():
     commits = {k: subprocess.run(["git", "-C", t, "rev-parse", "--short", "HEAD"],
                                  capture_output=True, text=True).stdout.strip()
                for k, (t, _) in sides.items()}
-    report = {"model": os.path.relpath(args.model, ROOT), "cpu": f"{_processor()}, "
-              f"{os.cpu_count()} cores", "load_at_start": round(os.getloadavg()[0], 2),
+    report = {"model": os.path.relpath(args.model, ROOT), "machine": machine_record(),
               "commits": commits, "in_process": args.in_process, "runs": args.runs,
               "graph_shapes": {k: g or "default" for k, (_, g) in sides.items()},
               "rounds": {k: [] for k in sides}}
@@ -160,16 +162,16 @@ def main():
             for name, result in zip(sides, results):
                 report["rounds"][name].append(result)
                 print(f"round {r + 1} {name}: {result}", flush=True)
-    report["load_at_end"] = round(os.getloadavg()[0], 2)
+    machine = record_load_at_end(report["machine"])
     first, second = sides
     shapes = report["graph_shapes"]
     lines = [f"graph speed, {first} ({commits[first]}, {shapes[first]} graphs) and {second} "
              f"({commits[second]}, {shapes[second]} graphs), "
-             f"{report['model']}, {report['cpu']}, {args.rounds} rounds alternating, median of "
-             f"{args.runs} runs"
+             f"{report['model']}, {machine['cpu']}, {machine['cores']} cores, "
+             f"{args.rounds} rounds alternating, median of {args.runs} runs"
              f"{' in one process' if args.in_process else ''}; "
-             f"load average {report['load_at_start']} at the start, "
-             f"{report['load_at_end']} at the end", "",
+             f"load average {machine['load_average_at_start'][0]} at the start, "
+             f"{machine['load_average_at_end'][0]} at the end", "",
              f"| workload | graphs {first} / {second} | prefill tok/s {first} / {second} "
              f"(ratio) | decode ms/step {first} / {second} (ratio) |", "|---|---|---|---|"]
     mean = {k: {w[0]: {m: statistics.mean(r[w[0]][m] for r in runs)

@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,7 @@ ROOT = os.path.dirname(BENCH)
 sys.path.insert(0, ROOT)
 
 import serve as load  # noqa: E402  (bench/serve.py)
+from machine import machine_record, record_load_at_end  # noqa: E402
 
 SIDES = ("msinfer", "hf")
 
@@ -207,16 +207,14 @@ def main(argv=None):
     report = {"workload": {k: getattr(args, k) for k in (
         "num_prompts", "rate", "input_len", "output_len", "seed", "max_len")},
         "guidellm_version": version,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version()},
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "uptime_start": load.uptime(), "sides": {}}
+        "machine": machine_record(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "sides": {}}
     report["workload"]["model"] = args.model_dir
     for side in sides:
         report["sides"][side] = bench_side(side, args, tokenizer)
-    report["uptime_end"] = load.uptime()
-    loads = [report["uptime_start"]] + [s[k] for s in report["sides"].values()
-                                        for k in ("uptime_before", "uptime_after") if k in s]
+    record_load_at_end(report["machine"])
+    loads = [s[k] for s in report["sides"].values()
+             for k in ("uptime_before", "uptime_after") if k in s]
     report["load_note"] = load.load_note(loads)
     with open(args.out + ".json", "w") as f:
         json.dump(report, f, indent=1)

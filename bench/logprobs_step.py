@@ -34,7 +34,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from run import ensure_model, machine_info  # noqa: E402
+from machine import machine_record, record_load_at_end  # noqa: E402
+from run import ensure_model  # noqa: E402
 
 VOCAB = 151936
 TOP = 5
@@ -151,7 +152,7 @@ def main():
     args = p.parse_args()
     steps, pairs = (8, 2) if args.quick else (96, 11)
     results = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-               "machine": machine_info(), "vocab": VOCAB, "top": TOP, "steps": steps,
+               "machine": machine_record(), "vocab": VOCAB, "top": TOP, "steps": steps,
                "pairs": pairs, "note": args.note, "host": {}, "model": {}, "score": {}}
     for batch in (1, 16):
         results["host"][batch] = compare(stub_engine(batch), batch, steps, pairs)
@@ -169,7 +170,7 @@ def main():
             results["score"][batch] = compare_scoring(llm, pairs)
             print(f"score batch {batch}: {results['score'][batch]}", flush=True)
         del llm
-    results["load_average_at_end"] = os.getloadavg()
+    record_load_at_end(results["machine"])
     with open(args.out + ".json", "w") as f:
         json.dump(results, f, indent=1)
     with open(args.out + ".md", "w") as f:
@@ -182,7 +183,7 @@ def table(results):
     lines = [f"logprobs={results['top']} vs none, per decode step, vocabulary "
              f"{results['vocab']}: {m['cpu']}, {m['cores']} cores, load average "
              f"{m['load_average_at_start'][0]:.2f} at the start, "
-             f"{results['load_average_at_end'][0]:.2f} at the end ({results['date']}).",
+             f"{m['load_average_at_end'][0]:.2f} at the end ({results['date']}).",
              "", *([results["note"], ""] if results.get("note") else []),
              f"host, model: one decode step ({results['steps']} steps a run); score: 16 "
              f"prompts of 32 tokens scored (prompt logprobs 1, max_tokens 1) or not. "

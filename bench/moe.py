@@ -21,7 +21,6 @@ import contextlib
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,8 @@ import time
 BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
 sys.path.insert(0, ROOT)
+
+from machine import machine_record, record_load_at_end  # noqa: E402
 
 SHAPE = ["--family", "qwen3", "--layers", "8", "--hidden", "512", "--heads", "8", "--kv-heads",
          "4", "--head-dim", "64", "--vocab", "8192", "--seed", "5"]
@@ -117,7 +118,7 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=33)
     p.add_argument("--quick", action="store_true", help="a small MoE: checks the harness only")
     args = p.parse_args(argv)
-    load_start = os.getloadavg()
+    machine = machine_record()
     moe_flags = QUICK_MOE if args.quick else MOE
     suffix = "-quick" if args.quick else ""
     moe_dir = ensure_model("bench-qwen3-moe" + suffix, SHAPE + moe_flags)
@@ -130,7 +131,6 @@ def main(argv=None):
 
     from msinfer import LLM
     from msinfer.config import ModelConfig
-    from msinfer.hardware import cpuinfo_fields
     from msinfer.layers import moe as moe_layers
 
     torch.set_num_threads(os.cpu_count())
@@ -175,22 +175,16 @@ def main(argv=None):
 
     configs = {k: ModelConfig.from_model_dir(d) for k, d in (("moe", moe_dir),
                                                              ("dense", dense_dir))}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=ROOT).stdout.strip()
     record = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        commit=commit, quick=args.quick, reps=args.reps, new_tokens=args.tokens,
+        quick=args.quick, reps=args.reps, new_tokens=args.tokens,
         prompt_tokens=32, engine=engine,
         models={k: dict(flags=SHAPE + (moe_flags if k == "moe" else dense_flags),
                         parameters=c.num_parameters(),
                         active_parameters=c.num_active_parameters())
                 for k, c in configs.items()},
-        machine=dict(cpu=cpuinfo_fields().get("model name") or platform.processor(),
-                     cores=os.cpu_count(), load_average_at_start=load_start,
-                     load_average_at_end=os.getloadavg()),
-        versions=dict(python=platform.python_version(), torch=torch.__version__,
-                      transformers=transformers.__version__,
-                      mindspore=__import__("mindspore").__version__),
+        machine=record_load_at_end(machine),
+        versions=dict(torch=torch.__version__, transformers=transformers.__version__),
         results=results)
     os.makedirs(args.out, exist_ok=True)
     name = "moe_quick" if args.quick else "moe"
@@ -207,10 +201,11 @@ def markdown(r):
     lines = [
         "# MoE against dense of the same active size, and against transformers",
         "",
-        f"`python bench/moe.py` at {r['commit']}, {r['date']}; {r['machine']['cpu']}, "
-        f"{r['machine']['cores']} cores, load average {r['machine']['load_average_at_start']}"
-        f" at the start, {r['machine']['load_average_at_end']} at the end; "
-        f"MindSpore {r['versions']['mindspore']}, torch {r['versions']['torch']}, "
+        f"`python bench/moe.py` at {r['machine']['commit']}, {r['date']}; "
+        f"{r['machine']['cpu']}, {r['machine']['cores']} cores, load average "
+        f"{r['machine']['load_average_at_start']} at the start, "
+        f"{r['machine']['load_average_at_end']} at the end; "
+        f"MindSpore {r['machine']['mindspore']}, torch {r['versions']['torch']}, "
         f"transformers {r['versions']['transformers']}.",
         "",
         *([f"**Measured under load** (a load average above the {r['machine']['cores']} cores: "

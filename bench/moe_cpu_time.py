@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(BENCH))
 sys.path.insert(0, BENCH)
 
 import moe as bench  # noqa: E402
+from machine import machine_record, record_load_at_end  # noqa: E402
 
 
 def cpu_ms_per_step(name, llm, prompts, tokens):
@@ -56,7 +57,7 @@ def main(argv=None):
     engine = dict(max_len=256, max_num_seqs=8, max_prefill_tokens=64)
     llms = {"moe": LLM(moe_dir, **engine), "dense": LLM(dense_dir, **engine),
             "moe_mindspore": LLM(moe_dir, **engine)}
-    load_start = os.getloadavg()
+    machine = machine_record()
     rng = np.random.default_rng(0)
     results = {}
     for batch in (1, 8):
@@ -75,16 +76,15 @@ def main(argv=None):
             moe_over_dense=round(medians["moe"] / medians["dense"], 3),
             moe_mindspore_over_dense=round(medians["moe_mindspore"] / medians["dense"], 3))
         print(f"batch {batch}: {results[f'batch{batch}']}", flush=True)
-    record = dict(load_average_at_start=load_start, load_average_at_end=os.getloadavg(),
-                  cores=os.cpu_count(), reps=args.reps, results=results)
+    record = dict(machine=record_load_at_end(machine), reps=args.reps, results=results)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "moe_cpu_time.json"), "w") as f:
         json.dump(record, f, indent=2)
         f.write("\n")
     lines = ["# CPU time per decode step on one thread: MoE (kernel, MindSpore form) and dense",
              "", f"`MSINFER_CPU_THREADS=1 python bench/moe_cpu_time.py`: bench/moe.py's models, "
-             f"{record['cores']} cores, load average {load_start} at the start, "
-             f"{record['load_average_at_end']} at the end; medians of {args.reps} runs "
+             f"{machine['cores']} cores, load average {machine['load_average_at_start']} at the "
+             f"start, {machine['load_average_at_end']} at the end; medians of {args.reps} runs "
              "alternated.", "",
              "| batch | MoE (kernel) | MoE, MindSpore form | dense | MoE / dense | "
              "MindSpore form / dense |", "|---|---|---|---|---|---|"]

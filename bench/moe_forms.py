@@ -21,7 +21,6 @@ Writes OUT/moe_forms.json and .md with the machine and its load.
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -29,6 +28,8 @@ import time
 BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
 sys.path.insert(0, ROOT)
+
+from machine import machine_record, record_load_at_end  # noqa: E402
 
 E, K, I, H, LAYERS = 128, 8, 128, 512, 8
 
@@ -202,18 +203,14 @@ def main(argv=None):
     args = p.parse_args(argv)
     import mindspore as ms
 
-    from msinfer.hardware import cpuinfo_fields
     from msinfer.parallel.distributed import set_graph_mode
 
     set_graph_mode("CPU")
-    load_start = os.getloadavg()
+    machine = machine_record()
     results = {f"tokens{t}": measure(t, args.reps) for t in (1, 8)}
     record = dict(
-        machine=dict(cpu=cpuinfo_fields().get("model name") or platform.processor(),
-                     cores=os.cpu_count(), load_average_at_start=load_start,
-                     load_average_at_end=os.getloadavg()),
-        mindspore=ms.__version__, shape=dict(experts=E, top_k=K, width=I, hidden=H,
-                                             layers=LAYERS),
+        machine=record_load_at_end(machine),
+        shape=dict(experts=E, top_k=K, width=I, hidden=H, layers=LAYERS),
         reps=args.reps, median_ms_per_call=results)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "moe_forms.json"), "w") as f:
@@ -222,9 +219,9 @@ def main(argv=None):
     names = list(results["tokens1"])
     lines = [
         "# Sparse-layer expert forms at decode (MindSpore CPU)", "",
-        f"`python bench/moe_forms.py`: {record['machine']['cpu']}, "
-        f"{record['machine']['cores']} cores, load average {load_start} at the start, "
-        f"{record['machine']['load_average_at_end']} at the end; MindSpore {ms.__version__}. "
+        f"`python bench/moe_forms.py`: {machine['cpu']}, {machine['cores']} cores, load "
+        f"average {machine['load_average_at_start']} at the start, "
+        f"{machine['load_average_at_end']} at the end; MindSpore {ms.__version__}. "
         f"The experts part of {LAYERS} layers ({K} of {E} experts of {I}, hidden {H}), median "
         f"ms per call of {args.reps} alternated.", "",
         "| tokens | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]

@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -34,6 +33,7 @@ ROOT = os.path.dirname(BENCH)
 sys.path.insert(0, ROOT)
 
 import serve as load  # noqa: E402  (bench/serve.py: requests, servers, percentiles)
+from machine import machine_record, record_load_at_end  # noqa: E402
 from msinfer.planning.kv_layout import DEFAULT_BLOCK_SIZE  # noqa: E402
 
 SIDES = ("msinfer", "msinfer-nocache", "hf")
@@ -357,10 +357,8 @@ def main(argv=None):
         "model_dir", "requests", "system_len", "question_len", "output_len", "turns",
         "chat_system_len", "chat_output_len", "unique_requests", "unique_len",
         "unique_repeats", "seed", "max_len", "block_size", "msinfer_option")},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version()},
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "uptime_start": load.uptime(), "sides": {}}
+        "machine": machine_record(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "sides": {}}
     report["workload"]["model"] = args.model_dir
     report["workload"]["shared_prompt_tokens_mean"] = statistics.fmean(
         len(t) for t in workloads["shared"][1])
@@ -377,7 +375,7 @@ def main(argv=None):
     for side, side_report in report["sides"].items():
         if side.startswith("msinfer") and "shared_metrics" in side_report:
             side_report["cache_checks"] = cache_checks(side_report, workloads["shared"])
-    report["uptime_end"] = load.uptime()
+    record_load_at_end(report["machine"])
     report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     loads = [s[k] for s in report["sides"].values()
              for k in ("uptime_before", "uptime_after") if k in s]

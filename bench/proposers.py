@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from run import machine_info  # noqa: E402
+from machine import machine_record, record_load_at_end  # noqa: E402
 
 from msinfer.engine.sampling import SamplingParams  # noqa: E402
 from msinfer.engine.sequence import Sequence  # noqa: E402
@@ -101,7 +101,7 @@ def main():
     lengths = (1024, 4096) if args.quick else (1024, 4096, 16384)
     steps = 50 if args.quick else 300
     rng = random.Random(0)
-    machine = machine_info()  # the load at the start among it
+    machine = machine_record()
     rows = []
     for method in ("ngram", "suffix"):
         for kind in ("random", "grounded"):
@@ -111,7 +111,7 @@ def main():
                 rows.append(row)
                 print(row, flush=True)
     result = {"when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine, "load_average_at_end": os.getloadavg(), "k": K,
+              "machine": record_load_at_end(machine), "k": K,
               "rows": rows}
     header = (f"{'method':7} {'text':9} {'prompt':>6} {'first call ms':>13} "
               f"{'step us (median)':>16} {'p90':>7} {'state KiB':>9} {'accepted':>8}")
@@ -121,7 +121,7 @@ def main():
         f"{r['acceptance'] if r['acceptance'] is not None else '-':>8}" for r in rows]
     lines.append(f"{machine['cpu']}, {machine['cores']} cores, load average "
                  f"{machine['load_average_at_start'][0]:.1f} at the start, "
-                 f"{result['load_average_at_end'][0]:.1f} at the end; {result['when']}; k={K}")
+                 f"{machine['load_average_at_end'][0]:.1f} at the end; {result['when']}; k={K}")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "proposers.json"), "w") as f:
         json.dump(result, f, indent=1)

@@ -132,8 +132,8 @@ def table(results):
         row(f"decode, batch {batch}", lambda r, b=batch: r["decode_tokens_per_s"][str(b)],
             lambda v, f: f"{v:.1f} tok/s ({v / f:.2f}x)")
     m = results["machine"]
-    lines += ["", f"{m['cpu']}, {m['cores']} cores; load average {m['load_at_start']} at "
-              f"the start, {m['load_at_end']} at the end; git {results['git']}"]
+    lines += ["", f"{m['cpu']}, {m['cores']} cores; load average {m['load_average_at_start']} "
+              f"at the start, {m['load_average_at_end']} at the end; git {m['commit']}"]
     return "\n".join(lines) + "\n"
 
 
@@ -150,9 +150,8 @@ def main():
     def log(message):
         print(f"[bench] {message}", file=sys.stderr, flush=True)
     ensure_models(log)
-    from run import machine_info  # noqa: E402  (bench/run.py)
-    machine = machine_info()
-    machine["load_at_start"] = [round(x, 2) for x in os.getloadavg()]
+    from machine import machine_record, record_load_at_end  # (bench/machine.py)
+    machine = machine_record()
     sides = {}
     for name, directory in SIDES.items():
         log(f"{name}: {directory}")
@@ -164,10 +163,7 @@ def main():
         if done.returncode or not lines:
             sys.exit(f"{name} failed:\n{done.stderr[-3000:]}")
         sides[name] = json.loads(lines[-1][len("RESULT "):])
-    machine["load_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                         text=True, cwd=ROOT).stdout.strip()
-    results = {"machine": machine, "git": git, "prompt_len": PROMPT_LEN,
+    results = {"machine": record_load_at_end(machine), "prompt_len": PROMPT_LEN,
                "decode_tokens": DECODE, "reps": args.reps, "sides": sides}
     results = json.loads(json.dumps(results))  # int keys as JSON has them
     os.makedirs(args.out, exist_ok=True)

@@ -15,7 +15,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import resource
 import shutil
 import signal
@@ -30,9 +29,9 @@ ROOT = os.path.dirname(BENCH)
 sys.path.insert(0, ROOT)
 
 from msinfer.config import ModelConfig  # noqa: E402  (no mindspore import)
-from msinfer.hardware import cpuinfo_fields  # noqa: E402
 
 import report  # noqa: E402
+from machine import machine_record, record_load_at_end  # noqa: E402
 
 # The variables an old OpenBLAS needs on some processors; they make a current numpy pick a
 # slower kernel. Unset for the benchmark's own processes only (see README).
@@ -377,18 +376,9 @@ def children_cpu_seconds():
     return usage.ru_utime + usage.ru_stime
 
 
-def machine_info():
-    info = {"platform": platform.platform(), "python": platform.python_version(),
-            "cores": os.cpu_count()}
-    info["cpu"] = cpuinfo_fields().get("model name") or platform.processor()
-    with open("/proc/meminfo") as f:
-        info["ram_bytes"] = int(f.readline().split()[1]) * 1024
-    info["load_average_at_start"] = os.getloadavg()
-    info["openblas_overrides_in_parent_env"] = {k: os.environ.get(k)
-                                                for k in OPENBLAS_OVERRIDES}
-    import numpy
-    info["numpy"] = numpy.__version__
-    return info
+def openblas_overrides():
+    """OPENBLAS_OVERRIDES as this process's environment has them (child_env drops them)."""
+    return {k: os.environ.get(k) for k in OPENBLAS_OVERRIDES}
 
 
 def main(argv=None):
@@ -426,7 +416,9 @@ def main(argv=None):
     import numpy as np
     rng = np.random.default_rng(0)
     results = {"quick": args.quick, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-               "machine": machine_info(), "reps": cfg["reps"], "retries": RETRIES}
+               "machine": dict(machine_record(),
+                               openblas_overrides_in_parent_env=openblas_overrides()),
+               "reps": cfg["reps"], "retries": RETRIES}
     model_dir = ensure_model(*cfg["model"], log)
     dist_model_dir = ensure_model(*cfg["dist_model"], log)
     config = ModelConfig.from_model_dir(model_dir)
@@ -508,6 +500,7 @@ def main(argv=None):
         results["distributed"][f"tp{degree}_threads{threads}"] = run_distributed(
             dist_model_dir, degree, cfg, log_dir, log, threads)
     results["seconds"] = time.perf_counter() - began
+    record_load_at_end(results["machine"])
 
     report.add_derived(results)
     paths = report.write_results(results, args.out, "latest" if args.quick else name,

@@ -21,7 +21,6 @@ import contextlib
 import json
 import math
 import os
-import platform
 import random
 import shutil
 import signal
@@ -31,6 +30,7 @@ import sys
 import time
 
 import httpx2 as httpx
+from machine import machine_record, record_load_at_end
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
@@ -490,8 +490,7 @@ def main(argv=None):
     report = {"workload": {k: getattr(args, k) for k in (
         "num_prompts", "input_len", "output_len", "range_ratio", "seed", "rates",
         "shared_prefix_len")},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version()},
+        "machine": machine_record(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "servers": {}}
     report["workload"]["model"] = args.model_dir or args.url
     report["workload"]["prompt_tokens_mean"] = statistics.fmean(n for _, n, _ in requests)
@@ -519,6 +518,7 @@ def main(argv=None):
             if args.soak and side == "msinfer":
                 report.setdefault("soak", {})[side] = soak(url, model, args)
         report.setdefault("exit_codes", {})[side] = facts["exit_code"]
+    record_load_at_end(report["machine"])
     with open(args.out + ".json", "w") as f:
         json.dump(report, f, indent=1)
     text = table(report)

@@ -42,8 +42,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from msinfer.cli.launch import _session_members, die_with_parent  # noqa: E402
 from msinfer.engine.tokenizer import Tokenizer  # noqa: E402
-from msinfer.hardware import cpuinfo_fields  # noqa: E402
 from msinfer.parallel.distributed import free_port  # noqa: E402
+
+from machine import machine_record, record_load_at_end  # noqa: E402
 
 NAME = "tiny"
 MAX_LEN = 128
@@ -500,13 +501,7 @@ def checks(soak, starts, args):
     ]
 
 
-def machine():
-    return {"cpu": cpuinfo_fields().get("model name"), "cores": os.cpu_count(),
-            "commit": subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-                                     capture_output=True, text=True).stdout.strip()}
-
-
-def report(args, soak, starts, wall_s, load_start):
+def report(args, soak, starts, wall_s, machine):
     held = checks(soak, starts, args)
     lat = soak.latencies
     serving = sum(s["serving_s"] for s in starts if "serving_s" in s)
@@ -528,8 +523,7 @@ def report(args, soak, starts, wall_s, load_start):
         "same_prompt_groups": {
             "with_repeats": sum(len(texts) > 1 for texts in soak.answers.values()),
             "differing": sum(len(set(texts)) > 1 for texts in soak.answers.values())},
-        "machine": machine(), "load_average_at_start": load_start,
-        "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
+        "machine": record_load_at_end(machine),
         "checks": [{"check": c, "held": bool(ok), "detail": d} for c, ok, d in held],
         "faults": soak.faults}
 
@@ -538,8 +532,9 @@ def table(r):
     kill = r["starts"][0].get("kill", {})
     lines = [f"# Soak of a dp2 x tp2 job: {r['requests']} requests, {r['concurrency']} in flight",
              "", f"`{r['command']}` at {r['machine']['commit']}, {r['machine']['cpu']}, "
-             f"{r['machine']['cores']} cores; load average {r['load_average_at_start']} at the "
-             f"start, {r['load_average_at_end']} at the end.", "",
+             f"{r['machine']['cores']} cores; load average "
+             f"{r['machine']['load_average_at_start']} at the start, "
+             f"{r['machine']['load_average_at_end']} at the end.", "",
              "| figure | value |", "|---|---|"]
     rows = [("requests planned (valid / leave / invalid)", " / ".join(
         str(r["planned"].get(k, 0)) for k in ("valid", "leave", "invalid"))),
@@ -579,7 +574,7 @@ def main(argv=None):
     p.add_argument("--logs", default=os.path.join(ROOT, "bench", "results", "logs"))
     p.add_argument("--name", default="soak_job", help="file name of the results")
     args = p.parse_args(argv)
-    load_start = [round(x, 2) for x in os.getloadavg()]
+    machine = machine_record()
     began = time.monotonic()
     os.makedirs(args.logs, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="msinfer-soak-") as work:
@@ -591,7 +586,7 @@ def main(argv=None):
         soak = Soak(plan(args.requests, prompt_pool(Tokenizer.from_model_dir(model), rng),
                          rng))
         starts = supervise(args, model, os.path.join(work, "compile-cache"), soak)
-    result = report(args, soak, starts, time.monotonic() - began, load_start)
+    result = report(args, soak, starts, time.monotonic() - began, machine)
     os.makedirs(args.out, exist_ok=True)
     base = os.path.join(args.out, args.name)
     with open(base + ".json", "w") as f:

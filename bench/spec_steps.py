@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(BENCH))
 sys.path.insert(0, BENCH)
 
 import speculative as bench  # noqa: E402
+from machine import machine_record  # noqa: E402
 
 
 class StepClock:
@@ -116,7 +117,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--reps", type=int, default=3)
     args = p.parse_args(argv)
-    print("load", os.getloadavg(), flush=True)
+    print("machine", machine_record(), flush=True)
     target = bench.ensure_model("bench-copying-target", bench.TARGET_SHAPE)
     draft = bench.ensure_model("bench-copying-draft", {})
     from msinfer import LLM

@@ -18,9 +18,7 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -28,6 +26,8 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, BENCH)
+
+from machine import machine_record, record_load_at_end  # noqa: E402
 
 TARGET_SHAPE = dict(layers=12, hidden=1024, heads=8, kv_heads=2, intermediate=2816)
 SEED = 7
@@ -102,12 +102,11 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="one round, 1 rep: the harness only")
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated")
     args = p.parse_args(argv)
-    load_start = os.getloadavg()
+    machine = machine_record()
     target = ensure_model("bench-copying-target", TARGET_SHAPE)
     draft = ensure_model("bench-copying-draft", {})
 
     from msinfer import LLM
-    from msinfer.hardware import cpuinfo_fields
     from spec_workloads import special_tokens, spec_workloads
 
     specials = special_tokens(target)
@@ -139,26 +138,21 @@ def main(argv=None):
             print(key, results[key], flush=True)
         del llm
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=ROOT).stdout.strip()
     record = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        commit=commit, quick=args.quick, reps=reps, engine=ENGINE, methods=METHODS,
+        quick=args.quick, reps=reps, engine=ENGINE, methods=METHODS,
         models=dict(target=f"make-tiny-model --copying {TARGET_SHAPE}, seed {SEED}",
                     draft=f"make-tiny-model --copying (2 layers, hidden 256), seed {SEED}"),
-        machine=dict(cpu=cpuinfo_fields().get("model name") or platform.processor(),
-                     cores=os.cpu_count(), load_average_at_start=load_start,
-                     load_average_at_end=os.getloadavg()),
-        versions=dict(python=platform.python_version(),
-                      mindspore=__import__("mindspore").__version__),
-        results=results)
+        machine=record_load_at_end(machine), results=results)
     os.makedirs(args.out, exist_ok=True)
     name = "speculative_quick" if args.quick else "speculative"
     path = os.path.join(args.out, name + ".json")
     if set(args.methods.split(",")) != set(METHODS) and os.path.exists(path):
         with open(path) as f:  # --methods: the other methods' rows as they were measured
             kept = json.load(f)
-        record["results"] = {**{k: dict(v, commit=kept["commit"], date=kept["date"])
+        # files written before bench/machine.py: the commit beside the machine, not in it
+        commit = kept["machine"].get("commit") or kept["commit"]
+        record["results"] = {**{k: dict(v, commit=commit, date=kept["date"])
                                 for k, v in kept["results"].items()
                                 if v["method"] not in args.methods.split(",")},
                              **results}
@@ -179,9 +173,9 @@ def markdown(r):
         "other work (load well above 2 on these 2 cores) is labelled by it; its ratio is of "
         "runs alternated under the same load, its tokens/s are not comparable to quiet rows.",
         "",
-        f"`python bench/speculative.py` at {r['commit']}, {r['date']}; {m['cpu']}, "
+        f"`python bench/speculative.py` at {m['commit']}, {r['date']}; {m['cpu']}, "
         f"{m['cores']} cores, load average {m['load_average_at_start']} at the start, "
-        f"{m['load_average_at_end']} at the end; MindSpore {r['versions']['mindspore']}.",
+        f"{m['load_average_at_end']} at the end; MindSpore {m['mindspore']}.",
         "",
         f"- target: {r['models']['target']}; draft: {r['models']['draft']}",
         f"- k = {K} proposed tokens; greedy, ignore_eos; output tokens/s, median of "

@@ -29,6 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from msinfer.parallel.distributed import free_port  # noqa: E402
 from msinfer.engine_config import GRAPH_SHAPES  # noqa: E402
+from machine import machine_record, record_load_at_end  # noqa: E402
 from serve import stop_server  # noqa: E402  (bench/serve.py)
 
 JOBS = {"tp1": (1, None), "tp2": (2, "qwen2_tp2.yaml")}
@@ -129,9 +130,11 @@ def table(report):
     """The runs, and those of `report["before"]` (an earlier report of the same command, e.g.
     one graph per call shape) each beside them, with the cold start's ratio to it."""
     before = {r["job"]: r for r in report.get("before", {}).get("runs", [])}
+    m = report["machine"]
     lines = [f"start-up of `msinfer serve`: {report['model']}, --max-len {report['max_len']}, "
              f"--graph-shapes {report.get('graph_shapes', 'static')}, "
-             f"{report['cpu']}; load average at start {report['load_at_start']}",
+             f"{m['cpu']}, {m['cores']} cores; load average at start "
+             f"{m['load_average_at_start'][0]}",
              "",
              "| job | graphs/rank | cold: ready (s) | restart: ready (s) "
              "| restart/cold | decode tok/s cold / restart | prefill tok/s cold / restart |",
@@ -193,18 +196,15 @@ def main(argv=None):
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         subprocess.run([sys.executable, "-m", "msinfer", "make-tiny-model", "--preset",
                         "qwen2-0.5b-shape", args.model], check=True)
-    from msinfer.engine.compile_cache import _processor
     report = {"model": os.path.relpath(args.model, ROOT), "max_len": args.max_len,
-              "graph_shapes": args.graph_shapes,
-              "cpu": f"{_processor()}, {os.cpu_count()} cores",
-              "load_at_start": round(os.getloadavg()[0], 2), "runs": []}
+              "graph_shapes": args.graph_shapes, "machine": machine_record(), "runs": []}
     work = tempfile.mkdtemp(prefix="msinfer-startup-")
     try:
         for job in args.jobs:
             report["runs"].append(measure(args, job, work))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    report["load_at_end"] = round(os.getloadavg()[0], 2)
+    record_load_at_end(report["machine"])
     if args.before:
         with open(args.before) as f:
             report["before"] = json.load(f)
@@ -212,7 +212,8 @@ def main(argv=None):
     base = os.path.join(args.out, args.name)
     with open(base + ".json", "w") as f:
         json.dump(report, f, indent=1)
-    text = table(report) + f"\nload average at the end {report['load_at_end']}\n"
+    text = (table(report) + "\nload average at the end "
+            f"{report['machine']['load_average_at_end'][0]}\n")
     with open(base + ".md", "w") as f:
         f.write(text)
     chart(report, base + ".png")
