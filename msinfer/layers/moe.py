@@ -80,9 +80,13 @@ def experts_kernel(dtype):
     down (E, I, H), threads (1,) int32) -> (T, H); x, weights, experts and out of `dtype`,
     float32 or float16."""
     dtype = dtype or ms.float32
-    name = {ms.float32: "F32_Default", ms.float16: "F16_Default"}[dtype]
-    return cpu_kernels.custom_op("moe_experts", "MoeExperts",
-                                 (name, "I32_Default", name, name, name, "I32_Default"), dtype)
+
+    def inputs(name):
+        return (name, "I32_Default", name, name, name, "I32_Default")
+    name, other = {ms.float32: ("F32_Default", "F16_Default"),
+                   ms.float16: ("F16_Default", "F32_Default")}[dtype]
+    return cpu_kernels.custom_op("moe_experts", "MoeExperts", inputs(name), dtype,
+                                 also=[(*inputs(other), other)])
 
 
 class SparseMoE(nn.Cell):

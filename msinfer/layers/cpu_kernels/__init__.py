@@ -82,11 +82,14 @@ def share_threads(path):
         handle.SetThreads(threads)
 
 
-def custom_op(name: str, function: str, inputs, out_dtype):
+def custom_op(name: str, function: str, inputs, out_dtype, also=()):
     """A MindSpore aot Custom op running `function` of kernel `name`, on CPU, with the
     output's shape from the kernel's `<function>InferShape`. `inputs` are the MindSpore
     DataType names of its inputs, e.g. ("F32_Default", "I8_Default"); `out_dtype` the
-    output's mindspore dtype."""
+    output's mindspore dtype; `also`: the function's other formats, (inputs..., output)
+    DataType names. MindSpore keeps the first registration of a function's op for the
+    process: one made for float16 alone failed a float32 model's compile after it
+    ("Unsupported data type"), so every op of a function registers all its formats."""
     from mindspore import ops
     from mindspore.ops import CustomRegOp, DataType
 
@@ -96,7 +99,8 @@ def custom_op(name: str, function: str, inputs, out_dtype):
     reg = reg.output(0, "y")
     out_name = {"Float32": "F32_Default", "Int32": "I32_Default",
                 "Float16": "F16_Default"}[str(out_dtype)]
-    reg = reg.dtype_format(*(getattr(DataType, t) for t in (*inputs, out_name)))
+    for names in ((*inputs, out_name), *also):
+        reg = reg.dtype_format(*(getattr(DataType, t) for t in names))
     info = reg.target("CPU").get_op_info()
     share_threads(library(name))
     return ops.Custom(f"{library(name)}:{function}", out_shape=None, out_dtype=out_dtype,
