@@ -38,6 +38,12 @@ FREEZE_AFTER = 50_000  # objects made since the last freeze by one test: mostly 
 _frozen_in_module = []
 
 
+# A directory of the session, shared by its workers (made by the controller, which they
+# inherit it from): files a test makes once for every worker (test_quantized's msModelSlim
+# checkpoints), under a lock of their own.
+SHARED_DIR = "MSINFER_TEST_SHARED"
+
+
 def pytest_configure(config):
     """Compiled graphs of this session's warm-ups (every server and job it starts) and its
     C++ kernels go to directories of their own, removed at the end, not to the user's
@@ -57,6 +63,9 @@ def pytest_configure(config):
         os.environ["MSINFER_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="msinfer-kernels-")
         config.add_cleanup(lambda: shutil.rmtree(os.environ.pop("MSINFER_KERNEL_CACHE"),
                                                  ignore_errors=True))
+    if SHARED_DIR not in os.environ:  # what the workers make once for all of them
+        os.environ[SHARED_DIR] = tempfile.mkdtemp(prefix="msinfer-tests-shared-")
+        config.add_cleanup(lambda: shutil.rmtree(os.environ.pop(SHARED_DIR), ignore_errors=True))
     if "MSINFER_COMPILE_CACHE" not in os.environ:
         os.environ["MSINFER_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="msinfer-compile-")
         config.add_cleanup(lambda: shutil.rmtree(os.environ.pop("MSINFER_COMPILE_CACHE"),

@@ -19,6 +19,7 @@ check_against_formula), on one rank here, on two ranks in one msrun job
 Directories msinfer cannot run are refused before any rank starts, naming the file, the
 tensor and the scheme.
 """
+import fcntl
 import json
 import os
 import shutil
@@ -47,6 +48,7 @@ WORKER = os.path.join(ROOT, "tests", "distributed_worker.py")
 PROMPTS = [np.random.default_rng(seed).integers(0, 500, n).tolist()
            for seed, n in ((1, 5), (2, 2), (3, 37))]
 NEW_TOKENS = 12
+SHARED_DIR = "MSINFER_TEST_SHARED"  # the session's directory for every worker (conftest.py)
 LOGPROB_TOLERANCE = 1e-3
 ENGINE = dict(max_len=128, block_size=4, max_prefill_tokens=16, max_num_seqs=4,
               kv_cache_memory=1 << 20)
@@ -96,7 +98,9 @@ CASES[LEFT_OUT] = (dict(TINY, layers=4, dtype="float16", seed=8), V0.replace(
 
 
 def quantize(source, family, template, a_bit, out, work):
-    """msModelSlim's `quant` command on `source` into `out`, on CPU."""
+    """msModelSlim's `quant` command on `source` into `out`, on CPU (`work`: its calibration
+    set, its configuration and its working directory)."""
+    os.makedirs(work, exist_ok=True)
     dataset = os.path.join(work, "calib.jsonl")
     if not os.path.exists(dataset):
         with open(dataset, "w") as f:
@@ -129,18 +133,28 @@ class MadeOnUse(dict):
 
 @pytest.fixture(scope="module")
 def quantized(tiny_checkpoint, tmp_path_factory):
-    """{case: quantized directory}, each made once by msModelSlim (when first asked for);
-    and GROUPED."""
-    work = str(tmp_path_factory.mktemp("msmodelslim"))
+    """{case: quantized directory}, each made by msModelSlim when first asked for, and GROUPED;
+    once per test session: in the session's shared directory (SHARED_DIR, every
+    worker's), where the first worker to ask makes it and the others wait for it (a
+    quantization is 15-30 s of CPU, and three workers asked for up to eleven)."""
+    work = os.environ.get(SHARED_DIR) or str(tmp_path_factory.mktemp("msmodelslim"))
 
     def make(name):
-        if name == GROUPED:
-            return regroup(made["qwen2_w8a16_v0_fp16"], tiny_checkpoint(
-                **CASES["qwen2_w8a16_v0_fp16"][0])[0], os.path.join(work, GROUPED))
-        spec, template, a_bit = CASES[name]
-        source, _ = tiny_checkpoint(**spec)
-        return quantize(source, spec.get("family", "qwen2"), template, a_bit,
-                        os.path.join(work, name), work)
+        out = os.path.join(work, name)
+        with open(out + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed
+            if not os.path.isdir(out):  # made whole or not at all (renamed when done)
+                partial = f"{out}.{os.getpid()}"
+                if name == GROUPED:
+                    regroup(made["qwen2_w8a16_v0_fp16"], tiny_checkpoint(
+                        **CASES["qwen2_w8a16_v0_fp16"][0])[0], partial)
+                else:
+                    spec, template, a_bit = CASES[name]
+                    source, _ = tiny_checkpoint(**spec)
+                    quantize(source, spec.get("family", "qwen2"), template, a_bit, partial,
+                             os.path.join(work, f"{name}.work"))
+                os.replace(partial, out)
+        return out
     made = MadeOnUse(make)
     return made
 
