@@ -32,6 +32,7 @@ from mindspore import nn, ops
 
 from .. import hardware
 from ..errors import MsinferError
+from ..quantization import ALIASES, ASCEND_SCHEMES
 from . import cpu_kernels
 
 # |x_q * W_q| <= 128 * 127: the sum of this many stays an exact float32 integer (< 2**24).
@@ -322,8 +323,9 @@ CPU_METHODS = {"W8A8": W8A8Method, "W8A8S": W8A8Method,
 
 def ascend_kernels():
     """The schemes whose Ascend kernels replace the CPU method (W8A8_DYNAMIC keeps the CPU
-    form until its per-token kernel is checked on a device)."""
-    return {"W8A8": AscendW8A8Method, "W8A8S": AscendW8A8Method, "W8A16": AscendW8A16Method}
+    form until its per-token kernel is checked on a device): quantization.ASCEND_SCHEMES."""
+    methods = {"W8A8": AscendW8A8Method, "W8A16": AscendW8A16Method}
+    return {s: methods[ALIASES.get(s, s)] for s in ASCEND_SCHEMES + tuple(ALIASES)}
 
 
 def cpu_kernel_methods():
