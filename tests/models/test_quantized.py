@@ -497,6 +497,30 @@ def test_the_quantization_flag_forces_or_refuses(quantized, small_checkpoint, ca
     assert "no quant_model_description.json" in capsys.readouterr().err
 
 
+def semi_auto_runner(model_dir):
+    """The semi_auto runner of one rank on `model_dir`, its weights loaded (not run: its
+    Ascend primitives have no CPU kernel), and its plan."""
+    import mindspore as ms
+
+    from msinfer.config import load_config
+    from msinfer.engine.model_runner import build_runner
+    from msinfer.engine_config import EngineLimits
+    from msinfer.hardware import get_profile
+    from msinfer.layers.parallel_context import ParallelContext
+    from msinfer.parallel.distributed import set_graph_mode
+    from msinfer.parallel.strategy import Strategy
+    from msinfer.planning.kv_layout import CacheLayout
+
+    config = load_config(model_dir)
+    set_graph_mode("CPU")
+    plan = Strategy.default(parallel_mode="semi_auto").resolve(config)
+    ctx = ParallelContext(config=config, plan=plan, mode="semi_auto", dtype=ms.float32)
+    layout = CacheLayout(config.num_layers, plan.local_kv_heads, config.head_dim,
+                         block_size=4, num_blocks=8, dtype_bytes=4)
+    limits = EngineLimits(max_num_seqs=2, max_prefill_tokens=16, max_model_len=32)
+    return build_runner(model_dir, ctx, layout, limits, 1, get_profile("cpu")), plan
+
+
 def test_semi_auto_holds_each_quantized_tensor_and_every_rank_a_row_layers_quant_bias(
         quantized):
     """semi_auto (its layout checked by `msinfer layouts`, tests/tools/test_layouts.py): the
@@ -506,15 +530,9 @@ def test_semi_auto_holds_each_quantized_tensor_and_every_rank_a_row_layers_quant
     import mindspore as ms
 
     from msinfer.config import load_config
-    from msinfer.engine.model_runner import build_runner
-    from msinfer.engine_config import EngineLimits
-    from msinfer.hardware import get_profile
     from msinfer.layers.linear_methods import AscendW8A8Method
-    from msinfer.layers.parallel_context import ParallelContext
     from msinfer.models.quant_loader import quantized_rank_weights
-    from msinfer.parallel.distributed import set_graph_mode
     from msinfer.parallel.strategy import Strategy
-    from msinfer.planning.kv_layout import CacheLayout
 
     model_dir = quantized["qwen2_w8a8_v0_fp16"]
     config = load_config(model_dir)
@@ -526,13 +544,7 @@ def test_semi_auto_holds_each_quantized_tensor_and_every_rank_a_row_layers_quant
                                                        bias_on_rank_0=False))
     assert not explicit[bias].any() and semi_auto[bias].any()
 
-    set_graph_mode("CPU")
-    plan = Strategy.default(parallel_mode="semi_auto").resolve(config)
-    ctx = ParallelContext(config=config, plan=plan, mode="semi_auto", dtype=ms.float32)
-    layout = CacheLayout(config.num_layers, plan.local_kv_heads, config.head_dim,
-                         block_size=4, num_blocks=8, dtype_bytes=4)
-    limits = EngineLimits(max_num_seqs=2, max_prefill_tokens=16, max_model_len=32)
-    runner = build_runner(model_dir, ctx, layout, limits, 1, get_profile("cpu"))
+    runner, plan = semi_auto_runner(model_dir)
     names = [n for n in runner.model.weights if config.quantization.scheme_at(n) == "W8A8"]
     assert names and all(isinstance(runner.model.weights[n], tuple) for n in names)
     loaded = dict(quantized_rank_weights(model_dir, plan, 0, names, np.float32,
@@ -544,6 +556,14 @@ def test_semi_auto_holds_each_quantized_tensor_and_every_rank_a_row_layers_quant
                                            ms.float32]
         for param, array in zip(held, loaded[name]):
             np.testing.assert_array_equal(param.asnumpy(), array)
+
+
+def test_semi_auto_refuses_group_wise_scales_when_loading(quantized):
+    from msinfer.errors import MsinferError
+
+    with pytest.raises(MsinferError, match=r"qkv_proj.weight_scale: 4 groups of scales; "
+                                           r"semi_auto lays out per-channel scales only"):
+        semi_auto_runner(quantized[GROUPED])
 
 
 def test_integer_products_are_exact_past_float32s_reach():
