@@ -19,7 +19,14 @@ split on the gathered axis takes unsplit ids, except its 2-D "batch and axis" mo
 ScatterUpdateInfo (axis 0 of the input and the indices unsplit, the updates split as
 indices + input[1:]), ArithmeticBase (equal splits where neither input broadcasts), Softmax
 (its axis unsplit), StridedSlice (sliced axes unsplit), Concat (its axis unsplit, inputs alike);
-and one of msinfer's own: what the graph returns (the logits) is whole on every rank.
+QuantV2Info (an ArithmeticBase over x, scale, offset), and QuantBatchMatmulInfo /
+WeightQuantBatchMatmulInfo (x and weight as MatMul; the later inputs laid out as the output's
+columns; a bias under a split contracted axis added once per rank); and one of msinfer's
+own: what the graph returns (the logits) is whole on every rank.
+
+A quantized model is built with its Ascend methods (the primitives MindSpore shards), in
+float16. They have no CPU kernel: its compile fails at kernel selection, after the STAGE
+graph is written, and that failure alone is accepted (docs/quantization.md, "semi_auto").
 
 The model is built small: each size a split could divide (vocabulary, intermediate size,
 head_dim) becomes its gcd with L = lcm(1..max(8, world_size)), so every split of at most
