@@ -32,8 +32,8 @@ import numpy as np
 from mindspore import Tensor, ops
 
 from .. import log
-from ..errors import MsinferError
 from ..engine_config import EngineLimits
+from ..errors import MsinferError
 from ..hardware import DTYPE_BYTES
 from ..layers.attention import new_cache
 from ..layers.cpu_forms import matmul_forms

@@ -233,6 +233,20 @@ class LMHead(nn.Cell):
         return logits
 
 
+def weight_params(config, layer, weight, shapes, param, dtype):
+    """The semi_auto Parameters of `weight` of decoder layer `layer`, made by `param(name,
+    shape=None, dtype=None)`: itself, or a quantized projection's tensors whole
+    (linear_methods.full_tensors), as MindSpore takes them under semi_auto."""
+    name = f"model.layers.{layer}.{weight}"
+    suffixes = layer_weight_tensors(config, weight, layer)
+    if len(suffixes) == 1 and name.endswith(suffixes[0]):
+        return [param(name)]
+    base = name[:-len("weight")]
+    scheme = config.quantization.scheme_at(name)
+    return [param(base + suffix, size, kind)
+            for suffix, size, kind in full_tensors(scheme, shapes[name], dtype)]
+
+
 class Qwen2Model(nn.Cell):
     """The whole model in one graph, owning its weights as Parameters (semi_auto mode).
 
@@ -266,9 +280,9 @@ class Qwen2Model(nn.Cell):
         for n in range(config.num_layers):
             flat, arity = [], []
             for w in self.LAYER.WEIGHTS:
-                name = f"model.layers.{n}.{w}"
-                tensors = self._weight_params(config, name, w, n, shapes[name], param, ctx)
-                self.weights[name] = tensors[0] if len(tensors) == 1 else tuple(tensors)
+                tensors = weight_params(config, n, w, shapes, param, ctx.dtype)
+                self.weights[f"model.layers.{n}.{w}"] = (tensors[0] if len(tensors) == 1
+                                                         else tuple(tensors))
                 flat += tensors
                 arity.append(len(tensors))
             params = ms.ParameterTuple(flat)
@@ -287,17 +301,6 @@ class Qwen2Model(nn.Cell):
                                            for n in range(config.num_layers)])
         self.v_caches = ms.ParameterTuple([new_cache(shape, ctx.dtype, f"v_cache.{n}")
                                            for n in range(config.num_layers)])
-
-    @staticmethod
-    def _weight_params(config, name, weight, layer, shape, param, ctx):
-        """The Parameters of weight `name`: itself, or a quantized projection's tensors
-        (whole, as MindSpore takes them under semi_auto)."""
-        suffixes = layer_weight_tensors(config, weight, layer)
-        if len(suffixes) == 1 and name.endswith(suffixes[0]):
-            return [param(name)]
-        base = name[:-len("weight")]
-        return [param(base + suffix, shape, dtype) for suffix, shape, dtype in
-                full_tensors(config.quantization.scheme_at(name), shape, ctx.dtype)]
 
     def construct(self, ids, cos, sin, write_slots, context_slots, mask, logit_rows):
         x = self.embedding(ids, self.embed_weight)
