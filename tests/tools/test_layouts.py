@@ -308,6 +308,22 @@ def test_semi_auto_lays_out_only_the_schemes_with_ascend_kernels():
         semi_auto_method("W8A8_DYNAMIC")
 
 
+def test_only_the_quantized_primitives_missing_cpu_kernels_after_the_dump_is_tolerated(
+        tmp_path):
+    from msinfer.tools.layouts import STAGE, ascend_only
+
+    def failure(op):
+        return RuntimeError(f"- Kernel select failed:\nUnsupported op [{op}] on CPU, Please "
+                            f"confirm whether the device target setting is correct")
+
+    assert not ascend_only(failure("QuantV2"), tmp_path)  # nothing written yet
+    (tmp_path / f"{STAGE}0160.ir").write_text("")
+    assert ascend_only(failure("QuantV2"), tmp_path)
+    assert ascend_only(failure("WeightQuantBatchMatmul"), tmp_path)
+    assert not ascend_only(failure("MatMul"), tmp_path)
+    assert not ascend_only(RuntimeError("Invalid backend: CPU"), tmp_path)
+
+
 QUANTIZED = {"qwen2.5-72b-w8a8": TP4,  # W8A8: one run each
              "qwen2.5-7b-w8a16": os.path.join(ROOT, "strategies", "qwen2_dp2_tp2.yaml")}
 
