@@ -1,8 +1,8 @@
-"""Why semi_auto refuses quantized checkpoints: a minimal reproduction on MindSpore 2.10 (CPU).
+"""What MindSpore 2.10 does with quantized semi_auto on CPU: a minimal reproduction.
 
     python bench/semi_auto_quantized.py          # starts itself under msrun, 2 ranks
 
-Two findings, each printed with MindSpore's own words:
+Three findings, each printed with MindSpore's own words:
 
 1. The quantized matmuls MindSpore can shard are Ascend kernels. Its auto-parallel front end
    has operator infos for QuantV2, QuantBatchMatmul and WeightQuantBatchMatmul
@@ -13,10 +13,11 @@ Two findings, each printed with MindSpore's own words:
    given the column-parallel in_strategy semi_auto would give it (x whole, weight, quant_bias
    and deq_scale split by output), does not compile for two ranks: MindSpore refuses
    semi_auto_parallel on CPU at compile time, whatever the primitives.
-
-So a quantized semi_auto model can be neither built from the primitives MindSpore shards
-nor compiled for several ranks on any machine of this project (no Ascend or GPU); the
-planner's refusal says so (planning/planner.py).
+3. But a stand-alone GRAPH_MODE compile of QuantV2 + QuantBatchMatmul carrying shard()
+   strategies writes the graph after the opt_a pass group (each primitive, its input shapes,
+   its in_strategy) before it fails at kernel selection ("Unsupported op [QuantV2] on CPU"):
+   what `msinfer layouts` reads, so a quantized model's semi_auto layout is checked on CPU
+   (docs/quantization.md, "semi_auto") though it runs on Ascend only.
 """
 import os
 import subprocess
@@ -40,6 +41,48 @@ def standalone_quant_batch_matmul():
         return f"ran: {out.asnumpy().tolist()}"
     except Exception as e:  # noqa: BLE001  (what MindSpore says is the finding)
         return f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
+
+
+def ir_before_kernel_selection():
+    """Finding 3: the opt_a graph of a sharded QuantV2 + QuantBatchMatmul, compiled
+    stand-alone on CPU, and where the compile stopped."""
+    import mindspore as ms
+    from mindspore import nn
+    from mindspore.ops.auto_generate import QuantBatchMatmul, QuantV2
+
+    from msinfer.tools.layouts import STAGE, dumping_ir, parse_ir, stage_dumps
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+
+    class W8A8Column(nn.Cell):
+        def __init__(self, t):
+            super().__init__()
+            self.quant = QuantV2().shard(((1, 1), (1,), (1,)))
+            self.qbmm = QuantBatchMatmul(transpose_x2=True, dtype=ms.float16).shard(
+                ((1, 1), (t, 1), (t,), (t,)))
+
+        def construct(self, x, weight, deq_scale, quant_bias, scale, offset):
+            x_q = self.quant(x, scale, offset, False, "ROUND", ms.int8)
+            return self.qbmm(x_q, weight, deq_scale, None, quant_bias)
+
+    args = (ms.Tensor(np.ones((2, 8), np.float16)), ms.Tensor(np.ones((4, 8), np.int8)),
+            ms.Tensor(np.ones(4, np.int64)), ms.Tensor(np.zeros(4, np.int32)),
+            ms.Tensor(np.ones(1, np.float16)), ms.Tensor(np.zeros(1, np.float16)))
+    folder = tempfile.mkdtemp(prefix="semi-auto-quant-ir-")
+    with dumping_ir(folder):
+        try:
+            W8A8Column(2)(*args)
+            stopped = "it compiled and ran"
+        except RuntimeError as e:  # the finding: where MindSpore stopped
+            stopped = next(line for line in str(e).splitlines() if "Unsupported op" in line)
+    dumps = [f for f in os.listdir(folder) if f.startswith(STAGE)]
+    if not dumps:
+        return f"no {STAGE}*.ir written; {stopped}"
+    with open(os.path.join(folder, stage_dumps(folder)[-1])) as f:
+        calls = [c for c in parse_ir(f.read(), "bench") if c.op.startswith("Quant")]
+    read = "; ".join(f"{c.op} {c.inputs} in_strategy {c.strategy}" for c in calls)
+    return f"{dumps[-1]} written: {read}. Then: {stopped.strip()}"
 
 
 def semi_auto_rank():
@@ -106,6 +149,8 @@ def main():
             for line in f:
                 if line.startswith("rank "):
                     print("  ", line.rstrip())
+    print("3. QuantV2 + QuantBatchMatmul with shard(), stand-alone GRAPH_MODE on CPU:",
+          ir_before_kernel_selection(), flush=True)
     return 0
 
 

@@ -32,6 +32,9 @@ TENSORS = {
     "W8A16": {"weight": (("I8",), "NK"), "weight_scale": (_FLOATS, "NG"),
               "weight_offset": (_FLOATS, "NG")},
 }
+# The schemes msinfer runs on Ascend's quantized matmuls (layers/linear_methods.py
+# ascend_kernels, W8A8S as W8A8): the ones semi_auto can lay out, as MindSpore shards only those
+ASCEND_SCHEMES = ("W8A8", "W8A16")
 # A projection left FLOAT (msModelSlim's disable_names): its float weight
 FLOAT_TENSORS = {"weight": (_FLOATS, "NK")}
 ALIASES = {"W8A8S": "W8A8"}  # sparse-friendly W8A8: the same tensors and formula

@@ -33,6 +33,7 @@ from mindspore import Tensor, ops
 
 from .. import log
 from ..engine_config import EngineLimits
+from ..errors import MsinferError
 from ..hardware import DTYPE_BYTES
 from ..layers.attention import new_cache
 from ..layers.cpu_forms import matmul_forms
@@ -375,7 +376,15 @@ class SemiAutoRunner(ModelRunner):
             self.compile_shape(self.shape_plan.at("decode", self.batch_buckets[0],
                                                   self.context_buckets[0]))
         for name, array in weights:
-            self.model.weights[name].set_data(Tensor(array, dtype=self.dtype))
+            if not isinstance(array, tuple):
+                self.model.weights[name].set_data(Tensor(array, dtype=self.dtype))
+                continue
+            for param, part in zip(self.model.weights[name], array):  # a quantized one's
+                if param.name.endswith("_scale") and part.shape[-1] != param.shape[-1]:
+                    raise MsinferError(f"{param.name}: {part.shape[-1]} groups of scales; "
+                                       f"semi_auto lays out per-channel scales only (group-"
+                                       f"wise W8A16 runs in parallel_mode explicit)")
+                param.set_data(Tensor(part, dtype=param.dtype))
 
     def _run(self, ids, positions, write, context_slots, mask, rows, shape):
         cos, sin = self._rotary(positions)
@@ -405,7 +414,7 @@ def build_runner(model_dir, ctx, layout, limits, world_size, profile, speculativ
     else:  # msModelSlim's tensors: a quantized projection's as a tuple (int8 weight, ...)
         weights = quantized_rank_weights(
             model_dir, ctx.plan, ctx.tensor_rank, names, host_dtype, tables,
-            table and ms.dtype_to_nptype(table))
+            table and ms.dtype_to_nptype(table), bias_on_rank_0=ctx.mode == "explicit")
     if ctx.mode == "semi_auto":
         model = family.Model(ctx, layout, full_shapes(config, names))
         runner = SemiAutoRunner(ctx, layout, limits, model=model, world_size=world_size)

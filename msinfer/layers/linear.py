@@ -16,7 +16,7 @@ from mindspore import nn, ops
 
 from ..hardware import rows_within
 from .cpu_forms import Expand
-from .linear_methods import TableMethod, method_class, table_dtype
+from .linear_methods import TableMethod, method_class, semi_auto_method, table_dtype
 from .parallel_context import ParallelContext
 
 
@@ -140,6 +140,9 @@ def quantized_method(ctx, name):
     scheme = quantization.scheme_at(name)  # in the layer `name` says (the layer's kind's)
     if scheme == "FLOAT":
         return None
+    if ctx.mode == "semi_auto":
+        return semi_auto_method(scheme)(ctx.plan.local_shape(name + ".weight")[1],
+                                        strategy=ctx.plan.in_strategy(name + ".weight"))
     row_max = None
     if ctx.explicit_collectives and ctx.plan.style(name + ".weight") == "rowwise":
         row_max = RowMax(ctx)

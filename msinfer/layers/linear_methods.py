@@ -31,6 +31,8 @@ import mindspore as ms
 from mindspore import nn, ops
 
 from .. import hardware
+from ..errors import MsinferError
+from ..quantization import ALIASES, ASCEND_SCHEMES
 from . import cpu_kernels
 
 # |x_q * W_q| <= 128 * 127: the sum of this many stays an exact float32 integer (< 2**24).
@@ -144,32 +146,80 @@ class W8A16Method(nn.Cell):
 class AscendW8A8Method(W8A8Method):
     """W8A8 on Ascend: QuantV2 (x -> int8) and QuantBatchMatmul (int32 accumulation,
     + quant_bias, * deq_scale as the device's int64 scale). Not run here (no CANN): the CPU
-    method above is its reference."""
+    method above is its reference.
 
-    def __init__(self, in_features, row_max=None):
+    semi_auto (`strategy`: the matmul in_strategy ((d, k), (n, k)) of the weight's style):
+    QuantV2 splits x as the matmul does, its per-tensor scale and offset whole;
+    QuantBatchMatmul takes the weight's split, and MindSpore lays deq_scale and quant_bias
+    out as the output's columns. A row-parallel layer (k > 1) gives QuantBatchMatmul no
+    bias: MindSpore sums the ranks' partial products after it, so a bias given to it would
+    be added k times; quant_bias * deq_scale is added to the sum instead (the same value,
+    rounded once more than the device's int32 addition)."""
+
+    def __init__(self, in_features, row_max=None, strategy=None):
         super().__init__(in_features)
         from mindspore.ops.auto_generate import QuantBatchMatmul, QuantV2
+        self.reciprocal = ops.Reciprocal()
         self.quant = QuantV2()
         self.qbmm = QuantBatchMatmul(transpose_x2=True, dtype=ms.float16)
+        self.bias_after_sum = None
+        if strategy is not None:
+            (d, k), (n, _) = strategy
+            self.reciprocal.shard(((1,),))
+            self.quant.shard(((d, k), (1,), (1,)))
+            if k == 1:
+                self.qbmm.shard(((d, k), (n, k), (n,), (n,)))
+            else:
+                self.qbmm.shard(((d, k), (n, k), (n,)))
+                self.bias_after_sum = QuantBiasAfterSum(d)
 
     def construct(self, x, weight, deq_scale, quant_bias, input_scale, input_offset):
-        x_q = self.quant(x, 1.0 / input_scale, input_offset, False, "ROUND", ms.int8)
-        return self.qbmm(x_q, weight, deq_scale, None, quant_bias)
+        x_q = self.quant(x, self.reciprocal(input_scale), input_offset, False, "ROUND", ms.int8)
+        if self.bias_after_sum is None:
+            return self.qbmm(x_q, weight, deq_scale, None, quant_bias)
+        return self.bias_after_sum(self.qbmm(x_q, weight, deq_scale, None, None), quant_bias,
+                                   deq_scale)
+
+
+class QuantBiasAfterSum(nn.Cell):
+    """y + quant_bias * deq_scale for a row-parallel W8A8 layer under semi_auto, y its
+    (tokens split `data`, columns whole) summed output: (acc + quant_bias) * deq_scale
+    with the bias outside the sum over ranks."""
+
+    def __init__(self, data):
+        super().__init__()
+        self.cast_bias = ops.Cast().shard(((1,),))
+        self.mul = ops.Mul().shard(((1,), (1,)))
+        self.cast_out = ops.Cast().shard(((1,),))
+        self.add = ops.Add().shard(((data, 1), (1,)))
+
+    def construct(self, y, quant_bias, deq_scale):
+        bias = self.mul(self.cast_bias(quant_bias, ms.float32), deq_scale)
+        return self.add(y, self.cast_out(bias, y.dtype))
 
 
 class AscendW8A16Method(W8A16Method):
     """W8A16 on Ascend: WeightQuantBatchMatmul (the device adds antiquant_offset, so it
-    takes the negated offset). Not run here (no CANN)."""
+    takes the negated offset). Not run here (no CANN). semi_auto (`strategy` as
+    AscendW8A8Method's): the weight's split, and MindSpore lays the per-channel scale and
+    offset out as the output's columns; a split input axis needs nothing more (the offset
+    applies per weight element, before the products are summed)."""
 
-    def __init__(self, in_features, row_max=None):
+    def __init__(self, in_features, row_max=None, strategy=None):
         super().__init__(in_features)
         from mindspore.ops.auto_generate import WeightQuantBatchMatmul
         self.wqbmm = WeightQuantBatchMatmul(transpose_weight=True, antiquant_group_size=0)
+        self.neg = ops.Neg()
+        if strategy is not None:
+            (d, k), (n, _) = strategy
+            self.neg.shard(((n,),))
+            self.wqbmm.shard(((d, k), (n, k), (n,), (n,)))
 
     def construct(self, x, weight, weight_scale, weight_offset):
         if weight_scale.shape[1] > 1:  # group-wise: the CPU form until checked on a device
             return super().construct(x, weight, weight_scale, weight_offset)
-        return self.wqbmm(x, weight, weight_scale.reshape(-1), -weight_offset.reshape(-1))
+        return self.wqbmm(x, weight, weight_scale.reshape(-1),
+                          self.neg(weight_offset.reshape(-1)))
 
 
 def kernel_op(function, inputs):
@@ -273,8 +323,9 @@ CPU_METHODS = {"W8A8": W8A8Method, "W8A8S": W8A8Method,
 
 def ascend_kernels():
     """The schemes whose Ascend kernels replace the CPU method (W8A8_DYNAMIC keeps the CPU
-    form until its per-token kernel is checked on a device)."""
-    return {"W8A8": AscendW8A8Method, "W8A8S": AscendW8A8Method, "W8A16": AscendW8A16Method}
+    form until its per-token kernel is checked on a device): quantization.ASCEND_SCHEMES."""
+    methods = {"W8A8": AscendW8A8Method, "W8A16": AscendW8A16Method}
+    return {s: methods[ALIASES.get(s, s)] for s in ASCEND_SCHEMES + tuple(ALIASES)}
 
 
 def cpu_kernel_methods():
@@ -285,6 +336,28 @@ def cpu_kernel_methods():
 def uses_cpu_kernels() -> bool:
     """Whether this process runs the C++ kernels: on CPU, where the host can build them."""
     return ms.get_context("device_target") == "CPU" and hardware.int8_kernels_available()
+
+
+def semi_auto_method(scheme):
+    """The method of `scheme` under semi_auto: MindSpore shards only its Ascend quantized
+    matmuls, so semi_auto takes their forms on every device (they run on Ascend only)."""
+    if scheme not in ascend_kernels():
+        raise MsinferError(f"{scheme} has no Ascend kernel in msinfer (its CPU form is "
+                           f"explicit mode's only); semi_auto lays out W8A8, W8A8S and W8A16")
+    return ascend_kernels()[scheme]
+
+
+def full_tensors(scheme, shape, dtype):
+    """(suffix, shape, dtype) of each tensor a linear of `scheme` takes, for a whole (out,
+    in) weight `shape`, in the dtypes the loader gives them (models/quant_loader.py): the
+    weight int8, deq_scale float32, quant_bias int32, the others `dtype`; scales per
+    channel."""
+    out = shape[0]
+    specs = {"weight": (tuple(shape), ms.int8), "deq_scale": ((out,), ms.float32),
+             "quant_bias": ((out,), ms.int32), "input_scale": ((1,), dtype),
+             "input_offset": ((1,), dtype), "weight_scale": ((out, 1), dtype),
+             "weight_offset": ((out, 1), dtype)}
+    return [(suffix,) + specs[suffix] for suffix in CPU_METHODS[scheme].TENSORS]
 
 
 def method_class(scheme):

@@ -5,8 +5,9 @@ quantized projection loads as the tuple its linear method takes (layers/linear_m
 its int8 weight kept int8, each tensor cut by the shard plan's split of its weight:
 - colwise (by output rows): weight, deq_scale, quant_bias and weight scales/offsets by row;
 - rowwise (by input columns): weight by column, group-wise scales by group, per-channel
-  scales whole, quant_bias on tensor rank 0 only (zeros elsewhere: the AllReduce that sums
-  the ranks' partial products adds it exactly once); activation scales whole everywhere.
+  scales whole, quant_bias on tensor rank 0 only in explicit mode (zeros elsewhere: the
+  AllReduce that sums the ranks' partial products adds it exactly once; semi_auto adds it
+  after MindSpore's sum, on every rank); activation scales whole everywhere.
 A fused projection (q/k/v, gate/up) stacks its parts' rows; its parts see the same input, so
 their activation scale and offset must agree.
 """
@@ -24,10 +25,11 @@ PER_TENSOR = ("input_scale", "input_offset")
 
 
 def quantized_rank_weights(model_dir, plan, tensor_rank, names, dtype, tables=(),
-                           table_dtype=None):
+                           table_dtype=None, bias_on_rank_0=True):
     """Yields (name, array) for each float weight in `names` and (name, tuple of arrays) for
     each quantized projection's, as rank_weights does for a float checkpoint; the float
-    weights in `tables` (the embedding, the lm_head) in `table_dtype` where it is given."""
+    weights in `tables` (the embedding, the lm_head) in `table_dtype` where it is given.
+    `bias_on_rank_0`: a row-parallel quant_bias on tensor rank 0 only (explicit mode)."""
     config = plan.config
     file_of, _ = weight_files(model_dir)
     checkpoint = Checkpoint(model_dir, file_of)
@@ -44,8 +46,8 @@ def quantized_rank_weights(model_dir, plan, tensor_rank, names, dtype, tables=()
     yield from checkpoint.load([n for n in floats if n not in tables], parts_of, dtype)
     for name in quantized:
         scheme = _scheme(config, name)
-        yield name, tuple(_stacked(checkpoint, plan, tensor_rank, name, suffix, dtype)
-                          for suffix in tensor_suffixes(scheme))
+        yield name, tuple(_stacked(checkpoint, plan, tensor_rank, name, suffix, dtype,
+                                   bias_on_rank_0) for suffix in tensor_suffixes(scheme))
 
 
 def _scheme(config, name):
@@ -55,7 +57,7 @@ def _scheme(config, name):
     return config.quantization.scheme_at(name)
 
 
-def _stacked(checkpoint, plan, tensor_rank, name, suffix, dtype):
+def _stacked(checkpoint, plan, tensor_rank, name, suffix, dtype, bias_on_rank_0):
     """`suffix`'s tensor of fused weight `name` on this rank: its parts' slices stacked."""
     blocks = []
     for part in checkpoint_parts(name):
@@ -76,7 +78,7 @@ def _stacked(checkpoint, plan, tensor_rank, name, suffix, dtype):
                     whole[rows, :]
             else:  # deq_scale, quant_bias: one per output row
                 block = whole[rows]
-        if suffix == "quant_bias" and rowwise and tensor_rank > 0:
+        if suffix == "quant_bias" and rowwise and tensor_rank > 0 and bias_on_rank_0:
             block = np.zeros_like(block)
         blocks.append(_converted(block, suffix, dtype))
     if suffix in PER_TENSOR:

@@ -26,7 +26,7 @@ from ..layers.cpu_forms import matmul_forms
 from ..layers.embedding import ParallelEmbedding
 from ..layers.linear import ParallelLinear
 from ..layers.mlp import SwiGLU
-from ..layers.linear_methods import tensor_suffixes
+from ..layers.linear_methods import full_tensors, tensor_suffixes
 from ..layers.norm import RMSNorm
 from ..layers.parallel_context import SemiAutoLayout, shard
 from ..layers.self_attention import SelfAttention
@@ -170,17 +170,18 @@ class LayerStack(nn.Cell):
         for i in range(self.count):
             args = per_layer[self.firsts[i]:self.firsts[i] + self.args[i]]
             x = self.layers[i](x, cos, sin, args[0], args[1], write_slots, context_slots, mask,
-                               *self._grouped(args[2:], self.arity[i]))
+                               *grouped(args[2:], self.arity[i]))
         return x
 
-    def _grouped(self, flat, arity):
-        """A layer's flat weight tensors grouped per weight (a tuple for a quantized one)."""
-        grouped = ()
-        start = 0
-        for count in arity:
-            grouped = grouped + ((flat[start] if count == 1 else flat[start:start + count]),)
-            start += count
-        return grouped
+
+def grouped(flat, arity):
+    """A layer's flat weight tensors grouped per weight (a tuple for a quantized one)."""
+    found = ()
+    start = 0
+    for count in arity:
+        found = found + ((flat[start] if count == 1 else flat[start:start + count]),)
+        start += count
+    return found
 
 
 class Embedding(nn.Cell):
@@ -232,6 +233,20 @@ class LMHead(nn.Cell):
         return logits
 
 
+def weight_params(config, layer, weight, shapes, param, dtype):
+    """The semi_auto Parameters of `weight` of decoder layer `layer`, made by `param(name,
+    shape=None, dtype=None)`: itself, or a quantized projection's tensors whole
+    (linear_methods.full_tensors), as MindSpore takes them under semi_auto."""
+    name = f"model.layers.{layer}.{weight}"
+    suffixes = layer_weight_tensors(config, weight, layer)
+    if len(suffixes) == 1 and name.endswith(suffixes[0]):
+        return [param(name)]
+    base = name[:-len("weight")]
+    scheme = config.quantization.scheme_at(name)
+    return [param(base + suffix, size, kind)
+            for suffix, size, kind in full_tensors(scheme, shapes[name], dtype)]
+
+
 class Qwen2Model(nn.Cell):
     """The whole model in one graph, owning its weights as Parameters (semi_auto mode).
 
@@ -246,23 +261,36 @@ class Qwen2Model(nn.Cell):
         super().__init__()
         config = ctx.config
         self.embedding = Embedding(ctx)
-        self.layer = self.LAYER(ctx)
+        # A decoder-layer Cell per kind of layer (ModelConfig.layer_kinds: a quantized
+        # checkpoint may leave some layers' projections float), built for its first layer.
+        first_of = {}
+        for n, kind in enumerate(config.layer_kinds()):
+            first_of.setdefault(kind, n)
+        self.layers = nn.CellList([self.LAYER(ctx, n) for n in first_of.values()])
+        self.layer_cell = tuple(list(first_of).index(k) for k in config.layer_kinds())
         self.head = LMHead(ctx)
 
-        def param(name):
-            return Parameter(Tensor(shape=shapes[name], dtype=ctx.dtype, init=Zero()),
-                             name=name, requires_grad=False)
+        def param(name, shape=None, dtype=None):
+            return Parameter(Tensor(shape=shape or shapes[name], dtype=dtype or ctx.dtype,
+                                    init=Zero()), name=name, requires_grad=False)
 
         self.embed_weight = param(EMBEDDING_WEIGHT)
         self.weights = {EMBEDDING_WEIGHT: self.embed_weight}
-        holders = []
+        holders, arities = [], []
         for n in range(config.num_layers):
-            params = ms.ParameterTuple([param(f"model.layers.{n}.{w}")
-                                        for w in self.LAYER.WEIGHTS])
+            flat, arity = [], []
+            for w in self.LAYER.WEIGHTS:
+                tensors = weight_params(config, n, w, shapes, param, ctx.dtype)
+                self.weights[f"model.layers.{n}.{w}"] = (tensors[0] if len(tensors) == 1
+                                                         else tuple(tensors))
+                flat += tensors
+                arity.append(len(tensors))
+            params = ms.ParameterTuple(flat)
             setattr(self, f"layer{n}_weights", params)  # registered with the Cell
-            self.weights.update({p.name: p for p in params})
             holders.append(params)
+            arities.append(tuple(arity))
         self.layer_params = tuple(holders)
+        self.arity = tuple(arities)
         norm_name, lm_name = head_weight_names(config)
         self.norm_weight = param(norm_name)
         self.weights[norm_name] = self.norm_weight
@@ -277,8 +305,9 @@ class Qwen2Model(nn.Cell):
     def construct(self, ids, cos, sin, write_slots, context_slots, mask, logit_rows):
         x = self.embedding(ids, self.embed_weight)
         for n in range(len(self.layer_params)):
-            x = self.layer(x, cos, sin, self.k_caches[n], self.v_caches[n], write_slots,
-                           context_slots, mask, *self.layer_params[n])
+            x = self.layers[self.layer_cell[n]](
+                x, cos, sin, self.k_caches[n], self.v_caches[n], write_slots, context_slots,
+                mask, *grouped(self.layer_params[n], self.arity[n]))
         return self.head(x, logit_rows, self.norm_weight, self.lm_weight)
 
 

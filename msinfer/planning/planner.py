@@ -24,6 +24,7 @@ from ..errors import PlanRefused
 from ..hardware import (DTYPE_BYTES, GiB, HardwareProfile, compute_dtype, cpu_matmul_forms,
                         dtype_name)
 from ..parallel.strategy import ShardPlan, Strategy, decide_parallel_mode
+from ..quantization import ASCEND_SCHEMES
 from .memory import draft_config, engine_memory, verify_rows
 from .shapes import ExplicitGraphs, ShapeBuckets
 from .workspace import stack_layers
@@ -128,12 +129,7 @@ def make_plan(config: ModelConfig, strategy: Strategy, profile: HardwareProfile,
     if config.quantization is not None:
         report.quantization = quantization_words(config.quantization)
         if mode == "semi_auto" and not refusal:
-            refusal = (f"{config.source}: a quantized checkpoint ({report.quantization}) runs "
-                       f"in parallel_mode explicit only (the default), which runs the same "
-                       f"strategy: under semi_auto MindSpore shards only its Ascend quantized "
-                       f"matmuls (QuantBatchMatmul, WeightQuantBatchMatmul) and compiles "
-                       f"nothing for several ranks on CPU, so no quantized semi_auto layout "
-                       f"has been run (docs/quantization.md, bench/semi_auto_quantized.py)")
+            refusal = _quantized_semi_auto_refusal(config, profile)
     if speculative is not None and mode != "explicit" and not refusal:
         refusal = (f"speculative decoding runs in parallel_mode explicit only; this plan is "
                    f"{mode} (give --parallel-mode explicit)")
@@ -219,6 +215,27 @@ def quantization_words(quantization) -> str:
     kinds = " + ".join(sorted(quantized)) or "FLOAT"
     return (f"{kinds} (msModelSlim: {'; '.join(parts)}): int8 weights with their scales; "
             f"embeddings, norms and lm_head float")
+
+
+def _quantized_semi_auto_refusal(config, profile):
+    """Why a quantized checkpoint cannot run under semi_auto on `profile`, or None. MindSpore
+    shards only its Ascend quantized primitives (QuantV2, QuantBatchMatmul,
+    WeightQuantBatchMatmul), which have no CPU or GPU kernel; `msinfer layouts` checks their
+    layout on CPU (docs/quantization.md)."""
+    schemes = {s for layer in config.quantization.layer_schemes for s in layer} - {"FLOAT"}
+    without = sorted(schemes - set(ASCEND_SCHEMES))
+    if without:
+        return (f"{config.source}: {', '.join(without)} runs in parallel_mode explicit only "
+                f"(the default): msinfer has no Ascend kernel for it, and under semi_auto "
+                f"MindSpore shards only its Ascend quantized matmuls (W8A8, W8A8S, W8A16)")
+    if profile.device_target != "Ascend":
+        return (f"{config.source}: a quantized checkpoint "
+                f"({config.quantization.model_quant_type}) under semi_auto runs "
+                f"MindSpore's Ascend quantized primitives (QuantV2, QuantBatchMatmul, "
+                f"WeightQuantBatchMatmul), which have no {profile.device_target} kernel: run "
+                f"it in parallel_mode explicit (the default) here; `msinfer layouts` checks "
+                f"its semi_auto layout on CPU")
+    return None
 
 
 def _hardware_refusal(strategy, profile, mode):

@@ -19,7 +19,14 @@ split on the gathered axis takes unsplit ids, except its 2-D "batch and axis" mo
 ScatterUpdateInfo (axis 0 of the input and the indices unsplit, the updates split as
 indices + input[1:]), ArithmeticBase (equal splits where neither input broadcasts), Softmax
 (its axis unsplit), StridedSlice (sliced axes unsplit), Concat (its axis unsplit, inputs alike);
-and one of msinfer's own: what the graph returns (the logits) is whole on every rank.
+QuantV2Info (an ArithmeticBase over x, scale, offset), and QuantBatchMatmulInfo /
+WeightQuantBatchMatmulInfo (x and weight as MatMul; the later inputs laid out as the output's
+columns; a bias under a split contracted axis added once per rank); and one of msinfer's
+own: what the graph returns (the logits) is whole on every rank.
+
+A quantized model is built with its Ascend methods (the primitives MindSpore shards), in
+float16. They have no CPU kernel: its compile fails at kernel selection, after the STAGE
+graph is written, and that failure alone is accepted (docs/quantization.md, "semi_auto").
 
 The model is built small: each size a split could divide (vocabulary, intermediate size,
 head_dim) becomes its gcd with L = lcm(1..max(8, world_size)), so every split of at most
@@ -135,12 +142,17 @@ def _check_values(call, device_num):
     return found
 
 
-def _matmul(call, device_num):
-    a, b = call.strategy
+def _transposes(call):
+    """(transpose of input 0, of input 1): a matmul's first two Bool arguments."""
     flags = [v == "1" for v in re.findall(r"Bool\((\d)\)", call.args)]
-    transpose_a, transpose_b = (flags + [False, False])[:2]
     if call.op == "BatchMatMul" and len(flags) < 2:
-        transpose_a = transpose_b = False
+        return False, False
+    return tuple((flags + [False, False])[:2])
+
+
+def _matmul(call, device_num):
+    a, b = call.strategy[:2]  # a quantized matmul's scales follow (_quant_matmul)
+    transpose_a, transpose_b = _transposes(call)
     k_a = a[-2] if transpose_a else a[-1]
     k_b = b[-1] if transpose_b else b[-2]
     found = []
@@ -238,9 +250,83 @@ def _concat(call, device_num):
     return found
 
 
+# MindSpore's quantized matmuls: positional inputs (None where not given), and which of them
+# their op infos lay out by the output's column split.
+QUANT_MATMULS = {
+    # QuantBatchMatmul(x1, x2, scale, offset, bias, pertoken_scale, transpose_x1, ...)
+    "QuantBatchMatmul": dict(bias=4, by_output=(2, 3, 4)),
+    # WeightQuantBatchMatmul(x, weight, antiquant_scale, antiquant_offset, quant_scale,
+    #                        quant_offset, bias, transpose_x, transpose_weight, group_size)
+    "WeightQuantBatchMatmul": dict(bias=6, by_output=(2, 3, 4, 5, 6)),
+}
+
+
+def _quant_matmul(call, device_num):
+    """QuantBatchMatmulInfo / WeightQuantBatchMatmulInfo (MindSpore 2.10): x and the weight
+    as MatMul's (contracted axes alike, batch axes alike). Every input after them takes the
+    tensor map of the output's last axis (a 1-D one of size 1 none; WeightQuantBatchMatmul's
+    2-D group-wise ones the weight's), whatever its own in_strategy says, so msinfer asks
+    that it say exactly that. A split contracted axis makes the op info insert an AllReduce
+    (sum) after the op and nothing else: a bias given to the op would be added once per
+    rank of that split."""
+    found = _matmul(call, device_num)
+    spec = QUANT_MATMULS[call.op]
+    positions = _tensor_positions(call.args)
+    a, b = call.strategy[:2]
+    transpose_a, transpose_b = _transposes(call)
+    k = a[-2] if transpose_a else a[-1]
+    n = b[-2] if transpose_b else b[-1]
+    for i, position in enumerate(positions):
+        if i < 2 or position not in spec["by_output"]:
+            continue
+        shape, split = call.inputs[i], tuple(call.strategy[i])
+        if len(shape) == 2:
+            expected = tuple(b[-2:])
+        else:
+            expected = (1,) if shape == (1,) else (n,)
+        if split != expected:
+            found.append(Violation(call, i, f"{call.op} lays this input out as the output's "
+                                            f"columns, {_fmt(expected)}, not {_fmt(split)}"))
+    if k > 1 and spec["bias"] in positions:
+        found.append(Violation(call, positions.index(spec["bias"]),
+                               f"the contracted axis is split {k}: MindSpore sums the {k} "
+                               f"partial products with an AllReduce after the op, so a bias "
+                               f"given to the op is added {k} times"))
+    return found
+
+
+def _tensor_positions(args):
+    """The positional index of each tensor input among a call's IR arguments (None, scalars
+    and strings are not tensor inputs)."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(args + ","):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            items.append(args[start:i].strip())
+            start = i + 1
+    scalar = re.compile(r"^(None|Bool\(|[IUF]\d+\(|\"|String)")
+    return [n for n, item in enumerate(items) if item and not scalar.match(item)]
+
+
+def _quant_v2(call, device_num):
+    """QuantV2Info is AntiQuantInfo, an ArithmeticBase over (x, scale, offset): scale and
+    offset broadcast against x, split alike where they do not."""
+    found = []
+    for i in (1, 2)[:len(call.inputs) - 1]:
+        pair = dataclasses.replace(call, inputs=[call.inputs[0], call.inputs[i]],
+                                   strategy=(call.strategy[0], call.strategy[i]))
+        found += [dataclasses.replace(v, call=call, input=i) for v in _broadcast(pair, device_num)]
+    return found
+
+
 _OP_RULES = {"MatMul": _matmul, "BatchMatMul": _matmul, "Gather": _gather,
              "ScatterUpdate": _scatter_update, "Softmax": _softmax,
-             "StridedSlice": _strided_slice, "Concat": _concat}
+             "StridedSlice": _strided_slice, "Concat": _concat,
+             "QuantBatchMatmul": _quant_matmul, "WeightQuantBatchMatmul": _quant_matmul,
+             "QuantV2": _quant_v2}
 
 
 def _left_pad(values, rank):
@@ -476,10 +562,27 @@ def record(config, plan, dtype, ir_dir):
     for kind, size in steps:
         folder = os.path.join(ir_dir, kind)
         with dumping_ir(folder):
-            runner.compile_shape(runner.shape_plan.at(kind, size, runner.context_buckets[0]))
+            try:
+                runner.compile_shape(runner.shape_plan.at(kind, size,
+                                                          runner.context_buckets[0]))
+            except RuntimeError as e:
+                if not ascend_only(e, folder):
+                    raise
         with open(os.path.join(folder, stage_dumps(folder)[-1])) as f:
             calls += parse_ir(f.read(), kind)
     return calls
+
+
+ASCEND_QUANTIZED = ("QuantV2", "QuantBatchMatmul", "WeightQuantBatchMatmul")
+
+
+def ascend_only(error, folder):
+    """Whether a compile failed only where a quantized model's Ascend primitives find no CPU
+    kernel: at kernel selection, after the front end wrote the STAGE graph this check
+    reads."""
+    found = re.search(r"Unsupported op \[(\w+)\] on CPU", str(error))
+    return (found is not None and found.group(1) in ASCEND_QUANTIZED
+            and any(f.startswith(STAGE) for f in os.listdir(folder)))
 
 
 @contextlib.contextmanager
@@ -533,7 +636,9 @@ def run(model, strategy_path, hardware="cpu"):
         "intermediate_size", "vocab_size")}
     report["raw_rules_refused_by_msinfer"] = refusal
     # bfloat16 does not run on CPU; float16 makes the same graph (the same float32 casts).
-    report["built"]["dtype"] = "float16" if dtype == "bfloat16" else dtype
+    # A quantized model is built with its Ascend kernels, which compute in float16.
+    quantized = config.quantization is not None
+    report["built"]["dtype"] = "float16" if dtype == "bfloat16" or quantized else dtype
     with tempfile.TemporaryDirectory(prefix="msinfer-layouts-") as ir_dir:
         calls = record(small, plan, report["built"]["dtype"], ir_dir)
     report["calls"] = calls

@@ -354,10 +354,10 @@ def test_semi_auto_model_with_tp4_shard_annotations_matches_hf_standalone(
     assert full["model.embed_tokens.weight"].shape == (config.vocab_size, config.hidden_size)
     model = models.Model(ctx, layout, {n: a.shape for n, a in full.items()})
     assert model.head.lm_head.matmul.in_strategy == ((data, 1), (tensor, 1))
-    assert model.layer.self_attn.o_proj.matmul.in_strategy == ((data, tensor), (1, tensor))
+    assert model.layers[0].self_attn.o_proj.matmul.in_strategy == ((data, tensor), (1, tensor))
     assert model.k_caches[0].shape == (layout.num_slots, config.num_kv_heads, config.head_dim)
     if family == "qwen3":
-        assert model.layer.q_norm.to_float.in_strategy == ((1, tensor, 1),)
+        assert model.layers[0].q_norm.to_float.in_strategy == ((1, tensor, 1),)
     for name, array in full.items():
         model.weights[name].set_data(ms.Tensor(array))
     limits = EngineLimits(max_num_seqs=4, max_prefill_tokens=16, max_model_len=128)

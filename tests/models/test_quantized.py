@@ -511,6 +511,75 @@ def test_the_quantization_flag_forces_or_refuses(quantized, small_checkpoint, ca
     assert "no quant_model_description.json" in capsys.readouterr().err
 
 
+def semi_auto_runner(model_dir):
+    """The semi_auto runner of one rank on `model_dir`, its weights loaded (not run: its
+    Ascend primitives have no CPU kernel), and its plan."""
+    import mindspore as ms
+
+    from msinfer.config import load_config
+    from msinfer.engine.model_runner import build_runner
+    from msinfer.engine_config import EngineLimits
+    from msinfer.hardware import get_profile
+    from msinfer.layers.parallel_context import ParallelContext
+    from msinfer.parallel.distributed import set_graph_mode
+    from msinfer.parallel.strategy import Strategy
+    from msinfer.planning.kv_layout import CacheLayout
+
+    config = load_config(model_dir)
+    set_graph_mode("CPU")
+    plan = Strategy.default(parallel_mode="semi_auto").resolve(config)
+    ctx = ParallelContext(config=config, plan=plan, mode="semi_auto", dtype=ms.float32)
+    layout = CacheLayout(config.num_layers, plan.local_kv_heads, config.head_dim,
+                         block_size=4, num_blocks=8, dtype_bytes=4)
+    limits = EngineLimits(max_num_seqs=2, max_prefill_tokens=16, max_model_len=32)
+    return build_runner(model_dir, ctx, layout, limits, 1, get_profile("cpu")), plan
+
+
+def test_semi_auto_holds_each_quantized_tensor_and_every_rank_a_row_layers_quant_bias(
+        quantized):
+    """semi_auto (its layout checked by `msinfer layouts`, tests/tools/test_layouts.py): the
+    model's Parameters take the loader's tensors in their own dtypes, and a row-parallel
+    layer's quant_bias is on every rank (the Ascend method adds it after MindSpore's sum),
+    where explicit mode keeps it on tensor rank 0 only."""
+    import mindspore as ms
+
+    from msinfer.config import load_config
+    from msinfer.layers.linear_methods import AscendW8A8Method
+    from msinfer.models.quant_loader import quantized_rank_weights
+    from msinfer.parallel.strategy import Strategy
+
+    model_dir = quantized["qwen2_w8a8_v0_fp16"]
+    config = load_config(model_dir)
+    down = "model.layers.0.mlp.down_proj.weight"
+    bias = AscendW8A8Method.TENSORS.index("quant_bias")
+    tp2 = Strategy.default(tensor=2, parallel_mode="semi_auto").resolve(config)
+    explicit, = (a for _, a in quantized_rank_weights(model_dir, tp2, 1, [down], np.float32))
+    semi_auto, = (a for _, a in quantized_rank_weights(model_dir, tp2, 1, [down], np.float32,
+                                                       bias_on_rank_0=False))
+    assert not explicit[bias].any() and semi_auto[bias].any()
+
+    runner, plan = semi_auto_runner(model_dir)
+    names = [n for n in runner.model.weights if config.quantization.scheme_at(n) == "W8A8"]
+    assert names and all(isinstance(runner.model.weights[n], tuple) for n in names)
+    loaded = dict(quantized_rank_weights(model_dir, plan, 0, names, np.float32,
+                                         bias_on_rank_0=False))
+    for name in names:
+        held = runner.model.weights[name]
+        assert [p.name.rsplit(".", 1)[1] for p in held] == list(AscendW8A8Method.TENSORS)
+        assert [p.dtype for p in held] == [ms.int8, ms.float32, ms.int32, ms.float32,
+                                           ms.float32]
+        for param, array in zip(held, loaded[name]):
+            np.testing.assert_array_equal(param.asnumpy(), array)
+
+
+def test_semi_auto_refuses_group_wise_scales_when_loading(quantized):
+    from msinfer.errors import MsinferError
+
+    with pytest.raises(MsinferError, match=r"qkv_proj.weight_scale: 4 groups of scales; "
+                                           r"semi_auto lays out per-channel scales only"):
+        semi_auto_runner(quantized[GROUPED])
+
+
 def test_integer_products_are_exact_past_float32s_reach():
     """x_q @ W_q.T over 4,864 inputs (the 0.5B shape's down_proj): float32 alone is exact to
     2**24 only; runs of at most 1,032 inputs, summed in int32, are exact at the extremes."""

@@ -62,10 +62,26 @@ def test_quantized_presets_and_what_the_plan_says(capsys):
     assert code == 0 and "quantized  W8A8" in out and "FITS" in out, out
 
 
-def test_semi_auto_refuses_a_quantized_model():
-    report = plan("qwen2.5-72b-w8a8", mode="semi_auto")
-    assert not report.fits and "parallel_mode explicit only" in report.errors[0]
-    assert "bench/semi_auto_quantized.py" in report.errors[0]  # the reproduction of why
+def test_semi_auto_plans_a_quantized_model_for_ascend_only():
+    """Its layout is what `msinfer layouts` checks (tests/tools/test_layouts.py); its Ascend
+    primitives have no CPU kernel, and W8A8_DYNAMIC has no Ascend method."""
+    import dataclasses
+
+    from msinfer.quantization import preset
+
+    assert plan("qwen2.5-72b-w8a8", mode="semi_auto").fits
+    config = load_config("qwen2.5-7b-w8a16")
+    tp1 = load_strategy(os.path.join(ROOT, "strategies", "qwen2_tp1.yaml"))
+    on_cpu = make_plan(config, tp1, get_profile("cpu"), EngineLimits.for_model(config),
+                       parallel_mode="semi_auto")
+    assert "qwen2.5-7b-w8a16: a quantized checkpoint (W8A16) under semi_auto" in \
+        on_cpu.errors[0] and "no CPU kernel" in on_cpu.errors[0]
+    assert "`msinfer layouts` checks its semi_auto layout" in on_cpu.errors[0]
+    dynamic = dataclasses.replace(config, quantization=preset("W8A8_DYNAMIC",
+                                                              config.num_layers))
+    report = make_plan(dynamic, TP2, DUO, EngineLimits.for_model(dynamic),
+                       parallel_mode="semi_auto")
+    assert "W8A8_DYNAMIC runs in parallel_mode explicit only" in report.errors[0]
 
 
 def test_layers_left_float_are_counted_in_their_own_scheme_and_graphs():

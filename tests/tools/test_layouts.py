@@ -247,6 +247,117 @@ def test_the_logits_leave_the_real_graph_whole():
     assert returned == [("decode", "Identity", ((1, 1),)), ("prefill", "Identity", ((1, 1),))]
 
 
+# ---- the quantized matmuls (MindSpore's QuantV2Info, QuantBatchMatmulInfo and
+# WeightQuantBatchMatmulInfo) ----
+
+QBMM_ARGS = "%1, %2, %3, None, %4, None, Bool(0), Bool(1), I64(42)"  # x, w, scale, -, bias
+WQBMM_ARGS = "%1, %2, %3, %4, None, None, None, Bool(0), Bool(1), I64(0)"
+
+
+def test_quant_batch_matmul_column_parallel_is_legal_its_scales_go_by_output_columns():
+    column = [(16, 64), (128, 64), (128,), (128,)]
+    assert rules(call("QuantBatchMatmul", column, ((1, 1), (4, 1), (4,), (4,)),
+                      args=QBMM_ARGS)) == []
+    assert rules(call("QuantBatchMatmul", column, ((1, 1), (4, 1), (1,), (4,)),
+                      args=QBMM_ARGS)) == [
+        "QuantBatchMatmul lays this input out as the output's columns, (4,), not (1,)"]
+
+
+def test_quant_batch_matmul_split_contracted_axis_takes_no_bias():
+    """MindSpore sums a split reduction with an AllReduce after the op: a bias in it would be
+    added once per rank."""
+    row = [(16, 64), (128, 64), (128,), (128,)]
+    found = check(call("QuantBatchMatmul", row, ((1, 4), (1, 4), (1,), (1,)), args=QBMM_ARGS),
+                  4)
+    assert [(v.input, v.rule) for v in found] == [
+        (3, "the contracted axis is split 4: MindSpore sums the 4 partial products with an "
+            "AllReduce after the op, so a bias given to the op is added 4 times")]
+    assert rules(call("QuantBatchMatmul", row[:3], ((1, 4), (1, 4), (1,)),
+                      args="%1, %2, %3, None, None, None, Bool(0), Bool(1), I64(42)")) == []
+    assert rules(call("QuantBatchMatmul", row[:3], ((1, 4), (1, 2), (1,)),
+                      args="%1, %2, %3, None, None, None, Bool(0), Bool(1), I64(42)")) == [
+        "the contracted axis is split 4 in input 0 but 2 in input 1 (transpose_b=True)"]
+
+
+def test_weight_quant_batch_matmul_scales_by_columns_group_wise_ones_as_the_weight():
+    assert rules(call("WeightQuantBatchMatmul", [(16, 64), (128, 64), (128,), (128,)],
+                      ((1, 1), (4, 1), (4,), (4,)), args=WQBMM_ARGS)) == []
+    group_wise = [(16, 64), (128, 64), (128, 4), (128, 4)]
+    assert rules(call("WeightQuantBatchMatmul", group_wise,
+                      ((1, 4), (1, 4), (1, 4), (1, 4)), args=WQBMM_ARGS)) == []
+    assert rules(call("WeightQuantBatchMatmul", group_wise,
+                      ((1, 4), (1, 4), (1, 1), (1, 4)), args=WQBMM_ARGS)) == [
+        "WeightQuantBatchMatmul lays this input out as the output's columns, (1, 4), not "
+        "(1, 1)"]
+
+
+def test_quant_v2_scale_and_offset_broadcast_against_x():
+    quant = "%1, %2, %3, Bool(0), I64(0), I64(32)"
+    assert rules(call("QuantV2", [(16, 64), (1,), (1,)], ((2, 2), (1,), (1,)), args=quant)) == []
+    assert rules(call("QuantV2", [(16, 64), (64,), (1,)], ((1, 4), (1,), (1,)), args=quant)) == [
+        "axis 1 (sizes 64 and 64) is split 4 and 1: where neither input broadcasts, the "
+        "splits must be equal"]
+
+
+def test_semi_auto_lays_out_only_the_schemes_with_ascend_kernels():
+    from msinfer.errors import MsinferError
+    from msinfer.layers.linear_methods import AscendW8A8Method, semi_auto_method
+
+    assert semi_auto_method("W8A8S") is AscendW8A8Method
+    with pytest.raises(MsinferError, match="W8A8_DYNAMIC has no Ascend kernel"):
+        semi_auto_method("W8A8_DYNAMIC")
+
+
+def test_only_the_quantized_primitives_missing_cpu_kernels_after_the_dump_is_tolerated(
+        tmp_path):
+    from msinfer.tools.layouts import STAGE, ascend_only
+
+    def failure(op):
+        return RuntimeError(f"- Kernel select failed:\nUnsupported op [{op}] on CPU, Please "
+                            f"confirm whether the device target setting is correct")
+
+    assert not ascend_only(failure("QuantV2"), tmp_path)  # nothing written yet
+    (tmp_path / f"{STAGE}0160.ir").write_text("")
+    assert ascend_only(failure("QuantV2"), tmp_path)
+    assert ascend_only(failure("WeightQuantBatchMatmul"), tmp_path)
+    assert not ascend_only(failure("MatMul"), tmp_path)
+    assert not ascend_only(RuntimeError("Invalid backend: CPU"), tmp_path)
+
+
+QUANTIZED = {"qwen2.5-72b-w8a8": TP4,  # W8A8: one run each
+             "qwen2.5-7b-w8a16": os.path.join(ROOT, "strategies", "qwen2_dp2_tp2.yaml")}
+
+
+@pytest.mark.parametrize("model", sorted(QUANTIZED))
+def test_a_quantized_model_is_laid_out_on_its_ascend_primitives_and_clean(model, capsys,
+                                                                          monkeypatch):
+    """Built with the Ascend methods on CPU: the compile stops at kernel selection (no CPU
+    kernel for QuantV2 and the quantized matmuls), after the graph the check reads."""
+    monkeypatch.setattr("msinfer.cli.layouts.run", report)
+    assert main(["layouts", "--model", model, "--strategy", QUANTIZED[model]]) == 0
+    assert "clean:" in capsys.readouterr().out
+    found = report(model, QUANTIZED[model])
+    assert found["built"]["dtype"] == "float16" and found["violations"] == []
+    t, d = found["tensor"], found["data"]
+    matmuls = [c for c in found["calls"] if c.op.endswith("QuantBatchMatmul")]
+    assert {c.graph for c in matmuls} == {"decode", "prefill"}
+    assert not any(c.op == "MatMul" and c.source.startswith(("layers/mlp", "layers/self_att"))
+                   for c in found["calls"])  # every projection quantized
+    column = [c for c in matmuls if c.strategy[1] == (t, 1)]
+    row = [c for c in matmuls if c.strategy[1] == (1, t)]
+    assert column and row and len(column) + len(row) == len(matmuls)
+    assert all(c.strategy[0] == (d, 1) and set(c.strategy[2:]) == {(t,)} for c in column)
+    assert all(c.strategy[0] == (d, t) and set(c.strategy[2:]) == {(1,)} for c in row)
+    if model.endswith("w8a8"):  # QuantV2 splits x as its matmul; row-parallel: no bias
+        quants = [c for c in found["calls"] if c.op == "QuantV2"]
+        assert len(quants) == len(matmuls)
+        assert {c.strategy[1:] for c in quants} == {((1,), (1,))}
+        assert all(len(c.inputs) == 3 for c in row) and all(len(c.inputs) == 4 for c in column)
+        after = [c for c in found["calls"] if c.op == "Add"
+                 and c.source.startswith("layers/linear_methods.py")]
+        assert len(after) == len(row) and {c.strategy for c in after} == {((d, 1), (1,))}
+
+
 # ---- planted violations ----
 
 def planted(tmp_path, **rules):
