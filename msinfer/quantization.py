@@ -235,8 +235,9 @@ def preset(scheme, num_layers):
 def stored_bytes(quantization, name, rows, cols, dtype_bytes):
     """Bytes a rank holds for checkpoint tensor `name` of its (rows, cols) slice: int8
     weights and their per-row scales for a quantized projection (models/quant_loader.py:
-    deq_scale float32 and quant_bias int32; weight scale and offset in the compute dtype),
-    else rows x cols x dtype_bytes."""
+    deq_scale float32 and quant_bias int32; weight scale and offset in the compute dtype;
+    W8A8's activation scale and offset, whole on every rank, once per fused projection,
+    counted with its first part), else rows x cols x dtype_bytes."""
     elements = rows * cols
     if quantization is None or not (name.startswith("model.layers.")
                                     and name.endswith(".weight")):
@@ -246,4 +247,7 @@ def stored_bytes(quantization, name, rows, cols, dtype_bytes):
                "W8A16": 2 * dtype_bytes}[scheme]
     if per_row is None:
         return elements * dtype_bytes
-    return elements + rows * per_row
+    first_parts = {parts[0] for parts in FUSED.values()}
+    per_tensor = 2 * dtype_bytes if scheme == "W8A8" and any(
+        name.endswith(f".{part}.weight") for part in first_parts) else 0
+    return elements + rows * per_row + per_tensor

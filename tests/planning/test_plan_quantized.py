@@ -36,7 +36,9 @@ def test_qwen25_72b_w8a8_fits_one_300i_duo_card_where_float_does_not():
     floats = 2 * (2 * vocab * hidden // 2            # embedding and lm_head, vocab-split
                   + layers * 2 * hidden + hidden     # norms
                   + layers * (hidden + 2 * kv) // 2)  # q/k/v biases (unused, loaded)
-    assert report.devices[0].weights_bytes == int8 + scales + floats
+    # input_scale and input_offset (float16) of q/k/v, o, gate/up and down, whole on each chip
+    activation = layers * 4 * 2 * 2
+    assert report.devices[0].weights_bytes == int8 + scales + floats + activation
     assert report.devices[0].weights_bytes < 0.55 * plan("qwen2.5-72b").devices[0].weights_bytes
     assert report.kv_tokens >= 8192 and report.max_concurrency >= 1
     # The decode bound reads the int8 bytes: weights less the embedding table per step.
@@ -99,9 +101,10 @@ def test_layers_left_float_are_counted_in_their_own_scheme_and_graphs():
     limits = EngineLimits.for_model(uniform, max_len=8192)
     before, after = (make_plan(c, TP2, DUO, limits) for c in (uniform, left))
     # down_proj (8192 x 29568) is split by input at tp2: 8192 rows of 14784 per chip, float16
-    # where it was int8 with a float32 deq_scale and an int32 quant_bias per row
+    # where it was int8 with a float32 deq_scale and an int32 quant_bias per row, and its
+    # float16 input_scale and input_offset
     rows, cols = 8192, 29568 // 2
     assert after.devices[0].weights_bytes - before.devices[0].weights_bytes == \
-        2 * (rows * cols * 2 - (rows * cols + rows * 8))
+        2 * (rows * cols * 2 - (rows * cols + rows * 8 + 2 * 2))
     assert "down W8A8, FLOAT in layers 0, 79" in after.quantization
     assert after.warmup_graphs > before.warmup_graphs
