@@ -208,7 +208,13 @@ def int8_kernels_available() -> bool:
 
 def cpuinfo_fields(cpuinfo="/proc/cpuinfo") -> dict:
     """The first processor's fields in /proc/cpuinfo, names and values stripped (the names
-    are tab-padded: "vendor_id\t: AuthenticAMD"); {} where the file cannot be read."""
+    are tab-padded: "vendor_id\t: AuthenticAMD"); {} where the file cannot be read. Read
+    once per file: every quantized projection a model builds asks for the processor's flags."""
+    return dict(_cpuinfo_fields(cpuinfo))
+
+
+@functools.lru_cache(maxsize=None)
+def _cpuinfo_fields(cpuinfo) -> dict:
     fields = {}
     try:
         with open(cpuinfo) as f:
