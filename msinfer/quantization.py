@@ -54,6 +54,8 @@ FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_at
          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
          "mlp.down_proj": ("mlp.down_proj",)}
 MODULES = tuple(FUSED)
+# The part a fused projection's per-tensor values (W8A8's activation scale) are counted with
+FIRST_PARTS = tuple(parts[0] for parts in FUSED.values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,7 +249,6 @@ def stored_bytes(quantization, name, rows, cols, dtype_bytes):
                "W8A16": 2 * dtype_bytes}[scheme]
     if per_row is None:
         return elements * dtype_bytes
-    first_parts = {parts[0] for parts in FUSED.values()}
     per_tensor = 2 * dtype_bytes if scheme == "W8A8" and any(
-        name.endswith(f".{part}.weight") for part in first_parts) else 0
+        name.endswith(f".{part}.weight") for part in FIRST_PARTS) else 0
     return elements + rows * per_row + per_tensor

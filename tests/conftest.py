@@ -220,6 +220,13 @@ def serve_model(tiny_checkpoint):
 
 
 @pytest.fixture(scope="session")
+def shared_dir():
+    """The session's directory every worker shares (SHARED_DIR): what one worker makes there
+    the others find, each file under a lock of its own."""
+    return os.environ[SHARED_DIR]
+
+
+@pytest.fixture(scope="session")
 def qwen3_serve_model(tiny_checkpoint):
     """A Qwen3 checkpoint of the shared server's size (servers.dp2_tp2_job's): Qwen3's chat
     template, its think tags one token each (tiny_model)."""

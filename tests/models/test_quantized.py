@@ -48,7 +48,6 @@ WORKER = os.path.join(ROOT, "tests", "distributed_worker.py")
 PROMPTS = [np.random.default_rng(seed).integers(0, 500, n).tolist()
            for seed, n in ((1, 5), (2, 2), (3, 37))]
 NEW_TOKENS = 12
-SHARED_DIR = "MSINFER_TEST_SHARED"  # the session's directory for every worker (conftest.py)
 LOGPROB_TOLERANCE = 1e-3
 ENGINE = dict(max_len=128, block_size=4, max_prefill_tokens=16, max_num_seqs=4,
               kv_cache_memory=1 << 20)
@@ -132,12 +131,12 @@ class MadeOnUse(dict):
 
 
 @pytest.fixture(scope="module")
-def quantized(tiny_checkpoint, tmp_path_factory):
+def quantized(tiny_checkpoint, shared_dir):
     """{case: quantized directory}, each made by msModelSlim when first asked for, and GROUPED;
-    once per test session: in the session's shared directory (SHARED_DIR, every
-    worker's), where the first worker to ask makes it and the others wait for it (a
-    quantization is 15-30 s of CPU, and three workers asked for up to eleven)."""
-    work = os.environ.get(SHARED_DIR) or str(tmp_path_factory.mktemp("msmodelslim"))
+    once per test session: in the directory every worker shares (conftest's shared_dir),
+    where the first worker to ask makes it and the others wait for it (a quantization is
+    15-30 s of CPU, and three workers asked for up to eleven)."""
+    work = shared_dir
 
     def make(name):
         out = os.path.join(work, name)
