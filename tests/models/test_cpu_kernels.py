@@ -1,6 +1,7 @@
 """The C++ kernel build (layers/cpu_kernels): a kernel compiles once into the cache and
 runs as a MindSpore aot op inside a compiled graph, with static and dynamic shapes."""
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -20,8 +21,9 @@ def test_a_kernel_builds_once_and_runs_in_graphs_of_static_and_dynamic_shape(tmp
     monkeypatch.setenv("MSINFER_KERNEL_CACHE", str(tmp_path))
     cpu_kernels.library.cache_clear()
     path = cpu_kernels.library("int8_linear")
-    assert os.path.dirname(path) == str(tmp_path) and os.listdir(tmp_path) == [
-        os.path.basename(path)]
+    name = os.path.basename(path)
+    assert os.path.dirname(path) == str(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == [name, name + ".lock"]  # and no temporary file
     cpu_kernels.library.cache_clear()
     assert cpu_kernels.library("int8_linear") == path  # found, not built again
 
@@ -56,5 +58,21 @@ def test_a_kernel_that_does_not_compile_is_refused_naming_its_source(tmp_path, m
     cpu_kernels.library.cache_clear()
     with pytest.raises(cpu_kernels.MsinferError, match=r"broken\.cc failed"):
         cpu_kernels.library("broken")
-    assert os.listdir(tmp_path / "cache") == []  # no partial library left
-    cpu_kernels.library.cache_clear()
+    assert [n for n in os.listdir(tmp_path / "cache") if not n.endswith(".lock")] == []
+    cpu_kernels.library.cache_clear()  # (no partial library left)
+
+
+def test_ranks_asking_at_once_build_a_kernel_once(tmp_path, monkeypatch):
+    """The ranks of a job on one host ask for a kernel at once: one runs the compiler, the
+    others wait for its library."""
+    calls = tmp_path / "calls"
+    compiler = tmp_path / "slow-g++"  # a compiler that takes its time
+    compiler.write_text(f'#!/bin/sh\necho run >> {calls}\nsleep 0.5\n'
+                        'while [ "$1" != "-o" ]; do shift; done\necho built > "$2"\n')
+    compiler.chmod(0o755)
+    monkeypatch.setattr(cpu_kernels.hardware, "KERNEL_COMPILER", str(compiler))
+    monkeypatch.setenv("MSINFER_KERNEL_CACHE", str(tmp_path / "cache"))
+    with ThreadPoolExecutor(4) as ranks:  # flock: each open file its own lock holder
+        paths = set(ranks.map(cpu_kernels.library.__wrapped__, ["moe_experts"] * 4))
+    assert len(paths) == 1 and open(paths.pop()).read() == "built\n"
+    assert calls.read_text() == "run\n"

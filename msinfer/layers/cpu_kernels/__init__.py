@@ -5,7 +5,7 @@
 Each kernel is one source file here (`<name>.cc`), compiled on first use with the host's
 g++ (-O3 -march=native: the build is for this processor) into the kernel cache, keyed by
 the source, the flags and the processor, so a changed file or another host builds anew.
-Ranks of one job may build at once: each writes its own temporary file and renames it.
+Ranks of one job ask at once: the first builds under a lock and the others wait for it.
 
 A kernel's C entry points follow MindSpore's aot contract: `int Name(int nparam, void
 **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream, void *extra)`
@@ -15,6 +15,7 @@ that runs OpenMP threads exports `void SetThreads(int)`: it is given MindSpore's
 size (parallel.distributed.cpu_threads), so ranks sharing a host share its cores.
 """
 import ctypes
+import fcntl
 import hashlib
 import os
 import platform
@@ -22,7 +23,7 @@ import subprocess
 import tempfile
 from functools import lru_cache
 
-from ... import hardware
+from ... import hardware, log
 from ...config import user_cache_dir
 from ...errors import MsinferError
 from ...parallel.distributed import cpu_threads
@@ -60,7 +61,19 @@ def library(name: str) -> str:
         raise MsinferError(f"building CPU kernel {name}: no {hardware.KERNEL_COMPILER} on this host "
                            "(install g++, or use the float/MindSpore forms)")
     os.makedirs(cache_root(), exist_ok=True)
-    fd, partial = tempfile.mkstemp(suffix=".so", dir=cache_root())
+    # The ranks of a job on one host ask at once: one builds, the others wait and load it.
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed
+        if not os.path.exists(path):
+            _build(source, path)
+    return path
+
+
+def _build(source, path):
+    """g++ on `source` into `path`, by way of a temporary file renamed when whole."""
+    log.get().info("building CPU kernel %s into %s (once per processor and source)",
+                   os.path.basename(source), os.path.dirname(path))
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
     os.close(fd)
     built = subprocess.run([hardware.KERNEL_COMPILER, *FLAGS, "-o", partial, source],
                            capture_output=True, text=True)
@@ -68,7 +81,6 @@ def library(name: str) -> str:
         os.unlink(partial)
         raise MsinferError(f"building CPU kernel {source} failed:\n{built.stderr[-2000:]}")
     os.replace(partial, path)
-    return path
 
 
 _OPENED = {}  # path -> ctypes handle: kept open, so MindSpore's dlopen finds the same copy
