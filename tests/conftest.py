@@ -54,7 +54,7 @@ def pytest_configure(config):
         config.add_cleanup(lambda: shutil.rmtree(os.path.dirname(os.environ.pop(UNITS_FILE)),
                                                  ignore_errors=True))
     if hasattr(config, "workerinput"):
-        # Three workers (and their jobs' ranks) share two cores: kernels of one thread each.
+        # Two workers (and their jobs' ranks) share two cores: kernels of one thread each.
         # MindSpore's and torch's pools wait for every thread of a kernel, so a pool of two
         # on a busy core stalls while its second thread waits to be scheduled.
         os.environ.setdefault("MSINFER_CPU_THREADS", "1")
@@ -72,9 +72,8 @@ def pytest_configure(config):
                                                  ignore_errors=True))
 
 
-# Under pytest-xdist (setup.cfg's addopts: three workers on two cores, so that one computes
-# while another waits on a process) a test is a unit of work of its own, given to whichever
-# worker is free, except:
+# Under pytest-xdist (setup.cfg's addopts: two workers on two cores) a test is a unit of work of
+# its own, given to whichever worker is free, except:
 # - the jobs of four ranks (`multirank`), one unit, given out first: one after the other on one
 #   worker (two at once would put 8 ranks on 2 cores, and past the sharded servers' 5 s stall
 #   bound);
@@ -82,8 +81,8 @@ def pytest_configure(config):
 #   one warm-up for all of them;
 # - the tests of a module that share a module fixture (an engine, a job), one unit: the fixture
 #   made once, the tests in their order. A job of two ranks (`multirank(ranks=2)`) is such a
-#   test, not one of the four-rank unit: it runs beside that unit (a job of 4 ranks, and at
-#   most two of 2 ranks on the other workers, at a lower priority: pytest_runtest_protocol),
+#   test, not one of the four-rank unit: it runs beside that unit (a job of 4 ranks, and one
+#   of 2 ranks on the other worker, at a lower priority: pytest_runtest_protocol),
 #   with its module's fixtures (checkpoints, quantized directories) made once on its worker;
 #   the units that hold one are given out after the first two, being long.
 # Workers collect the tests, the controller schedules them (units_scheduler.py): the first
@@ -127,10 +126,10 @@ def pytest_xdist_make_scheduler(config, log):
     return UnitScheduling(config, read_units)
 
 
-# The four-rank unit is the suite's longest path, and what ran beside it (jobs of two ranks
-# among them) took the cores from its ranks. A worker runs every other unit at a lower
+# The four-rank unit is the suite's longest unit, and what ran beside it (jobs of two ranks
+# among them) took the cores from its ranks. The other worker runs its units at a lower
 # priority (never raised again; its jobs and servers inherit it): the four-rank jobs take the
-# cores whenever they compute, the other workers what they leave (a job's start, a timeout).
+# cores whenever they compute, the other worker what they leave (a job's start, a timeout).
 BESIDE_MULTIRANK_NICE = 5
 _niced = []
 

@@ -135,7 +135,7 @@ def quantized(tiny_checkpoint, shared_dir):
     """{case: quantized directory}, each made by msModelSlim when first asked for, and GROUPED;
     once per test session: in the directory every worker shares (conftest's shared_dir),
     where the first worker to ask makes it and the others wait for it (a quantization is
-    15-30 s of CPU, and three workers asked for up to eleven)."""
+    15-30 s of CPU, and the workers asked for up to eleven)."""
     work = shared_dir
 
     def make(name):
