@@ -58,8 +58,9 @@ def test_a_kernel_that_does_not_compile_is_refused_naming_its_source(tmp_path, m
     cpu_kernels.library.cache_clear()
     with pytest.raises(cpu_kernels.MsinferError, match=r"broken\.cc failed"):
         cpu_kernels.library("broken")
+    # no partial library left (its lock file stays)
     assert [n for n in os.listdir(tmp_path / "cache") if not n.endswith(".lock")] == []
-    cpu_kernels.library.cache_clear()  # (no partial library left)
+    cpu_kernels.library.cache_clear()
 
 
 def test_ranks_asking_at_once_build_a_kernel_once(tmp_path, monkeypatch):
