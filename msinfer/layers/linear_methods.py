@@ -341,10 +341,11 @@ def uses_cpu_kernels() -> bool:
 def semi_auto_method(scheme):
     """The method of `scheme` under semi_auto: MindSpore shards only its Ascend quantized
     matmuls, so semi_auto takes their forms on every device (they run on Ascend only)."""
-    if scheme not in ascend_kernels():
+    methods = ascend_kernels()
+    if scheme not in methods:
         raise MsinferError(f"{scheme} has no Ascend kernel in msinfer (its CPU form is "
                            f"explicit mode's only); semi_auto lays out W8A8, W8A8S and W8A16")
-    return ascend_kernels()[scheme]
+    return methods[scheme]
 
 
 def full_tensors(scheme, shape, dtype):
