@@ -138,4 +138,8 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from msinfer.parallel.distributed import leave_if_mpirun_rank
+
+    code = main()
+    leave_if_mpirun_rank(code)  # as `msinfer` does: MindSpore's teardown can segfault
+    sys.exit(code)

@@ -202,4 +202,11 @@ def lose_a_rank(out_dir, rank):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code == 0:
+        # Every rank is done: leave together, skipping MindSpore's teardown, which can
+        # segfault in a cluster thread (exit 139 in CI), as `msinfer` does. A rank that
+        # fails alone exits at once: the others may be waiting for it, not in MPI's fence.
+        from msinfer.parallel.distributed import leave_if_mpirun_rank
+        leave_if_mpirun_rank(code)
+    sys.exit(code)
