@@ -209,7 +209,12 @@ def watch_links(links, done, on_gone, silence, on_frame=None):
     after the first on_gone, or once `done()`."""
     by_conn = {link.conn: link for link in links}
     while not done():
-        readable, _, _ = select.select(list(by_conn), [], [], WATCH_INTERVAL)
+        try:
+            readable, _, _ = select.select(list(by_conn), [], [], WATCH_INTERVAL)
+        except (OSError, ValueError):  # a link was closed in this process meanwhile
+            if not done():
+                on_gone("a hand-off link was closed while the job still ran")
+            return
         for conn in readable:
             link = by_conn[conn]
             try:

@@ -152,6 +152,14 @@ def test_a_follower_that_dies_is_noticed_by_rank_0_within_a_second():
             time.sleep(0.01)
 
 
+def test_a_link_closed_in_this_process_ends_the_watch_with_a_reason_not_a_dead_thread():
+    leader, _ = channels(1)
+    leader.followers[0].close()  # as the job ends, or by mistake: select() refuses it
+    gone = []
+    handoff.watch_links(leader.followers, lambda: False, gone.append, 30)
+    assert gone == ["a hand-off link was closed while the job still ran"]
+
+
 def test_a_silent_follower_is_named_after_the_silence_bound_and_beating_ones_are_not():
     """A stopped process keeps its socket open but says nothing: heartbeats tell it apart."""
     leader, followers = channels(2, silence=1.5)
