@@ -83,9 +83,14 @@ def _add_cache_and_probes(app, serving, health):
                 status_code=400)
         return PlainTextResponse("Cache flushed.")
 
-    app.add_api_route("/flush_cache", reset, methods=["GET", "POST"])
-    app.add_api_route("/reset_prefix_cache", reset, methods=["POST"])
-    app.add_api_route("/ping", health, methods=["GET", "POST"])
+    # One route per method: FastAPI names a route of two methods' operations alike, which
+    # leaves /openapi.json with duplicate operation ids.
+    for path, handler, methods in (("/flush_cache", reset, ("GET", "POST")),
+                                   ("/reset_prefix_cache", reset, ("POST",)),
+                                   ("/ping", health, ("GET", "POST"))):
+        for method in methods:
+            app.add_api_route(path, handler, methods=[method],
+                              operation_id=f"{handler.__name__}_{path[1:]}_{method.lower()}")
 
     @app.get("/health_generate")
     async def health_generate():

@@ -55,6 +55,8 @@ def test_fuzzing_every_route_finds_no_5xx_and_only_openai_errors(server, capsys)
     config = SchemathesisConfig.from_dict({"max-stream-events": MAX_STREAM_EVENTS})
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json", config=config)
     operations = [result.ok() for result in schema.get_all_operations()]
+    ids = [operation.definition.raw.get("operationId") for operation in operations]
+    assert len(set(ids)) == len(ids), sorted(ids)  # clients are generated from these names
     tried = {}
     for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
         @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
