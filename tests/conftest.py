@@ -85,6 +85,10 @@ def pytest_configure(config):
 #   of 2 ranks on the other worker, at a lower priority: pytest_runtest_protocol),
 #   with its module's fixtures (checkpoints, quantized directories) made once on its worker;
 #   the units that hold one are given out after the first two, being long.
+# A third worker takes only the units that mostly wait (a fake engine's server, a socket, a
+# subprocess: marked `waits`) and the server unit (whose tests wait on the server's answers),
+# beside the two that compute: run on those, they left the cores 12-16% idle. When none of
+# those are left it stops; the other two take them once theirs are done.
 # Workers collect the tests, the controller schedules them (units_scheduler.py): the first
 # worker writes each test's unit to a file the controller reads.
 UNITS_FILE = "MSINFER_TEST_UNITS"
@@ -110,8 +114,10 @@ def pytest_collection_modifyitems(config, items):
         pairs = [units[item.nodeid] for item in items if item.get_closest_marker("multirank")
                  and units[item.nodeid] != "multirank"]
         first = list(FIRST_UNITS) + [u for u in dict.fromkeys(pairs) if u not in FIRST_UNITS]
+        busy = {units[item.nodeid] for item in items if not item.get_closest_marker("waits")}
+        waiting = sorted(set(units.values()) - (busy - {"server"}))
         with open(path + ".tmp", "w") as f:
-            json.dump({"units": units, "first": first}, f)
+            json.dump({"units": units, "first": first, "waiting": waiting}, f)
         os.replace(path + ".tmp", path)
 
 
@@ -122,21 +128,30 @@ def pytest_xdist_make_scheduler(config, log):
     def read_units():
         with open(os.environ[UNITS_FILE]) as f:
             found = json.load(f)
-        return found["units"], found["first"]
+        return found["units"], found["first"], found["waiting"]
     return UnitScheduling(config, read_units)
 
 
 # The four-rank unit is the suite's longest unit, and what ran beside it (jobs of two ranks
-# among them) took the cores from its ranks. The other worker runs its units at a lower
-# priority (never raised again; its jobs and servers inherit it): the four-rank jobs take the
-# cores whenever they compute, the other worker what they leave (a job's start, a timeout).
+# among them) took the cores from its ranks. The other computing worker runs its units at a
+# lower priority (never raised again; its jobs and servers inherit it): the four-rank jobs take
+# the cores whenever they compute, that worker what they leave (a job's start, a timeout). The
+# waiting worker keeps its priority: it needs little CPU, and its tests bound how long a
+# server or a link takes to answer.
 BESIDE_MULTIRANK_NICE = 5
 _niced = []
 
 
+def is_waiting_worker(config):
+    from units_scheduler import waiting_worker
+    workerinput = getattr(config, "workerinput", {})
+    return workerinput.get("workerid") == waiting_worker(workerinput.get("workercount", 0))
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
-    if hasattr(item.config, "workerinput") and not _niced and unit_of(item) != "multirank":
+    if (hasattr(item.config, "workerinput") and not _niced and unit_of(item) != "multirank"
+            and not is_waiting_worker(item.config)):
         os.nice(BESIDE_MULTIRANK_NICE)
         _niced.append(item.nodeid)
 

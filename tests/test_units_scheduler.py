@@ -1,6 +1,7 @@
 """units_scheduler.UnitScheduling driven as xdist's session drives it, with workers that record
 what they are sent: units whole and in order, the first units first, the next unit once a
-worker has one test left, a crash's remaining tests to the worker that replaces it."""
+worker has one test left, a crash's remaining tests to the worker that replaces it, waiting
+units to the third worker only, unless nothing else is left."""
 from types import SimpleNamespace
 
 from units_scheduler import UnitScheduling
@@ -23,9 +24,9 @@ class Worker:
         self.shutting_down = True
 
 
-def started(workers, first=()):
+def started(workers, first=(), waiting=()):
     config = SimpleNamespace(getoption=lambda name: [f"{len(workers)}*popen"])
-    scheduler = UnitScheduling(config, lambda: (UNITS, list(first)))
+    scheduler = UnitScheduling(config, lambda: (UNITS, list(first), list(waiting)))
     for worker in workers:
         scheduler.add_node(worker)
         assert not scheduler.collection_is_completed
@@ -66,6 +67,23 @@ def test_a_single_test_unit_comes_with_the_next_so_that_the_worker_can_run_it():
     assert worker.sent == ["b.py::1", "a.py::1", "a.py::2"]
 
 
+def test_the_third_worker_takes_waiting_units_only_and_the_others_take_them_last():
+    one, two, three = Worker("gw0"), Worker("gw1"), Worker("gw2")
+    scheduler = started([one, two, three], first=["c"], waiting=["a"])
+    assert one.sent == ["c.py::1", "c.py::2", "c.py::3"]
+    assert two.sent == ["b.py::1", "d.py::1"] and not two.shutting_down  # "a" was left
+    assert three.sent == ["a.py::1", "a.py::2"] and three.shutting_down
+    finish(scheduler, two, "b.py::1")
+    assert two.shutting_down
+    one, two, three = Worker("gw0"), Worker("gw1"), Worker("gw2")
+    scheduler = started([one, two, three], first=["c"], waiting=["a", "d.py::1"])
+    assert two.sent == ["b.py::1", "a.py::1", "a.py::2"]  # nothing else was left
+    assert three.sent == ["d.py::1"] and three.shutting_down
+    one = Worker("gw0")
+    started([one, Worker("gw1")], waiting=["a", "b.py::1", "c", "d.py::1"])
+    assert one.sent == ["a.py::1", "a.py::2"]  # two workers: no waiting worker
+
+
 def test_a_crashed_worker_names_its_test_and_its_other_tests_go_to_its_replacement():
     one, two = Worker("gw0"), Worker("gw1")
     scheduler = started([one, two], first=["c"])
@@ -84,7 +102,7 @@ def test_workers_that_collected_different_tests_fail_the_collection():
     reports = []
     hook = SimpleNamespace(pytest_collectreport=lambda report: reports.append(report))
     config = SimpleNamespace(getoption=lambda name: ["popen", "popen"], hook=hook)
-    scheduler = UnitScheduling(config, lambda: (UNITS, []))
+    scheduler = UnitScheduling(config, lambda: (UNITS, [], []))
     one, two = Worker("gw0"), Worker("gw1")
     for worker, tests in [(one, TESTS), (two, TESTS[:-1])]:
         scheduler.add_node(worker)

@@ -9,13 +9,21 @@ scheduler/protocol.py), with nothing of xdist's own schedulers.
   until it knows the next one (or is told to stop), so that it can tear fixtures down.
 - A worker that crashes: its test in progress is reported as the crash, the tests it had left
   go back to the front of the queue, for the worker xdist starts in its place.
+- With three workers or more, the last (waiting_worker) takes only the units that mostly
+  wait, and stops when none are left; the others take those only when nothing else is.
 """
+
+
+def waiting_worker(numnodes):
+    """The id of the worker that takes only waiting units: the last of three or more."""
+    return f"gw{numnodes - 1}" if numnodes >= 3 else None
 
 
 class UnitScheduling:
     def __init__(self, config, read_units):
         """read_units() -> ({test id: its unit's name}, [the units given out before the
-        others, in this order]); read when the workers have collected."""
+        others, in this order], [the units that mostly wait]); read when the workers have
+        collected."""
         self.config, self.read_units = config, read_units
         self.unit_of = {}
         # -n N is --tx popen N times; a --tx spec of its own may say "N*popen"
@@ -24,6 +32,7 @@ class UnitScheduling:
         self.collections = {}  # worker -> the test ids it collected
         self.pending = {}  # worker -> the ids it was sent and has not finished, in order
         self.queue = {}  # unit -> its test ids, in the order units are given out
+        self.waiting = set()  # the units that mostly wait
         self.scheduled = False
 
     # ---- the state xdist's session asks about ----
@@ -77,7 +86,8 @@ class UnitScheduling:
             collection = self._common_collection()
             if collection is None:
                 return
-            self.unit_of, first = self.read_units()
+            self.unit_of, first, waiting = self.read_units()
+            self.waiting = set(waiting)
             units = {}
             for nodeid in collection:
                 units.setdefault(self.unit_of[nodeid], []).append(nodeid)
@@ -101,14 +111,21 @@ class UnitScheduling:
         are left."""
         if node.shutting_down or node not in self.collections:
             return
-        while self.queue and len(self.pending[node]) < 2:
-            unit = next(iter(self.queue))
+        while len(self.pending[node]) < 2 and (unit := self._next_unit(node)) is not None:
             tests = self.queue.pop(unit)
             self.pending[node] += tests
             index = {nodeid: i for i, nodeid in enumerate(self.collections[node])}
             node.send_runtest_some([index[nodeid] for nodeid in tests])
-        if not self.queue:
+        if self._next_unit(node) is None:
             node.shutdown()
+
+    def _next_unit(self, node):
+        """The first unit in the queue of the kind `node` takes, or None."""
+        waits = node.gateway.id == waiting_worker(self.numnodes)
+        unit = next((u for u in self.queue if (u in self.waiting) == waits), None)
+        if unit is None and not waits and self.queue:
+            return next(iter(self.queue))  # only waiting units are left
+        return unit
 
     def _common_collection(self):
         """The workers' collection, or None (a failed collection report) if two differ."""

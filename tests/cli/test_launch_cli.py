@@ -7,6 +7,8 @@ import pytest
 from msinfer.cli.main import main
 from msinfer.tools.tiny_model import make_tiny_model
 
+pytestmark = pytest.mark.waits  # it mostly waits: the third xdist worker runs it (conftest.py)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TP4 = os.path.join(ROOT, "strategies", "qwen2_tp4.yaml")
 

@@ -11,6 +11,8 @@ import pytest
 from fake_engine import expected_ids
 from test_serve_protocol import MODEL, RunningServer
 
+pytestmark = pytest.mark.waits  # it mostly waits: the third xdist worker runs it (conftest.py)
+
 # the wording LangChain, LlamaIndex and agent frameworks match to trim and retry
 OVERFLOW = re.compile(r"This model's maximum context length is (\d+) tokens\. However, you "
                       r"requested (\d+) tokens \((\d+) in the messages, (\d+) in the "

@@ -13,6 +13,8 @@ from msinfer.server.serving import IGNORED_FIELDS_HEADER
 from fake_engine import expected_ids
 from test_serve_protocol import MODEL, RunningServer, expected_text, raw
 
+pytestmark = pytest.mark.waits  # it mostly waits: the third xdist worker runs it (conftest.py)
+
 
 @pytest.fixture(scope="module")
 def server():

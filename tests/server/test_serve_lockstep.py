@@ -18,6 +18,8 @@ from msinfer.server import handoff
 from msinfer.server.lockstep import EngineLoop, RanksDiverged, StepWatch, follow
 from msinfer.server.replicas import RemoteReplica, ReplicaUplink, Router
 
+pytestmark = pytest.mark.waits  # it mostly waits: the third xdist worker runs it (conftest.py)
+
 TOKEN = 12345
 
 

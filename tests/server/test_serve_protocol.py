@@ -21,6 +21,8 @@ from msinfer.server.server_config import DEFAULT_MAX_REQUEST_BYTES, ServerConfig
 
 from fake_engine import expected_ids, fake_llm
 
+pytestmark = pytest.mark.waits  # it mostly waits: the third xdist worker runs it (conftest.py)
+
 MODEL = "fake-model"
 
 
