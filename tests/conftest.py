@@ -85,10 +85,11 @@ def pytest_configure(config):
 #   of 2 ranks on the other worker, at a lower priority: pytest_runtest_protocol),
 #   with its module's fixtures (checkpoints, quantized directories) made once on its worker;
 #   the units that hold one are given out after the first two, being long.
-# A third worker takes only the units that mostly wait (a fake engine's server, a socket, a
+# A third worker takes the units that mostly wait (a fake engine's server, a socket, a
 # subprocess: marked `waits`) and the server unit (whose tests wait on the server's answers),
-# beside the two that compute: run on those, they left the cores 12-16% idle. When none of
-# those are left it stops; the other two take them once theirs are done.
+# beside the two that compute: run on those, they left the cores 12-16% idle. When none are
+# left it takes units that start no job, at the lowest priority: it computes in what the
+# others leave idle (a job's start, a stall bound) and yields the cores to them otherwise.
 # Workers collect the tests, the controller schedules them (units_scheduler.py): the first
 # worker writes each test's unit to a file the controller reads.
 UNITS_FILE = "MSINFER_TEST_UNITS"
@@ -136,9 +137,10 @@ def pytest_xdist_make_scheduler(config, log):
 # among them) took the cores from its ranks. The other computing worker runs its units at a
 # lower priority (never raised again; its jobs and servers inherit it): the four-rank jobs take
 # the cores whenever they compute, that worker what they leave (a job's start, a timeout). The
-# waiting worker keeps its priority: it needs little CPU, and its tests bound how long a
-# server or a link takes to answer.
+# waiting worker keeps its priority for its waiting units (they need little CPU, and bound how
+# long a server or a link takes to answer), and takes the lowest for what it computes after.
 BESIDE_MULTIRANK_NICE = 5
+IN_IDLE_TIME_NICE = 19
 _niced = []
 
 
@@ -150,9 +152,14 @@ def is_waiting_worker(config):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
-    if (hasattr(item.config, "workerinput") and not _niced and unit_of(item) != "multirank"
-            and not is_waiting_worker(item.config)):
-        os.nice(BESIDE_MULTIRANK_NICE)
+    if not hasattr(item.config, "workerinput") or _niced:
+        return
+    if not is_waiting_worker(item.config):
+        if unit_of(item) != "multirank":
+            os.nice(BESIDE_MULTIRANK_NICE)
+            _niced.append(item.nodeid)
+    elif unit_of(item) != "server" and not item.get_closest_marker("waits"):
+        os.nice(IN_IDLE_TIME_NICE)
         _niced.append(item.nodeid)
 
 

@@ -1,7 +1,7 @@
 """units_scheduler.UnitScheduling driven as xdist's session drives it, with workers that record
 what they are sent: units whole and in order, the first units first, the next unit once a
 worker has one test left, a crash's remaining tests to the worker that replaces it, waiting
-units to the third worker only, unless nothing else is left."""
+units to the third worker, unless nothing else is left, and then units that start no job."""
 from types import SimpleNamespace
 
 from units_scheduler import UnitScheduling
@@ -79,6 +79,11 @@ def test_the_third_worker_takes_waiting_units_only_and_the_others_take_them_last
     scheduler = started([one, two, three], first=["c"], waiting=["a", "d.py::1"])
     assert two.sent == ["b.py::1", "a.py::1", "a.py::2"]  # nothing else was left
     assert three.sent == ["d.py::1"] and three.shutting_down
+    # with no waiting unit left, the third takes a unit that starts no job (not a first one)
+    one, three = Worker("gw0"), Worker("gw2")
+    started([one, Worker("gw1"), three], first=["c", "a"], waiting=["d.py::1"])
+    assert one.sent == ["c.py::1", "c.py::2", "c.py::3"]
+    assert three.sent == ["d.py::1", "b.py::1"]
     one = Worker("gw0")
     started([one, Worker("gw1")], waiting=["a", "b.py::1", "c", "d.py::1"])
     assert one.sent == ["a.py::1", "a.py::2"]  # two workers: no waiting worker

@@ -9,8 +9,9 @@ scheduler/protocol.py), with nothing of xdist's own schedulers.
   until it knows the next one (or is told to stop), so that it can tear fixtures down.
 - A worker that crashes: its test in progress is reported as the crash, the tests it had left
   go back to the front of the queue, for the worker xdist starts in its place.
-- With three workers or more, the last (waiting_worker) takes only the units that mostly
-  wait, and stops when none are left; the others take those only when nothing else is.
+- With three workers or more, the last (waiting_worker) takes the units that mostly wait,
+  then units that start no job (conftest.py runs those at the lowest priority); the others
+  take waiting units only when nothing else is left.
 """
 
 
@@ -32,6 +33,7 @@ class UnitScheduling:
         self.collections = {}  # worker -> the test ids it collected
         self.pending = {}  # worker -> the ids it was sent and has not finished, in order
         self.queue = {}  # unit -> its test ids, in the order units are given out
+        self.first = set()  # the units given out first (the jobs of several ranks)
         self.waiting = set()  # the units that mostly wait
         self.scheduled = False
 
@@ -87,7 +89,7 @@ class UnitScheduling:
             if collection is None:
                 return
             self.unit_of, first, waiting = self.read_units()
-            self.waiting = set(waiting)
+            self.first, self.waiting = set(first), set(waiting)
             units = {}
             for nodeid in collection:
                 units.setdefault(self.unit_of[nodeid], []).append(nodeid)
@@ -120,12 +122,18 @@ class UnitScheduling:
             node.shutdown()
 
     def _next_unit(self, node):
-        """The first unit in the queue of the kind `node` takes, or None."""
-        waits = node.gateway.id == waiting_worker(self.numnodes)
-        unit = next((u for u in self.queue if (u in self.waiting) == waits), None)
-        if unit is None and not waits and self.queue:
-            return next(iter(self.queue))  # only waiting units are left
-        return unit
+        """The first unit in the queue that `node` takes, or None: the waiting worker takes
+        a waiting unit, else one that starts no job (not one of the first units); the
+        others any but a waiting unit, else a waiting one."""
+        if node.gateway.id == waiting_worker(self.numnodes):
+            choices = (lambda u: u in self.waiting, lambda u: u not in self.first)
+        else:
+            choices = (lambda u: u not in self.waiting, lambda u: True)
+        for fits in choices:
+            unit = next((u for u in self.queue if fits(u)), None)
+            if unit is not None:
+                return unit
+        return None
 
     def _common_collection(self):
         """The workers' collection, or None (a failed collection report) if two differ."""
