@@ -302,6 +302,7 @@ class LLMEngine:
         if schedule.decodes:
             logits.append(self.runner.decode(schedule.decodes))
             for seq in schedule.decodes:
+                self.prefill_tokens_computed += seq.in_prompt  # a prompt's last token
                 seq.computed += 1
                 self.blocks.computed(seq)
             seqs += schedule.decodes
@@ -331,9 +332,9 @@ class LLMEngine:
             if chunk.completes:
                 completing.append(row)
                 row += 1
-            chunk.seq.computed += chunk.count
-            if not chunk.rides:  # a decode riding with verifications is no prefill
+            if not chunk.rides or chunk.seq.in_prompt:  # a riding decode is no prefill
                 self.prefill_tokens_computed += chunk.count
+            chunk.seq.computed += chunk.count
             self.blocks.computed(chunk.seq)
         completed = [c.seq for c in chunks if c.completes and not c.proposal]
         if not completing:

@@ -165,6 +165,12 @@ class Sequence:
         return self.pending > 1
 
     @property
+    def in_prompt(self) -> bool:
+        """The next token to compute is the prompt's: a decode step computes the last one when
+        the budget of the step before left only it to its chunks."""
+        return self.computed < len(self.prompt_token_ids)
+
+    @property
     def unscored_prompt(self) -> range:
         """The positions whose logits score a prompt token not scored yet (the token after
         each), when prompt logprobs are asked: they are computed, never served by the prefix

@@ -27,7 +27,7 @@ class StubRunner:
 
     def _rows(self, tokens):
         logits = np.zeros((len(tokens), VOCAB), np.float32)
-        logits[np.arange(len(tokens)), (np.asarray(tokens) + 1) % VOCAB] = 5.0
+        logits[np.arange(len(tokens)), (np.asarray(tokens, np.int64) + 1) % VOCAB] = 5.0
         return logits
 
     def decode(self, seqs):
@@ -65,6 +65,17 @@ def test_the_stub_engine_generates_the_next_letters_and_stops_at_a_stop_string()
     # each output is what the sequence held when it was made, not what it holds later
     assert [len(o.token_ids) for o in outs] == list(range(1, 7))
     assert outs[0].token_ids == [3] and outs[0].logprobs[0].keys() == {3}
+
+
+def test_a_prompts_last_token_left_to_a_decode_step_counts_as_prefilled():
+    """A 65-token prompt in chunks of 64: its last token goes to the decode call, and is
+    counted with the prompt's other prefilled tokens (msinfer_prefill_tokens_computed: it was
+    not, and a served job's count came out one token short)."""
+    e = engine()
+    e.add_request("a", [i % VOCAB for i in range(65)], SamplingParams(max_tokens=3, temperature=0))
+    while e.has_unfinished_requests():
+        e.step()
+    assert e.prefill_tokens_computed == 65
 
 
 def test_stop_strings_are_searched_in_the_new_text_only(monkeypatch):

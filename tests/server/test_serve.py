@@ -335,8 +335,8 @@ def test_dp2_tp2_replicas_share_the_requests_and_a_diverging_rank_ends_the_job(
         # each prompt token computed once, on one replica, or taken from its cache
         # (and the pair's prompt, shorter than a block, computed on both replicas)
         paired = 2 * pair.usage.prompt_tokens
-        # (once, 2026-12-05, one token fewer: the preemptions would tell whether a request
-        # re-admitted found more of its prompt cached than its usage reports)
+        # (a prompt's last token left to a decode step by its chunks counts too: once it did
+        # not, and this came out one token short)
         assert job.metric("msinfer_prefill_tokens_computed_total") == (
             prompt_tokens - cached + paired), \
             f"preemptions: {job.metric('vllm:num_preemptions_total')}"
