@@ -115,6 +115,7 @@ def pytest_collection_modifyitems(config, items):
         pairs = [units[item.nodeid] for item in items if item.get_closest_marker("multirank")
                  and units[item.nodeid] != "multirank"]
         first = list(FIRST_UNITS) + [u for u in dict.fromkeys(pairs) if u not in FIRST_UNITS]
+        # units whose every test is marked `waits`, and the server unit
         busy = {units[item.nodeid] for item in items if not item.get_closest_marker("waits")}
         waiting = sorted(set(units.values()) - (busy - {"server"}))
         with open(path + ".tmp", "w") as f:

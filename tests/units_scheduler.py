@@ -16,7 +16,7 @@ scheduler/protocol.py), with nothing of xdist's own schedulers.
 
 
 def waiting_worker(numnodes):
-    """The id of the worker that takes only waiting units: the last of three or more."""
+    """The id of the worker that takes the waiting units first: the last of three or more."""
     return f"gw{numnodes - 1}" if numnodes >= 3 else None
 
 
